@@ -1,0 +1,221 @@
+"""`python -m launch.train [group=option ...] [key=value ...]`: one GRPO run as a Hydra app.
+
+Bad config fails here, before Ray or any model starts: Hydra checks keys and types against
+`rl.config.TrainConfig`, then `rl.config.validate` checks ranges. Heavy imports come after that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from rl.config import ConfigError, TrainConfig, validate
+
+BUILTIN_MODEL_PATH = os.path.normpath("artifacts/tiny/model")
+
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def _abs(path: str) -> str:
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def ensure_model(cfg: DictConfig) -> None:
+    """Build the built-in tiny model and its task data when the default path is used and missing."""
+    if os.path.isdir(cfg.model.path):
+        return
+    if os.path.normpath(cfg.model.path) != BUILTIN_MODEL_PATH:
+        raise ConfigError(
+            f"model.path={cfg.model.path!r} does not exist; give a local Hugging Face model folder "
+            f"(config.json + weights + tokenizer), or leave the default {BUILTIN_MODEL_PATH!r} to use "
+            "the built-in tiny model"
+        )
+    from launch.prepare_tiny import prepare_tiny
+
+    print(f"Building the built-in tiny model and task in {os.path.dirname(BUILTIN_MODEL_PATH)}/ (first run only)")
+    prepare_tiny(os.path.dirname(BUILTIN_MODEL_PATH), seed=cfg.run.seed)
+
+
+def resolve_paths(cfg: DictConfig) -> None:
+    """Make every path absolute (relative = relative to the launch directory), for the actors."""
+    cfg.model.path = _abs(cfg.model.path)
+    cfg.task.train_files = [_abs(f) for f in cfg.task.train_files]
+    cfg.run.dir = _abs(cfg.run.dir)
+
+
+def worker_threads(cfg: DictConfig) -> int:
+    return cfg.cluster.threads_per_worker or os.cpu_count() or 1
+
+
+def start_ray(cfg: DictConfig) -> None:
+    import ray
+
+    # User reward modules named as `package.module:function` must import inside the actors.
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    if cfg.cluster.address:
+        ray.init(address=cfg.cluster.address, runtime_env={"env_vars": env}, log_to_driver=True)
+        return
+    needed = cfg.rollout.num_workers + cfg.trainer.num_workers + cfg.reward.num_workers
+    num_cpus = cfg.cluster.num_cpus or max(os.cpu_count() or 1, needed)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
+
+
+def build_components(cfg: DictConfig):
+    from reward.service import RewardService
+    from reward.scorer import RewardFunctionSpec
+    from rollout.fleet import RolloutFleet
+    from rollout.protocol import SamplingConfig
+    from rollout.vllm_engine import vllm_env
+    from trainer.group import LearnerGroup
+    from trainer.learner import LearnerSpec
+
+    threads = worker_threads(cfg)
+    gpu = cfg.cluster.gpus_per_rollout_worker > 0
+    rollout_env = {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING"}
+    if cfg.rollout.backend == "vllm":
+        rollout_env.update(vllm_env(cfg.rollout.kv_cache_gib, threads))
+    fleet = RolloutFleet(
+        cfg.rollout.backend,
+        cfg.model.path,
+        cfg.rollout.num_workers,
+        engine_kwargs=dict(
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.rollout.max_model_len,
+            seed=cfg.run.seed,
+            enforce_eager=cfg.rollout.enforce_eager,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            kv_cache_gib=cfg.rollout.kv_cache_gib,
+            threads=threads,
+            sleep_mode=cfg.rollout.sleep_between_steps and gpu,
+        ) if cfg.rollout.backend == "vllm" else dict(dtype=cfg.model.dtype, threads=threads),
+        sampling=SamplingConfig(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens),
+        num_cpus=1,
+        num_gpus=cfg.cluster.gpus_per_rollout_worker,
+        env_vars=rollout_env,
+    )
+    rewards = RewardService(
+        [RewardFunctionSpec(f.fn, f.weight, f.name) for f in cfg.reward.functions],
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        base_dir=os.getcwd(),
+    )
+    a = cfg.algorithm
+    spec = LearnerSpec(
+        model_path=cfg.model.path,
+        dtype=cfg.model.dtype,
+        zero_stage=cfg.trainer.zero_stage,
+        micro_batch_size=cfg.trainer.micro_batch_size,
+        samples_per_step=cfg.task.prompts_per_step * cfg.rollout.n,
+        mini_batches=a.mini_batches,
+        ppo_epochs=a.ppo_epochs,
+        lr=a.lr,
+        weight_decay=a.weight_decay,
+        max_grad_norm=a.max_grad_norm,
+        policy_loss=a.policy_loss,
+        loss_agg=a.loss_agg,
+        clip_eps_low=a.clip_eps_low,
+        clip_eps_high=a.clip_eps_high,
+        kl_coef=a.kl_coef,
+        kl_estimator=a.kl_estimator,
+        temperature=cfg.rollout.temperature,
+        seed=cfg.run.seed,
+        offload_optimizer=cfg.trainer.offload_optimizer,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        zero3_persistence_threshold=cfg.trainer.zero3_persistence_threshold,
+        threads=threads,
+    )
+    learner = LearnerGroup(
+        spec,
+        cfg.trainer.num_workers,
+        num_cpus=1,
+        num_gpus=cfg.cluster.gpus_per_learner,
+        env_vars={"OMP_NUM_THREADS": str(threads)},
+        weight_sync_method=cfg.trainer.weight_sync,
+    )
+    learner.connect(fleet)
+    return fleet, rewards, learner
+
+
+def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, float]:
+    rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
+    k = min(k, len(rewards) // 2) or 1
+    return {"first_steps_reward_mean": statistics.fmean(rewards[:k]),
+            "last_steps_reward_mean": statistics.fmean(rewards[-k:]), "steps_averaged": k}
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Run one experiment from a validated, path-resolved config; returns the run summary."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from rl.data import PromptDataset
+    from rl.loop import LoopSettings, run_loop
+    from rl.run_log import RunLog
+
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    OmegaConf.save(cfg, os.path.join(cfg.run.dir, "config.yaml"), resolve=True)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, tokenizer, cfg.run.seed,
+                         cfg.rollout.max_model_len - cfg.rollout.max_new_tokens)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    start_ray(cfg)
+    fleet = rewards = learner = None
+    try:
+        fleet, rewards, learner = build_components(cfg)
+        log = RunLog(cfg.run.dir, cfg.run.steps, progress=cfg.run.progress)
+        settings = LoopSettings(
+            steps=cfg.run.steps,
+            prompts_per_step=cfg.task.prompts_per_step,
+            n=cfg.rollout.n,
+            advantage=cfg.algorithm.advantage,
+            norm_by_std=cfg.algorithm.norm_by_std,
+            pad_id=pad_id,
+            log_samples_per_step=cfg.run.log_samples_per_step,
+            logprob_warn_threshold=cfg.trainer.logprob_warn_threshold,
+            sleep_between_steps=cfg.rollout.sleep_between_steps,
+        )
+        try:
+            history = run_loop(settings, data, fleet, rewards, learner, log)
+        finally:
+            log.close()
+        summary = reward_trend(history)
+        if cfg.run.save_final_model:
+            final = os.path.join(cfg.run.dir, "final_model")
+            learner.save_pretrained(final)
+            tokenizer.save_pretrained(final)
+            summary["final_model"] = final
+        with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(
+            f"Reward mean: first {summary['steps_averaged']} steps {summary['first_steps_reward_mean']:.3f} -> "
+            f"last {summary['steps_averaged']} steps {summary['last_steps_reward_mean']:.3f}. "
+            f"Run directory: {cfg.run.dir}"
+        )
+        return summary
+    finally:
+        for part in (learner, rewards, fleet):
+            if part is not None:
+                part.shutdown()
+        ray.shutdown()
+
+
+@hydra.main(config_path="../configs", config_name="train", version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        validate(cfg)
+        ensure_model(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    resolve_paths(cfg)
+    train(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""Score samples with weighted user reward functions, recording failures per sample.
+
+Pure Python (no Ray), so it is unit-testable and the `RewardService` actors simply wrap it.
+A reward function that raises, times out or returns garbage marks only the affected samples
+with an error (reward None); it never crashes the step and never silently becomes a zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import numbers
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from rl.types import Sample, ScoredSample
+from reward.loader import RewardLoadError, load_reward_function
+
+RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "finish_reasons")
+NO_VALUE_ERROR = "no reward function returned a value"
+_ASYNC_GRACE_S = 1.0  # time for a timed-out coroutine to unwind after it is cancelled
+
+
+@dataclass
+class RewardFunctionSpec:
+    """One entry of the reward config: which function, its weight, and its name in logs."""
+
+    fn: str
+    weight: float = 1.0
+    name: str | None = None  # defaults to the function's __name__
+
+
+class RewardCallTimeout(Exception):
+    """A reward call did not finish within timeout_s (its thread or task was abandoned)."""
+
+
+class _BadOutput(Exception):
+    """A reward function's return value as a whole is unusable (not a list, wrong length)."""
+
+
+@dataclass
+class _Loaded:
+    name: str
+    weight: float
+    fn: Callable[..., Any]
+
+
+class RewardScorer:
+    """Loads reward functions eagerly (a bad spec fails here) and scores batches of samples.
+
+    `functions` may also hold mappings with the same keys (fn, weight, name), e.g. config entries.
+    """
+
+    def __init__(
+        self,
+        functions: list[RewardFunctionSpec],
+        timeout_s: float = 60.0,
+        base_dir: str | None = None,
+    ) -> None:
+        if not functions:
+            raise RewardLoadError("reward.functions is empty; configure at least one reward function")
+        if not (isinstance(timeout_s, numbers.Real) and timeout_s > 0):
+            raise ValueError(f"reward.timeout_s={timeout_s!r}: must be a positive number of seconds")
+        self.timeout_s = float(timeout_s)
+        self.functions: list[_Loaded] = []
+        seen: dict[str, int] = {}
+        for i, spec in enumerate(functions):
+            field = f"reward.functions[{i}]"
+            if isinstance(spec, Mapping):
+                spec = RewardFunctionSpec(**spec)
+            weight = spec.weight
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight):
+                raise RewardLoadError(f"{field}.weight={weight!r}: must be a finite number")
+            fn = load_reward_function(spec.fn, base_dir, field=f"{field}.fn")
+            name = spec.name or getattr(fn, "__name__", None) or spec.fn.rpartition(":")[2]
+            if name in seen:
+                raise RewardLoadError(
+                    f"{field}: name {name!r} is already used by reward.functions[{seen[name]}]; "
+                    f"set {field}.name to tell them apart"
+                )
+            seen[name] = i
+            self.functions.append(_Loaded(name=name, weight=float(weight), fn=fn))
+
+    @property
+    def names(self) -> list[str]:
+        return [f.name for f in self.functions]
+
+    def score(self, samples: list[Sample]) -> list[ScoredSample]:
+        """One batched call per function; a failing batch is retried per sample to isolate errors."""
+        if not samples:
+            return []
+        kwargs = build_kwargs(samples)
+        per_fn = [self._run_function(f, kwargs, len(samples)) for f in self.functions]
+        scored = []
+        for i, sample in enumerate(samples):
+            components: dict[str, float | None] = {}
+            errors: list[str] = []
+            total, applied = 0.0, False
+            for f, (values, errs) in zip(self.functions, per_fn):
+                components[f.name] = values[i]
+                if errs[i] is not None:
+                    errors.append(errs[i])
+                elif values[i] is not None:
+                    total += f.weight * values[i]
+                    applied = True
+            if not errors and not applied:
+                errors.append(NO_VALUE_ERROR)
+            scored.append(
+                ScoredSample(
+                    sample=sample,
+                    reward=None if errors else total,
+                    components=components,
+                    error="; ".join(errors) if errors else None,
+                )
+            )
+        return scored
+
+    def _run_function(
+        self, f: _Loaded, kwargs: dict[str, list[Any]], n: int
+    ) -> tuple[list[float | None], list[str | None]]:
+        """Values and error strings (one each per sample) for one reward function."""
+        try:
+            return _check_values(f.name, _call(f.fn, _copy(kwargs), self.timeout_s), n)
+        except RewardCallTimeout:
+            # Retrying one by one could cost n * timeout_s; the whole batch is marked instead.
+            msg = f"{f.name}: {_timeout_message(self.timeout_s)} for a batch of {n} samples"
+            return [None] * n, [msg] * n
+        except _BadOutput as exc:
+            return [None] * n, [str(exc)] * n
+        except (Exception, SystemExit) as exc:
+            if n == 1:
+                return [None], [f"{f.name}: {type(exc).__name__}: {exc}"]
+        # The batched call raised: re-run one sample at a time to find which samples fail.
+        values: list[float | None] = []
+        errors: list[str | None] = []
+        for i in range(n):
+            (v,), (e,) = self._run_one(f, kwargs, i)
+            values.append(v)
+            errors.append(e)
+        return values, errors
+
+    def _run_one(
+        self, f: _Loaded, kwargs: dict[str, list[Any]], i: int
+    ) -> tuple[list[float | None], list[str | None]]:
+        one = {k: [v[i]] for k, v in kwargs.items()}
+        try:
+            return _check_values(f.name, _call(f.fn, one, self.timeout_s), 1)
+        except RewardCallTimeout:
+            return [None], [f"{f.name}: {_timeout_message(self.timeout_s)}"]
+        except _BadOutput as exc:
+            return [None], [str(exc)]
+        except (Exception, SystemExit) as exc:
+            return [None], [f"{f.name}: {type(exc).__name__}: {exc}"]
+
+
+def build_kwargs(samples: list[Sample]) -> dict[str, list[Any]]:
+    """The batched keyword arguments: fixed fields plus one list per metadata column."""
+    kwargs: dict[str, list[Any]] = {
+        "prompts": [s.prompt_text for s in samples],
+        "completions": [s.completion_text for s in samples],
+        "completion_ids": [list(s.completion_ids) for s in samples],
+        "finish_reasons": [s.finish_reason for s in samples],
+    }
+    columns: dict[str, None] = {}
+    for s in samples:
+        columns.update(dict.fromkeys(s.metadata))
+    for col in columns:
+        if col in RESERVED_KWARGS:
+            raise ValueError(
+                f"dataset column {col!r} clashes with the reward argument of the same name; "
+                f"rename the column (reserved: {', '.join(RESERVED_KWARGS)})"
+            )
+        kwargs[col] = [s.metadata.get(col) for s in samples]
+    return kwargs
+
+
+def _copy(kwargs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    # Fresh lists per function, so one function mutating its arguments cannot affect the next.
+    return {k: list(v) for k, v in kwargs.items()}
+
+
+def _timeout_message(timeout_s: float) -> str:
+    return f"RewardCallTimeout: no result within timeout_s={timeout_s:g}s (call abandoned)"
+
+
+def _check_values(name: str, out: Any, n: int) -> tuple[list[float | None], list[str | None]]:
+    if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+        raise _BadOutput(f"{name}: returned {type(out).__name__}, expected a list of {n} floats or None")
+    values = list(out)
+    if len(values) != n:
+        raise _BadOutput(f"{name}: returned {len(values)} values for {n} samples; return one per sample")
+    result: list[float | None] = []
+    errors: list[str | None] = []
+    for v in values:
+        if v is None:
+            result.append(None)
+            errors.append(None)
+        elif isinstance(v, numbers.Real) and math.isfinite(float(v)):
+            result.append(float(v))
+            errors.append(None)
+        else:
+            result.append(None)
+            shown = repr(v) if isinstance(v, numbers.Real) else type(v).__name__
+            errors.append(f"{name}: returned {shown}, expected a finite float or None")
+    return result, errors
+
+
+def _call(fn: Callable[..., Any], kwargs: dict[str, list[Any]], timeout_s: float) -> Any:
+    """Call `fn(**kwargs)` in a daemon thread, awaiting it there if it is async.
+
+    Sync functions are bounded by joining the thread with a timeout; async ones additionally by
+    cancelling their task after `timeout_s` (asyncio.wait_for style). A thread that overruns is
+    abandoned: Python cannot kill a thread, so it keeps running (and using CPU) in the
+    background until the function returns by itself. Running in a fresh thread also means an
+    async function gets its own event loop, even if the caller already runs one.
+    """
+    box: dict[str, Any] = {}
+    awaiting = threading.Event()
+    deadline = time.monotonic() + timeout_s
+
+    def target() -> None:
+        try:
+            out = fn(**kwargs)
+            if inspect.isawaitable(out):
+                awaiting.set()
+                out = asyncio.run(_await_until(out, deadline))
+            box["value"] = out
+        except BaseException as exc:  # handed to the calling thread below
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, name=f"reward-{getattr(fn, '__name__', 'fn')}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive() and awaiting.is_set():
+        thread.join(_ASYNC_GRACE_S)  # the task was cancelled at the deadline; let it unwind
+    if thread.is_alive():
+        raise RewardCallTimeout()
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+async def _await_until(awaitable: Any, deadline: float) -> Any:
+    # asyncio.wait (not wait_for) so a TimeoutError raised by the user's own code stays theirs.
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task}, timeout=max(0.0, deadline - time.monotonic()))
+    if not done:
+        task.cancel()
+        raise RewardCallTimeout()
+    return task.result()

@@ -1,0 +1,134 @@
+"""`RewardService`: a pool of Ray actors, each running a `RewardScorer`.
+
+Scoring runs outside the driver so slow or heavy reward code (a reward model, sandboxed test
+runs) scales over workers and cannot stall or crash the training loop. The caller owns
+`ray.init`. User reward files are loaded inside the actors, so a ``path/to/file.py:fn`` spec
+must exist at the same path on every node (true on one machine; on a cluster ship it with
+`runtime_env`, or use the ``package.module:fn`` form with ``py_modules``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError, RuntimeEnvSetupError
+
+from rl.types import Sample, ScoredSample
+from reward.loader import RewardLoadError
+from reward.scorer import RewardFunctionSpec, RewardScorer
+
+
+class RewardWorker:
+    """Actor body. Functions are loaded in `load()` rather than `__init__` so a load error
+    reaches the driver as the original exception (Ray keeps only a string for __init__ errors);
+    `score()` loads on demand too, which covers an actor Ray restarted after a crash."""
+
+    def __init__(self, functions: list[RewardFunctionSpec], timeout_s: float, base_dir: str) -> None:
+        self._args = (functions, timeout_s, base_dir)
+        self._scorer: RewardScorer | None = None
+
+    def load(self) -> list[str]:
+        if self._scorer is None:
+            functions, timeout_s, base_dir = self._args
+            self._scorer = RewardScorer(functions, timeout_s=timeout_s, base_dir=base_dir)
+        return self._scorer.names
+
+    def score(self, samples: list[Sample]) -> list[ScoredSample]:
+        self.load()
+        assert self._scorer is not None
+        return self._scorer.score(samples)
+
+
+class RewardService:
+    """Scores samples on `num_workers` actors; chunks are contiguous and results keep input order."""
+
+    def __init__(
+        self,
+        functions: list[RewardFunctionSpec],
+        *,
+        num_workers: int = 1,
+        timeout_s: float = 60.0,
+        base_dir: str | None = None,
+        num_cpus_per_worker: float = 0.25,
+        runtime_env: dict[str, Any] | None = None,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"reward.num_workers={num_workers}: must be at least 1")
+        # Resolve here: relative paths mean "relative to where the driver was launched", while
+        # actors may run in another working directory.
+        base_dir = os.path.abspath(base_dir if base_dir is not None else os.getcwd())
+        options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "max_restarts": -1}
+        if runtime_env is not None:
+            options["runtime_env"] = runtime_env
+        actor_cls = ray.remote(RewardWorker).options(**options)
+        self._workers = [actor_cls.remote(functions, timeout_s, base_dir) for _ in range(num_workers)]
+        try:
+            self.names: list[str] = self._check_loaded()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _check_loaded(self) -> list[str]:
+        """Every worker must load every function; surface the loader's message, not Ray's."""
+        refs = [w.load.remote() for w in self._workers]
+        names: list[str] = []
+        for i, ref in enumerate(refs):
+            try:
+                names = ray.get(ref)
+            except RayTaskError as exc:
+                cause = exc.cause
+                if isinstance(cause, RewardLoadError):
+                    raise RewardLoadError(str(cause)) from None
+                raise ValueError(
+                    f"reward worker {i} failed to load the reward functions: "
+                    f"{type(cause).__name__}: {cause}"
+                ) from None
+            except RuntimeEnvSetupError as exc:
+                raise ValueError(
+                    f"reward worker {i} could not set up reward.runtime_env: {_first_lines(exc)}"
+                ) from None
+            except RayActorError as exc:
+                raise ValueError(f"reward worker {i} could not start: {_first_lines(exc)}") from None
+        return names
+
+    def score(self, samples: list[Sample]) -> list[ScoredSample]:
+        """Score on all workers. A worker that dies mid-chunk (e.g. user code crashed the
+        process) marks that chunk's samples with an error; Ray restarts the actor."""
+        chunks = _split(samples, len(self._workers))
+        refs = [(w.score.remote(c), c) for w, c in zip(self._workers, chunks) if c]
+        scored: list[ScoredSample] = []
+        for ref, chunk in refs:
+            try:
+                scored.extend(ray.get(ref))
+            except RayActorError as exc:
+                error = f"reward worker died while scoring: {_first_lines(exc)}"
+                scored.extend(ScoredSample(sample=s, reward=None, error=error) for s in chunk)
+        return scored
+
+    def shutdown(self) -> None:
+        for w in self._workers:
+            ray.kill(w, no_restart=True)
+        self._workers = []
+
+    def __enter__(self) -> "RewardService":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+def _split(items: list[Sample], parts: int) -> list[list[Sample]]:
+    """Contiguous chunks whose sizes differ by at most one (empty ones at the end)."""
+    size, extra = divmod(len(items), parts)
+    chunks, start = [], 0
+    for i in range(parts):
+        end = start + size + (1 if i < extra else 0)
+        chunks.append(items[start:end])
+        start = end
+    return chunks
+
+
+def _first_lines(exc: BaseException, n: int = 3) -> str:
+    return " ".join(str(exc).strip().splitlines()[:n])

@@ -1,0 +1,44 @@
+"""Turning scored samples and their advantages into the learner's padded `TrainBatch`."""
+
+from __future__ import annotations
+
+import torch
+
+from rl.types import ScoredSample, TrainBatch
+
+
+def build_train_batch(scored: list[ScoredSample], advantages: torch.Tensor, pad_id: int, version: int) -> TrainBatch:
+    """Right-pad prompt+completion rows; the loss covers completion tokens of scored samples only.
+
+    A sample whose reward failed keeps its row (the learner's batch size stays fixed) with a zero
+    loss mask, so it contributes nothing.
+    """
+    stale = {s.sample.policy_version for s in scored} - {version}
+    if stale:
+        raise RuntimeError(f"samples from policy versions {sorted(stale)} reached a step training version {version}")
+    width = max(len(s.sample.prompt_ids) + len(s.sample.completion_ids) for s in scored)
+    b = len(scored)
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, width), dtype=torch.long)
+    loss_mask = torch.zeros((b, width - 1))
+    rollout_lp = torch.zeros((b, width - 1))
+    adv = torch.zeros((b, width - 1))
+    for i, s in enumerate(scored):
+        p, c = s.sample.prompt_ids, s.sample.completion_ids
+        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        attention[i, : len(p) + len(c)] = 1
+        # position t predicts token t+1: completion token j sits at len(p)+j, predicted from len(p)+j-1
+        span = slice(len(p) - 1, len(p) - 1 + len(c))
+        rollout_lp[i, span] = torch.tensor(s.sample.logprobs)
+        if s.error is None and c:
+            loss_mask[i, span] = 1.0
+            adv[i, span] = float(advantages[i])
+    return TrainBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        loss_mask=loss_mask,
+        rollout_logprobs=rollout_lp,
+        advantages=adv,
+        group_ids=torch.tensor([s.sample.group_id for s in scored], dtype=torch.long),
+        policy_version=version,
+    )

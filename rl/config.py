@@ -1,0 +1,193 @@
+"""Structured config schema: every key a run accepts, with its type and default.
+
+Hydra merges `configs/train.yaml` and its groups into `TrainConfig`, so a misspelled key or a
+value of the wrong type fails before anything starts, naming the field. `validate` adds the
+checks a type cannot express (ranges, divisibility) with the field's name and the fix.
+No torch/ray imports here: the CLI must reject bad input in well under a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"
+    advantage: str = "grpo"  # registry name in rl/advantages.py
+    norm_by_std: bool = True  # False = Dr.GRPO (mean-centred only)
+    policy_loss: str = "ppo_clip"  # registry name in rl/losses.py
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.001  # weight of KL(policy || reference) in the loss; 0 disables the ref model
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    ppo_epochs: int = 1  # passes over each step's batch
+    mini_batches: int = 1  # optimizer steps per pass
+
+
+@dataclass
+class ModelConfig:
+    path: str = "artifacts/tiny/model"  # a local HF folder; this default one is built when missing
+    dtype: str = "float32"  # float32 | bfloat16, for learner and rollout alike
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "vllm"  # vllm | hf
+    num_workers: int = 1
+    n: int = 8  # samples per prompt (the GRPO group)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+    max_model_len: int = 128
+    enforce_eager: bool = True
+    gpu_memory_utilization: float = 0.5
+    kv_cache_gib: int = 1  # CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
+    sleep_between_steps: bool = False  # free rollout memory while the learner trains (GPU colocate)
+
+
+@dataclass
+class RewardFunctionConfig:
+    fn: str = MISSING  # "package.module:function" or "path/to/file.py:function"
+    weight: float = 1.0
+    name: str | None = None
+
+
+@dataclass
+class RewardConfig:
+    functions: list[RewardFunctionConfig] = field(default_factory=list)
+    num_workers: int = 1
+    timeout_s: float = 60.0
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arith"
+    train_files: list[str] = field(default_factory=lambda: ["artifacts/tiny/data/train.jsonl"])
+    prompt_key: str = "prompt"
+    prompts_per_step: int = 32
+
+
+@dataclass
+class TrainerConfig:
+    num_workers: int = 1  # DeepSpeed data-parallel ranks
+    zero_stage: int = 2
+    micro_batch_size: int = 64  # sequences per forward/backward on one rank
+    offload_optimizer: bool = False
+    zero3_persistence_threshold: int = 0  # DeepSpeed's 1e5 keeps small tensors whole; 0 shards all
+    weight_sync: str = "collective"  # collective (gloo/NCCL broadcast) | object_store (Ray)
+    logprob_warn_threshold: float = 0.05  # warn when learner and rollout log-probs differ more
+
+
+@dataclass
+class ClusterConfig:
+    address: str | None = None  # None: start a local Ray; "auto" or ray://...: join a cluster
+    num_cpus: int | None = None  # logical CPUs of the local Ray (default: enough for all actors)
+    threads_per_worker: int = 0  # torch/OMP threads per rollout/learner actor; 0 = all cores
+    gpus_per_rollout_worker: float = 0.0
+    gpus_per_learner: float = 0.0
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/${now:%Y%m%d-%H%M%S}"
+    seed: int = 0
+    steps: int = 30
+    log_samples_per_step: int = 4
+    save_final_model: bool = True
+    progress: bool = True
+
+
+@dataclass
+class TrainConfig:
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+class ConfigError(ValueError):
+    """A config value that is well-typed but unusable; the message names the field and the fix."""
+
+
+_CHOICES: dict[str, tuple[Any, ...]] = {
+    "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+    "model.dtype": ("float32", "bfloat16"),
+    "rollout.backend": ("vllm", "hf"),
+    "trainer.zero_stage": (0, 1, 2, 3),
+    "trainer.weight_sync": ("collective", "object_store"),
+}
+
+_POSITIVE = (
+    "rollout.num_workers",
+    "rollout.max_new_tokens",
+    "rollout.max_model_len",
+    "reward.num_workers",
+    "task.prompts_per_step",
+    "trainer.num_workers",
+    "trainer.micro_batch_size",
+    "algorithm.ppo_epochs",
+    "algorithm.mini_batches",
+    "run.steps",
+)
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    node = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def validate(cfg: Any) -> None:
+    """Raise ConfigError listing every bad field of a merged TrainConfig, with the fix."""
+    errors: list[str] = []
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            errors.append(f"{key}={_get(cfg, key)!r}: choose one of {', '.join(map(str, choices))}")
+    for key in _POSITIVE:
+        if _get(cfg, key) <= 0:
+            errors.append(f"{key}={_get(cfg, key)}: must be a positive integer")
+    if cfg.rollout.n < 2 and cfg.algorithm.advantage in ("grpo", "rloo"):
+        errors.append(
+            f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per "
+            "prompt; set rollout.n=8 (or another value >= 2)"
+        )
+    if not 0 < cfg.rollout.temperature:
+        errors.append(f"rollout.temperature={cfg.rollout.temperature}: must be > 0 (sampling is needed for RL)")
+    if cfg.algorithm.lr <= 0:
+        errors.append(f"algorithm.lr={cfg.algorithm.lr}: must be > 0, e.g. algorithm.lr=1e-5")
+    if cfg.algorithm.kl_coef < 0:
+        errors.append(f"algorithm.kl_coef={cfg.algorithm.kl_coef}: must be >= 0 (0 disables the reference model)")
+    batch = cfg.task.prompts_per_step * cfg.rollout.n
+    per_update = cfg.algorithm.mini_batches * cfg.trainer.num_workers
+    if cfg.algorithm.mini_batches > 0 and cfg.trainer.num_workers > 0 and batch % per_update:
+        errors.append(
+            f"task.prompts_per_step*rollout.n={batch} samples per step do not split evenly into "
+            f"algorithm.mini_batches={cfg.algorithm.mini_batches} x trainer.num_workers="
+            f"{cfg.trainer.num_workers}; change one of them so the product divides {batch}"
+        )
+    if not cfg.reward.functions:
+        errors.append("reward.functions is empty: name at least one, e.g. reward=arith or "
+                      "'reward.functions=[{fn: my_rewards.py:score}]'")
+    for i, fn in enumerate(cfg.reward.functions):
+        if ":" not in fn.fn:
+            errors.append(
+                f"reward.functions[{i}].fn={fn.fn!r}: expected 'package.module:function' or "
+                "'path/to/file.py:function'"
+            )
+    if errors:
+        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(errors))

@@ -1,0 +1,82 @@
+"""Prompt data: a `datasets` table read from local files, visited in a seeded order.
+
+The prompts of step s are a pure function of (seed, s), so a resumed run sees exactly the
+prompts an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from rl.types import GenerationRequest
+
+_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def derive_seed(*parts: int) -> int:
+    """A 31-bit seed mixed from integers (run seed, step, index...), independent of global RNG state."""
+    return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
+
+
+def load_table(files: list[str], field_name: str = "task.train_files"):
+    import datasets
+
+    if not files:
+        raise ValueError(f"{field_name} is empty: give at least one .jsonl/.json/.parquet/.csv file")
+    kinds = set()
+    for f in files:
+        if not os.path.exists(f):
+            raise FileNotFoundError(f"{field_name}: {f} does not exist (paths are relative to the launch directory)")
+        ext = os.path.splitext(f)[1]
+        if ext not in _FORMATS:
+            raise ValueError(f"{field_name}: {f} has extension {ext!r}; use one of {', '.join(_FORMATS)}")
+        kinds.add(_FORMATS[ext])
+    if len(kinds) != 1:
+        raise ValueError(f"{field_name}: mixes file formats {sorted(kinds)}; use one format")
+    return datasets.load_dataset(kinds.pop(), data_files=list(files), split="train")
+
+
+class PromptDataset:
+    def __init__(self, files: list[str], prompt_key: str, tokenizer: Any, seed: int, max_prompt_tokens: int):
+        self.table = load_table(files)
+        if prompt_key not in self.table.column_names:
+            raise ValueError(
+                f"task.prompt_key={prompt_key!r} is not a column of {files}; columns are {self.table.column_names}"
+            )
+        if len(self.table) == 0:
+            raise ValueError(f"task.train_files={files} holds no rows")
+        self.prompt_key, self.tokenizer, self.seed = prompt_key, tokenizer, seed
+        self.max_prompt_tokens = max_prompt_tokens
+        self._perm_epoch, self._perm = -1, np.arange(0)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def _index(self, position: int) -> int:
+        epoch, offset = divmod(position, len(self))
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng(derive_seed(self.seed, epoch)).permutation(len(self))
+            self._perm_epoch = epoch
+        return int(self._perm[offset])
+
+    def requests(self, step: int, prompts_per_step: int, n: int) -> list[GenerationRequest]:
+        """`prompts_per_step` prompts, each repeated `n` times with its own sampling seed."""
+        out = []
+        for group in range(prompts_per_step):
+            row = self.table[self._index(step * prompts_per_step + group)]
+            text = row[self.prompt_key]
+            ids = self.tokenizer(text).input_ids
+            if len(ids) > self.max_prompt_tokens:
+                raise ValueError(
+                    f"a prompt has {len(ids)} tokens but rollout.max_model_len - rollout.max_new_tokens = "
+                    f"{self.max_prompt_tokens}; raise rollout.max_model_len or shorten the prompts"
+                )
+            metadata = {k: v for k, v in row.items() if k != self.prompt_key}
+            out.extend(
+                GenerationRequest(ids, text, group, k, derive_seed(self.seed, step, group, k), metadata)
+                for k in range(n)
+            )
+        return out

@@ -1,0 +1,110 @@
+"""Typed data passed between the stages of one RL step (see DESIGN.md, 'One GRPO/PPO step').
+
+Plain dataclasses of Python lists and floats so they cross Ray process boundaries cheaply and
+can be written to the run's sample log as JSON. Tensors appear only in `TrainBatch`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class GenerationRequest:
+    """One completion to sample: a prompt, its place in the batch and its own sampling seed."""
+
+    prompt_ids: list[int]
+    prompt_text: str
+    group_id: int  # index of the prompt in this step's batch; the n samples of a prompt share it
+    sample_index: int  # 0..n-1 within the group
+    seed: int  # derived from (run seed, step, group_id, sample_index): never global state
+    metadata: dict[str, Any] = field(default_factory=dict)  # dataset columns, e.g. the answer
+
+
+@dataclass
+class Sample:
+    """A sampled completion with the per-token log-probs of the policy that produced it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # log p(token) under the sampling policy, one per completion token
+    finish_reason: str  # "stop" (EOS / stop string) or "length" (hit max_tokens)
+    policy_version: int
+    prompt_text: str
+    completion_text: str
+    group_id: int
+    sample_index: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if len(self.logprobs) != len(self.completion_ids):
+            raise ValueError(
+                f"Sample has {len(self.completion_ids)} completion tokens but {len(self.logprobs)} logprobs"
+            )
+
+
+@dataclass
+class ScoredSample:
+    """A sample with its combined reward, or the error that prevented scoring it.
+
+    `reward` is None exactly when `error` is set: such a sample is excluded from advantage
+    estimation and training, counted in metrics, and written to the sample log with its error.
+    """
+
+    sample: Sample
+    reward: float | None
+    components: dict[str, float | None] = field(default_factory=dict)  # per reward function, unweighted
+    error: str | None = None
+
+    def to_log(self) -> dict[str, Any]:
+        row = asdict(self.sample)
+        row.pop("prompt_ids")
+        row.pop("completion_ids")
+        row.pop("logprobs")
+        row.update(reward=self.reward, components=self.components, error=self.error)
+        return row
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded token tensors for the learner; row i is prompt + completion of one sample.
+
+    `loss_mask[i, t]` is 1 where token t+1 of row i is a completion token, i.e. it aligns with the
+    log-prob of predicting input_ids[:, 1:]. All per-token tensors have shape [B, T-1].
+    """
+
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    loss_mask: torch.Tensor  # [B, T-1] float
+    rollout_logprobs: torch.Tensor  # [B, T-1] float, sampling-policy log-probs (0 off-mask)
+    advantages: torch.Tensor  # [B, T-1] float
+    group_ids: torch.Tensor  # [B] long
+    policy_version: int
+    old_logprobs: torch.Tensor | None = None  # [B, T-1], filled by the learner before updating
+    ref_logprobs: torch.Tensor | None = None  # [B, T-1], reference model, when KL is used
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def select(self, index: torch.Tensor | list[int]) -> "TrainBatch":
+        """Rows `index`, trimmed to the longest remaining sequence (keeps micro-batches small)."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        width = int(self.attention_mask[index].sum(dim=1).max().item()) if len(index) else 1
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index, : width - 1]
+
+        return TrainBatch(
+            input_ids=self.input_ids[index, :width],
+            attention_mask=self.attention_mask[index, :width],
+            loss_mask=rows(self.loss_mask),
+            rollout_logprobs=rows(self.rollout_logprobs),
+            advantages=rows(self.advantages),
+            group_ids=self.group_ids[index],
+            policy_version=self.policy_version,
+            old_logprobs=rows(self.old_logprobs),
+            ref_logprobs=rows(self.ref_logprobs),
+        )

@@ -1,0 +1,94 @@
+"""transformers `generate` backend: the reference implementation and a fallback without vLLM."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Iterable
+
+import torch
+
+from rl.types import GenerationRequest, Sample
+from rollout.protocol import SamplingConfig, finish_reason
+
+
+class HFEngine:
+    def __init__(self, model_path: str, *, dtype: str = "float32", threads: int = 0, batch_size: int = 64, **_: object):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
+        self.batch_size = batch_size
+        self.version = 0
+
+    @torch.no_grad()
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Sample]:
+        samples: list[Sample] = []
+        for start in range(0, len(requests), self.batch_size):
+            samples.extend(self._generate_batch(requests[start : start + self.batch_size], sampling))
+        return samples
+
+    def _generate_batch(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Sample]:
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, r in enumerate(requests):  # left padding: generation continues at the right edge
+            ids[i, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            attn[i, width - len(r.prompt_ids) :] = 1
+        # HF generate draws from the global RNG: seed it from this batch's request seeds, so a
+        # batch is reproducible (per-sample seeds independent of batching need vLLM).
+        torch.manual_seed(zlib.crc32(repr([r.seed for r in requests]).encode()))
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=attn.to(self.device),
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=0,
+            max_new_tokens=sampling.max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted(self.eos_ids),
+            output_scores=True,  # processed scores: after temperature/top-p, as sampled
+            return_dict_in_generate=True,
+        )
+        new_tokens = out.sequences[:, width:].cpu()
+        logp = torch.stack([torch.log_softmax(s.float(), dim=-1) for s in out.scores], dim=1).cpu()
+        token_logp = logp.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        samples = []
+        for i, r in enumerate(requests):
+            toks = new_tokens[i].tolist()
+            end = next((j + 1 for j, t in enumerate(toks) if t in self.eos_ids), len(toks))
+            toks = toks[:end]
+            samples.append(
+                Sample(
+                    prompt_ids=list(r.prompt_ids),
+                    completion_ids=toks,
+                    logprobs=token_logp[i, :end].tolist(),
+                    finish_reason=finish_reason(toks, self.eos_ids),
+                    policy_version=self.version,
+                    prompt_text=r.prompt_text,
+                    completion_text=self.tokenizer.decode(toks, skip_special_tokens=True),
+                    group_id=r.group_id,
+                    sample_index=r.sample_index,
+                    metadata=r.metadata,
+                )
+            )
+        return samples
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor.to(params[name].device, params[name].dtype))
+        self.version = version
+
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass

@@ -1,0 +1,113 @@
+"""vLLM backend (CPU build on CPU machines, CUDA build on GPUs), engine in the calling process."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from rl.types import GenerationRequest, Sample
+from rollout.protocol import SamplingConfig
+
+
+def vllm_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
+    """Environment a process needs before importing vLLM so the engine runs inside it."""
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process (a Ray actor), no subprocess
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # fastest on small shared CPU boxes (PLATFORM.md)
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+class VLLMEngine:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        max_model_len: int = 512,
+        seed: int = 0,
+        enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_gib: int = 1,
+        threads: int = 0,
+        sleep_mode: bool = False,
+    ):
+        for key, value in vllm_env(kv_cache_gib, threads).items():
+            os.environ.setdefault(key, value)
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+            # Log-probs after temperature, i.e. of the distribution the tokens were drawn from;
+            # the learner divides its logits by the same temperature.
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+            enable_sleep_mode=sleep_mode and torch.cuda.is_available(),  # sleep is a no-op on CPU
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+        self.version = 0
+        self._sleep_mode = sleep_mode and torch.cuda.is_available()
+        self._sleeping = False
+
+    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Sample]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                n=1,  # one request per sample, each with its own seed: reproducible whatever the split
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                seed=req.seed,
+                logprobs=0,  # the sampled token's log-prob only
+            )
+            for req in requests
+        ]
+        prompts = [{"prompt_token_ids": list(req.prompt_ids)} for req in requests]
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
+        samples = []
+        for req, out in zip(requests, outputs):
+            comp = out.outputs[0]
+            ids = list(comp.token_ids)
+            logprobs = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs)]
+            samples.append(
+                Sample(
+                    prompt_ids=list(req.prompt_ids),
+                    completion_ids=ids,
+                    logprobs=logprobs,
+                    finish_reason="stop" if comp.finish_reason == "stop" else "length",
+                    policy_version=self.version,
+                    prompt_text=req.prompt_text,
+                    completion_text=comp.text,
+                    group_id=req.group_id,
+                    sample_index=req.sample_index,
+                    metadata=req.metadata,
+                )
+            )
+        return samples
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
+        self.version = version
+
+    def sleep(self) -> None:
+        if self._sleep_mode and not self._sleeping:
+            self.llm.sleep(level=1)
+            self._sleeping = True
+
+    def wake(self) -> None:
+        if self._sleeping:
+            self.llm.wake_up()
+            self._sleeping = False

@@ -1,0 +1,262 @@
+"""One data-parallel rank of the policy learner: a DeepSpeed ZeRO engine doing PPO-style updates.
+
+`LearnerWorker` is a plain class; `trainer.group.LearnerGroup` runs N of them as Ray actors.
+The math (advantages, clipped loss, KL, aggregation) comes from `rl/`; this file only moves
+tensors through DeepSpeed and reports metrics as sums so the group can reduce them exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from rl.kl import KL_ESTIMATORS
+from rl.losses import POLICY_LOSSES, LossNormalizer, aggregate
+from rl.types import TrainBatch
+from trainer import weight_sync
+from trainer.logprobs import token_logprobs
+
+
+@dataclass
+class LearnerSpec:
+    """Everything a rank needs to build its engine (plain data: it crosses a Ray boundary)."""
+
+    model_path: str
+    dtype: str  # float32 | bfloat16
+    zero_stage: int
+    micro_batch_size: int
+    samples_per_step: int  # rows of every TrainBatch (fixed, so gradient accumulation is fixed)
+    mini_batches: int
+    ppo_epochs: int
+    lr: float
+    weight_decay: float
+    max_grad_norm: float
+    policy_loss: str
+    loss_agg: str
+    clip_eps_low: float
+    clip_eps_high: float
+    kl_coef: float
+    kl_estimator: str
+    temperature: float
+    seed: int
+    offload_optimizer: bool = False
+    gradient_checkpointing: bool = False
+    zero3_persistence_threshold: int = 0
+    threads: int = 0
+
+
+def gradient_accumulation_steps(spec: LearnerSpec, world_size: int) -> int:
+    rows_per_rank = spec.samples_per_step // (spec.mini_batches * world_size)
+    return max(1, -(-rows_per_rank // spec.micro_batch_size))
+
+
+def deepspeed_config(spec: LearnerSpec, world_size: int, with_optimizer: bool = True) -> dict[str, Any]:
+    gas = gradient_accumulation_steps(spec, world_size)
+    rows_per_rank = spec.samples_per_step // (spec.mini_batches * world_size)
+    zero: dict[str, Any] = {"stage": spec.zero_stage}
+    if spec.zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = spec.zero3_persistence_threshold
+    if spec.offload_optimizer and with_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return {
+        "train_micro_batch_size_per_gpu": -(-rows_per_rank // gas),
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": spec.max_grad_norm,
+        "zero_optimization": zero,
+        "bf16": {"enabled": spec.dtype == "bfloat16"},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+
+
+class LearnerWorker:
+    def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.spec, self.rank, self.world_size = spec, rank, world_size
+        os.environ.update(
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            RANK=str(rank),
+            LOCAL_RANK="0" if not torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0"),
+            WORLD_SIZE=str(world_size),
+        )
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations import HfDeepSpeedConfig
+
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        torch.manual_seed(spec.seed)
+        ds_config = deepspeed_config(spec, world_size)
+        # Under ZeRO-3 this object must be alive while from_pretrained runs, so that weights are
+        # partitioned as they load (zero.Init) instead of materialised whole on every rank.
+        self._hf_ds_config = HfDeepSpeedConfig(ds_config) if spec.zero_stage == 3 else None
+        dtype = getattr(torch, spec.dtype)
+        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype)
+        if spec.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad], lr=spec.lr, weight_decay=spec.weight_decay
+        )
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        self.ref = None
+        if spec.kl_coef > 0:
+            ref = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype).eval()
+            ref.requires_grad_(False)
+            if spec.zero_stage == 3:
+                ref_config = {k: v for k, v in ds_config.items() if k != "gradient_clipping"}
+                ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
+            self.ref = ref.to(self.device) if spec.zero_stage != 3 else ref
+        self._named_params = [(n, p) for n, p in self.engine.module.named_parameters()]
+        self._sync_group = None
+        self._sync_metas: list[weight_sync.WeightMeta] | None = None
+
+    # ---- training -------------------------------------------------------------------------
+
+    def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[TrainBatch]:
+        gas = gradient_accumulation_steps(self.spec, self.world_size)
+        return [batch.select(chunk) for chunk in torch.tensor_split(rows, gas)]
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device, non_blocking=True)
+
+    @torch.no_grad()
+    def _score(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
+        """Fill old-policy (and reference) log-probs of every row before any update this step."""
+        self.engine.eval()
+        width = batch.input_ids.shape[1] - 1
+        old, ref, ent = [], [], []
+
+        def full_width(t: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.pad(t.float().cpu(), (0, width - t.shape[1]))
+
+        for chunk in torch.split(torch.arange(len(batch)), self.spec.micro_batch_size):
+            mb = batch.select(chunk)
+            ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
+            lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True)
+            old.append(full_width(lp))
+            ent.append(full_width(e))
+            if self.ref is not None:
+                ref.append(full_width(token_logprobs(self.ref, ids, am, self.spec.temperature)[0]))
+        self.engine.train()
+        batch.old_logprobs = torch.cat(old)
+        batch.ref_logprobs = torch.cat(ref) if ref else None
+        return batch, torch.cat(ent)
+
+    def _global_normalizer(self, mask: torch.Tensor) -> LossNormalizer:
+        local = LossNormalizer.of(mask)
+        counts = torch.tensor([local.tokens, local.sequences], dtype=torch.float64)
+        if self.world_size > 1:
+            torch.distributed.all_reduce(counts)
+        return LossNormalizer(tokens=float(counts[0]), sequences=float(counts[1]))
+
+    def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
+        """PPO-style update on this rank's shard; returns metric *sums* (the group reduces them).
+
+        Every mini-batch is split into exactly `gradient_accumulation_steps` micro-batches on
+        every rank, so DeepSpeed's accumulation boundary is the mini-batch boundary.
+        """
+        spec = self.spec
+        batch, entropy = self._score(batch)
+        mask = batch.loss_mask
+        diff = (batch.old_logprobs - batch.rollout_logprobs).abs() * mask
+        sums: dict[str, float] = defaultdict(float)
+        sums["_tokens"] = float(mask.sum())
+        sums["sync/logprob_abs_diff"] = float(diff.sum())
+        sums["_max/sync/logprob_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
+        sums["actor/entropy_nats"] = float((entropy * mask).sum())
+        gas = gradient_accumulation_steps(spec, self.world_size)
+        generator = torch.Generator().manual_seed((spec.seed * 1_000_003 + step * 7919 + self.rank) % 2**31)
+        for _epoch in range(spec.ppo_epochs):
+            order = torch.randperm(len(batch), generator=generator)
+            for mb_rows in torch.tensor_split(order, spec.mini_batches):
+                norm = self._global_normalizer(mask[mb_rows])
+                for rows in torch.tensor_split(mb_rows, gas):
+                    self._backward(batch.select(rows), norm, sums)
+                    self.engine.step()
+                grad_norm = self.engine.get_global_grad_norm()
+                sums["_updates"] += 1
+                sums["actor/grad_norm"] += float(grad_norm) if grad_norm is not None else 0.0
+        return dict(sums)
+
+    def _backward(self, mb: TrainBatch, norm: LossNormalizer, sums: dict[str, float]) -> None:
+        spec = self.spec
+        ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
+        mask, adv, old = (self._to_device(t) for t in (mb.loss_mask, mb.advantages, mb.old_logprobs))
+        logp, _ = token_logprobs(self.engine, ids, am, spec.temperature)
+        pg_loss, clipped = POLICY_LOSSES.get(spec.policy_loss)(
+            logp, old, adv, clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high
+        )
+        per_token = pg_loss
+        if mb.ref_logprobs is not None:
+            kl = KL_ESTIMATORS.get(spec.kl_estimator)(logp, self._to_device(mb.ref_logprobs))
+            per_token = per_token + spec.kl_coef * kl
+            sums["actor/kl_nats"] += float((kl.detach() * mask).sum())
+        loss = aggregate(per_token, mask, spec.loss_agg, norm)
+        # DeepSpeed averages gradients over data-parallel ranks; the normalizer is already global,
+        # so undo that average, and do not let it divide by the accumulation steps again.
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        sums["actor/loss"] += float(loss.detach())
+        sums["actor/pg_loss_nats"] += float((pg_loss.detach() * mask).sum())
+        sums["actor/clip_frac"] += float((clipped * mask).sum())
+        sums["_loss_tokens"] += float(mask.sum())
+
+    # ---- weights out ----------------------------------------------------------------------
+
+    def _gathered(self, names: list[int]):
+        """Context in which the listed parameters are whole (ZeRO-3 gathers them; others: no-op)."""
+        if self.spec.zero_stage != 3:
+            return nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters([self._named_params[i][1] for i in names], modifier_rank=None)
+
+    def weight_metas(self) -> list[weight_sync.WeightMeta]:
+        return [
+            weight_sync.WeightMeta(name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
+            for name, p in self._named_params
+        ]
+
+    def _full_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """All ranks iterate (ZeRO-3 gathering is collective); yields whole tensors bucket by bucket."""
+        metas = self.weight_metas()
+        for bucket in weight_sync.buckets(metas):
+            with self._gathered(bucket):
+                yield [(self._named_params[i][0], self._named_params[i][1].data) for i in bucket]
+
+    def join_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """Rank 0 only: become rank 0 of the weight-sync group with the rollout workers."""
+        self._sync_group = weight_sync.init_group(host, port, 0, world_size, backend)
+
+    def broadcast_weights(self) -> float:
+        """Called on every rank; rank 0 broadcasts to the rollout workers. Returns bytes sent."""
+        sent = 0
+        for bucket in self._full_buckets():
+            if self.rank == 0:
+                weight_sync.send(self._sync_group, [[t for _, t in bucket]])
+                sent += sum(t.numel() * t.element_size() for _, t in bucket)
+        return float(sent)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Whole weights on CPU at rank 0 (None elsewhere): for the object-store sync and saving."""
+        out: dict[str, torch.Tensor] = {}
+        for bucket in self._full_buckets():
+            if self.rank == 0:
+                out.update((name, t.detach().cpu().clone()) for name, t in bucket)
+        return out if self.rank == 0 else None
+
+    def save_pretrained(self, path: str) -> None:
+        """Write the policy as a transformers folder (safetensors) that vLLM and HF load directly."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)

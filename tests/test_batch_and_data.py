@@ -1,0 +1,97 @@
+"""Building the learner's batch, the prompt order, metric reduction and weight-sync buckets."""
+
+import json
+
+import pytest
+import torch
+
+from rl.batch import build_train_batch
+from rl.data import PromptDataset, derive_seed
+from rl.types import Sample, ScoredSample
+from trainer.group import reduce_metrics, shard_rows
+from trainer.weight_sync import WeightMeta, buckets
+
+
+def _scored(prompt, completion, logprobs, reward=1.0, error=None, group=0, version=0):
+    s = Sample(prompt, completion, logprobs, "stop", version, "p", "c", group, 0)
+    return ScoredSample(s, None if error else reward, {}, error)
+
+
+def test_train_batch_alignment_and_masking():
+    scored = [
+        _scored([5, 6], [7, 8], [-0.1, -0.2]),
+        _scored([5], [9], [-0.3], error="boom"),
+    ]
+    batch = build_train_batch(scored, torch.tensor([0.7, 0.0]), pad_id=0, version=0)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8], [5, 9, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    # logits at position t predict token t+1: tokens 7, 8 are predicted at positions 1, 2
+    assert batch.loss_mask.tolist() == [[0, 1, 1], [0, 0, 0]]
+    assert batch.rollout_logprobs[0].tolist() == pytest.approx([0, -0.1, -0.2])
+    assert batch.rollout_logprobs[1].tolist() == pytest.approx([-0.3, 0, 0])
+    assert batch.advantages[0].tolist() == pytest.approx([0, 0.7, 0.7])
+    assert batch.advantages[1].tolist() == [0, 0, 0]
+    sub = batch.select([1])
+    assert sub.input_ids.tolist() == [[5, 9]] and sub.loss_mask.shape == (1, 1)
+
+
+def test_stale_samples_are_refused():
+    with pytest.raises(RuntimeError, match="policy versions"):
+        build_train_batch([_scored([1], [2], [-1.0], version=3)], torch.zeros(1), 0, version=4)
+
+
+class _CharTokenizer:
+    def __call__(self, text):
+        return type("Enc", (), {"input_ids": [ord(c) for c in text]})()
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(10)))
+    return str(path)
+
+
+def test_prompt_order_and_seeds_are_functions_of_seed_and_step(prompt_file):
+    a = PromptDataset([prompt_file], "prompt", _CharTokenizer(), seed=3, max_prompt_tokens=32)
+    b = PromptDataset([prompt_file], "prompt", _CharTokenizer(), seed=3, max_prompt_tokens=32)
+    b.requests(5, 4, 2)  # visiting other steps first changes nothing
+    ra, rb = a.requests(1, 4, 2), b.requests(1, 4, 2)
+    assert [(r.prompt_text, r.seed) for r in ra] == [(r.prompt_text, r.seed) for r in rb]
+    assert len(ra) == 8 and ra[0].prompt_text == ra[1].prompt_text and ra[0].seed != ra[1].seed
+    assert ra[0].metadata == {"answer": str(int(ra[0].prompt_text.split("+")[0]) + 1)}
+    # one epoch (steps 0..1 of 5 prompts... here 10 rows / 5 per step) visits every row once
+    seen = [r.prompt_text for s in range(2) for r in a.requests(s, 5, 1)]
+    assert sorted(seen) == sorted(f"{i}+1=" for i in range(10))
+    assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2) != derive_seed(0, 1, 3)
+
+
+def test_prompt_dataset_errors_name_the_field(prompt_file, tmp_path):
+    with pytest.raises(ValueError, match="task.prompt_key='question'"):
+        PromptDataset([prompt_file], "question", _CharTokenizer(), 0, 32)
+    with pytest.raises(FileNotFoundError, match="task.train_files"):
+        PromptDataset([str(tmp_path / "missing.jsonl")], "prompt", _CharTokenizer(), 0, 32)
+    with pytest.raises(ValueError, match="rollout.max_model_len"):
+        PromptDataset([prompt_file], "prompt", _CharTokenizer(), 0, 2).requests(0, 1, 1)
+
+
+def test_reduce_metrics_means_over_tokens_and_updates():
+    ranks = [
+        {"_tokens": 10, "_loss_tokens": 10, "_updates": 2, "sync/logprob_abs_diff": 1.0, "actor/loss": 0.4,
+         "actor/grad_norm": 6.0, "_max/sync/logprob_max_abs_diff": 0.3},
+        {"_tokens": 30, "_loss_tokens": 30, "_updates": 2, "sync/logprob_abs_diff": 3.0, "actor/loss": 0.6,
+         "actor/grad_norm": 6.0, "_max/sync/logprob_max_abs_diff": 0.5},
+    ]
+    out = reduce_metrics(ranks)
+    assert out["sync/logprob_abs_diff"] == pytest.approx(0.1)
+    assert out["actor/loss"] == pytest.approx(0.5)  # (0.4 + 0.6) over 2 updates
+    assert out["actor/grad_norm"] == pytest.approx(3.0)
+    assert out["sync/logprob_max_abs_diff"] == 0.5
+    assert [r.tolist() for r in shard_rows(5, 2)] == [[0, 2, 4], [1, 3]]
+
+
+def test_weight_buckets_respect_size_and_dtype():
+    metas = [WeightMeta("a", (4,), "float32"), WeightMeta("b", (4,), "float32"),
+             WeightMeta("c", (2,), "bfloat16"), WeightMeta("d", (8,), "float32")]
+    assert buckets(metas, limit=32) == [[0, 1], [2], [3]]
+    assert buckets(metas, limit=16) == [[0], [1], [2], [3]]

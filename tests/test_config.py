@@ -1,0 +1,50 @@
+"""Config validation: bad input fails fast, naming the field (no Ray, no model started)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import launch.train  # noqa: F401  (registers the schema)
+from rl.config import ConfigError, validate
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _compose(*overrides):
+    with initialize_config_dir(config_dir=os.path.abspath(CONFIGS), version_base=None):
+        return compose("train", overrides=list(overrides))
+
+
+def test_default_config_is_valid():
+    cfg = _compose()
+    validate(cfg)
+    assert cfg.rollout.backend == "vllm" and cfg.algorithm.name == "grpo"
+    assert _compose("rollout=hf").rollout.backend == "hf"
+
+
+def test_semantic_errors_name_fields_and_fixes():
+    with pytest.raises(ConfigError) as err:
+        validate(_compose("rollout.n=1", "trainer.zero_stage=4", "trainer.num_workers=3"))
+    text = str(err.value)
+    assert "rollout.n=1" in text and "trainer.zero_stage=4" in text and "trainer.num_workers=3" in text
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [("algorithm.lr=oops", "algorithm.lr"), ("trainer.zero_stag=3", "trainer.zero_stag"),
+     ("+nonsense=1", "nonsense"), ("rollout.n=2.5", "rollout.n")],
+)
+def test_cli_rejects_bad_input_fast_with_the_field_name(override, expected):
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "launch.train", override], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    elapsed = time.perf_counter() - start
+    assert proc.returncode != 0
+    assert expected in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert elapsed < 10, f"took {elapsed:.1f}s"

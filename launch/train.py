@@ -115,6 +115,7 @@ def build_components(cfg: DictConfig):
         mini_batches=a.mini_batches,
         ppo_epochs=a.ppo_epochs,
         lr=a.lr,
+        lr_warmup_steps=a.lr_warmup_steps,
         weight_decay=a.weight_decay,
         max_grad_norm=a.max_grad_norm,
         policy_loss=a.policy_loss,

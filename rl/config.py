@@ -25,7 +25,8 @@ class AlgorithmConfig:
     clip_eps_high: float = 0.2
     kl_coef: float = 0.001  # weight of KL(policy || reference) in the loss; 0 disables the ref model
     kl_estimator: str = "k3"  # k1 | k2 | k3
-    lr: float = 2e-3
+    lr: float = 1e-3
+    lr_warmup_steps: int = 10  # optimizer updates of linear warm-up
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     ppo_epochs: int = 1  # passes over each step's batch

@@ -102,7 +102,7 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
             out[k] = v / tokens
         elif k in ("actor/kl_nats", "actor/pg_loss_nats", "actor/clip_frac"):
             out[k] = v / loss_tokens
-        elif k == "actor/grad_norm":  # every rank reports the same global norm
+        elif k in ("actor/grad_norm", "actor/lr"):  # every rank reports the same value
             out[k] = v / updates / len(results)
         else:  # actor/loss: the ranks' parts add up to each update's loss
             out[k] = v / updates

@@ -34,6 +34,7 @@ class LearnerSpec:
     mini_batches: int
     ppo_epochs: int
     lr: float
+    lr_warmup_steps: int
     weight_decay: float
     max_grad_norm: float
     policy_loss: str
@@ -91,7 +92,7 @@ class LearnerWorker:
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
             RANK=str(rank),
-            LOCAL_RANK="0" if not torch.cuda.is_available() else os.environ.get("LOCAL_RANK", "0"),
+            LOCAL_RANK="0",  # Ray gives each actor its own device(s): the first visible one is ours
             WORLD_SIZE=str(world_size),
         )
         if not torch.cuda.is_available():
@@ -116,7 +117,13 @@ class LearnerWorker:
         optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad], lr=spec.lr, weight_decay=spec.weight_decay
         )
-        self.engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        # Linear warm-up: Adam's first updates are sign-like steps of size lr on every weight, which
+        # can knock a small policy off its warm-up before the moment estimates settle.
+        warmup = max(spec.lr_warmup_steps, 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda updates: min(1.0, (updates + 1) / warmup))
+        self.engine, *_ = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
         self.ref = None
         if spec.kl_coef > 0:
             ref = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype).eval()
@@ -194,6 +201,7 @@ class LearnerWorker:
                     self.engine.step()
                 grad_norm = self.engine.get_global_grad_norm()
                 sums["_updates"] += 1
+                sums["actor/lr"] += float(self.engine.get_lr()[0])
                 sums["actor/grad_norm"] += float(grad_norm) if grad_norm is not None else 0.0
         return dict(sums)
 

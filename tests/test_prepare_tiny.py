@@ -171,3 +171,49 @@ def test_prepare_tiny_writes_loadable_model_tokenizer_and_data(tmp_path: Path) -
     ids = torch.tensor([tok(row["prompt"]).input_ids])
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert out.shape[1] > ids.shape[1]
+
+
+_VLLM_CHECK = r"""
+import json, sys
+from transformers import AutoTokenizer
+from vllm import LLM, SamplingParams
+model_dir = sys.argv[1]
+tok = AutoTokenizer.from_pretrained(model_dir)
+llm = LLM(model_dir, enforce_eager=True, dtype="float32", max_model_len=64, seed=0)
+ids = tok("37+25=").input_ids
+by_text = llm.generate(["37+25="], SamplingParams(max_tokens=1, temperature=0.0))[0]
+outs = llm.generate([{"prompt_token_ids": ids}], SamplingParams(n=8, max_tokens=8, temperature=1.0, logprobs=0))
+print(json.dumps({
+    "hf_ids": ids,
+    "vllm_text_ids": list(by_text.prompt_token_ids),
+    "samples": [
+        {"ids": list(c.token_ids), "text": c.text, "finish": c.finish_reason, "n_logprobs": len(c.logprobs)}
+        for c in outs[0].outputs
+    ],
+    "eos": tok.eos_token_id,
+}))
+"""
+
+
+@pytest.mark.slow
+def test_vllm_cpu_loads_and_samples_the_prepared_model(tmp_path: Path) -> None:
+    """vLLM tokenizes prompts like HF and stops on EOS (from generation_config) with logprobs."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("vllm")
+    prepare_tiny(str(tmp_path), seed=0, n_train=200, n_test=20, n_eval=8, steps=200, n_probe=64,
+                 probe_every=10, target_accuracy=0.05, hidden=64, layers=1, heads=2, threads=0, log_every=0)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
+               VLLM_CPU_OMP_THREADS_BIND="nobind")
+    proc = subprocess.run([sys.executable, "-c", _VLLM_CHECK, str(tmp_path / "model")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["vllm_text_ids"] == report["hf_ids"]
+    samples = report["samples"]
+    assert all(s["n_logprobs"] == len(s["ids"]) for s in samples)
+    stopped = [s for s in samples if s["finish"] == "stop"]
+    assert stopped, samples
+    assert all(s["ids"][-1] == report["eos"] and "<eos>" not in s["text"] for s in stopped)

@@ -56,11 +56,12 @@ def worker_threads(cfg: DictConfig) -> int:
 def start_ray(cfg: DictConfig) -> None:
     import ray
 
+    if cfg.cluster.address:
+        # Under `ray job submit --working-dir .` the job's runtime env already ships the code.
+        ray.init(address=cfg.cluster.address, log_to_driver=True)
+        return
     # User reward modules named as `package.module:function` must import inside the actors.
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    if cfg.cluster.address:
-        ray.init(address=cfg.cluster.address, runtime_env={"env_vars": env}, log_to_driver=True)
-        return
     needed = cfg.rollout.num_workers + cfg.trainer.num_workers + cfg.reward.num_workers
     num_cpus = cfg.cluster.num_cpus or max(os.cpu_count() or 1, needed)
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
@@ -77,7 +78,10 @@ def build_components(cfg: DictConfig):
 
     threads = worker_threads(cfg)
     gpu = cfg.cluster.gpus_per_rollout_worker > 0
-    rollout_env = {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "WARNING"}
+    # vLLM warns at every in-place reload that RotaryEmbedding got no weights (its cos/sin cache
+    # is derived, not trained, and is kept): keep the console for the per-step summary.
+    quiet = {"PYTHONWARNINGS": "ignore::FutureWarning"}
+    rollout_env = {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "ERROR", **quiet}
     if cfg.rollout.backend == "vllm":
         rollout_env.update(vllm_env(cfg.rollout.kv_cache_gib, threads))
     fleet = RolloutFleet(
@@ -136,7 +140,7 @@ def build_components(cfg: DictConfig):
         cfg.trainer.num_workers,
         num_cpus=1,
         num_gpus=cfg.cluster.gpus_per_learner,
-        env_vars={"OMP_NUM_THREADS": str(threads)},
+        env_vars={"OMP_NUM_THREADS": str(threads), **quiet},
         weight_sync_method=cfg.trainer.weight_sync,
     )
     learner.connect(fleet)

@@ -59,18 +59,21 @@ def flaky(prompts, completions, answer, **kwargs):
 
 
 def test_zero3_two_ranks_sync_and_a_failing_user_reward(make_config, tmp_path):
-    """ZeRO-3 over 2 DeepSpeed ranks, weights gathered and broadcast to vLLM over gloo; a user
-    reward file outside the repo raises for some samples: they are recorded, the run goes on."""
+    """ZeRO-3 over 2 DeepSpeed ranks with gradient accumulation, 2 epochs x 2 mini-batches, weights
+    gathered and broadcast to vLLM over gloo; a user reward file outside the repo raises for some
+    samples: they are recorded, the run goes on."""
     reward_file = tmp_path / "outside" / "my_reward.py"
     reward_file.parent.mkdir()
     reward_file.write_text(FLAKY_REWARD)
     cfg = make_config(
         "run.steps=3", "trainer.zero_stage=3", "trainer.num_workers=2", "task.prompts_per_step=16",
-        "algorithm.kl_coef=0.01", f'reward.functions=[{{fn: "{reward_file}:flaky"}}]',
+        "algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2",
+        "trainer.micro_batch_size=16", f'reward.functions=[{{fn: "{reward_file}:flaky"}}]',
     )
     train(cfg)
     metrics = read_metrics(cfg.run.dir)
     assert len(metrics) == 3
+    assert all(m["actor/updates_count"] == 4 for m in metrics)  # 2 epochs x 2 mini-batches
     assert all(m["sync/logprob_abs_diff"] < 1e-3 for m in metrics)
     assert metrics[-1]["actor/kl_nats"] > 0  # the policy moved away from the reference...
     assert metrics[1]["sync/weights_mb"] > 0  # ...and vLLM sampled from the moved policy

@@ -64,10 +64,11 @@ def deepspeed_config(spec: LearnerSpec, world_size: int, with_optimizer: bool = 
         zero["stage3_param_persistence_threshold"] = spec.zero3_persistence_threshold
     if spec.offload_optimizer and with_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    clipping = {"gradient_clipping": spec.max_grad_norm} if with_optimizer else {}
     return {
         "train_micro_batch_size_per_gpu": -(-rows_per_rank // gas),
         "gradient_accumulation_steps": gas,
-        "gradient_clipping": spec.max_grad_norm,
+        **clipping,
         "zero_optimization": zero,
         "bf16": {"enabled": spec.dtype == "bfloat16"},
         "zero_allow_untested_optimizer": True,
@@ -129,18 +130,12 @@ class LearnerWorker:
             ref = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype).eval()
             ref.requires_grad_(False)
             if spec.zero_stage == 3:
-                ref_config = {k: v for k, v in ds_config.items() if k != "gradient_clipping"}
-                ref, *_ = deepspeed.initialize(model=ref, config=ref_config)
+                ref, *_ = deepspeed.initialize(model=ref, config=deepspeed_config(spec, world_size, with_optimizer=False))
             self.ref = ref.to(self.device) if spec.zero_stage != 3 else ref
         self._named_params = [(n, p) for n, p in self.engine.module.named_parameters()]
         self._sync_group = None
-        self._sync_metas: list[weight_sync.WeightMeta] | None = None
 
     # ---- training -------------------------------------------------------------------------
-
-    def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[TrainBatch]:
-        gas = gradient_accumulation_steps(self.spec, self.world_size)
-        return [batch.select(chunk) for chunk in torch.tensor_split(rows, gas)]
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)

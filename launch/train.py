@@ -154,20 +154,32 @@ def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, float
             "last_steps_reward_mean": statistics.fmean(rewards[-k:]), "steps_averaged": k}
 
 
-def train(cfg: DictConfig) -> dict[str, float]:
-    """Run one experiment from a validated, path-resolved config; returns the run summary."""
-    import ray
+def load_inputs(cfg: DictConfig):
+    """Everything read from the user's files, checked before Ray starts: the reward functions
+    (imported here once, so a bad name fails in seconds), the tokenizer and the prompts."""
     from transformers import AutoTokenizer
 
+    from reward.scorer import RewardFunctionSpec, RewardScorer
     from rl.data import PromptDataset
-    from rl.loop import LoopSettings, run_loop
-    from rl.run_log import RunLog
 
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    OmegaConf.save(cfg, os.path.join(cfg.run.dir, "config.yaml"), resolve=True)
+    RewardScorer([RewardFunctionSpec(f.fn, f.weight, f.name) for f in cfg.reward.functions], base_dir=os.getcwd())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, tokenizer, cfg.run.seed,
                          cfg.rollout.max_model_len - cfg.rollout.max_new_tokens)
+    data.requests(0, 1, 1)  # tokenizes one prompt: length and column problems surface now
+    return tokenizer, data
+
+
+def train(cfg: DictConfig, inputs=None) -> dict[str, float]:
+    """Run one experiment from a validated, path-resolved config; returns the run summary."""
+    import ray
+
+    from rl.loop import LoopSettings, run_loop
+    from rl.run_log import RunLog
+
+    tokenizer, data = inputs or load_inputs(cfg)
+    os.makedirs(cfg.run.dir, exist_ok=True)
+    OmegaConf.save(cfg, os.path.join(cfg.run.dir, "config.yaml"), resolve=True)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start_ray(cfg)
     fleet = rewards = learner = None
@@ -215,11 +227,12 @@ def main(cfg: DictConfig) -> None:
     try:
         validate(cfg)
         ensure_model(cfg)
-    except ConfigError as err:
+        resolve_paths(cfg)
+        inputs = load_inputs(cfg)
+    except (ConfigError, ValueError, FileNotFoundError) as err:  # RewardLoadError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    resolve_paths(cfg)
-    train(cfg)
+    train(cfg, inputs)
 
 
 if __name__ == "__main__":

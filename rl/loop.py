@@ -62,6 +62,17 @@ def reward_metrics(scored: list[ScoredSample]) -> dict[str, float]:
     return out
 
 
+def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | None:
+    """The loud warning for when learner and rollout disagree on the sampled tokens' log-probs."""
+    if diff <= threshold:
+        return None
+    return (
+        f"WARNING: step {step}: learner and rollout log-probs of the same tokens differ by {diff:.4f} "
+        f"nats on average (> trainer.logprob_warn_threshold={threshold}): the rollout engines are not "
+        "sampling from the learner's weights (weight sync, dtype or temperature mismatch); training is off-policy"
+    )
+
+
 def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
              log: RunLog, start_step: int = 0) -> list[dict[str, float]]:
     """Run steps [start_step, settings.steps); returns each step's metrics."""
@@ -107,13 +118,10 @@ def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards:
             "time/step_s": t_sync - t0,
             "policy/version": float(version),
         }
-        diff = metrics.get("sync/logprob_abs_diff", 0.0)
-        if diff > settings.logprob_warn_threshold:
-            log.write(
-                f"WARNING: step {step}: learner and rollout log-probs of the same tokens differ by "
-                f"{diff:.4f} nats on average (> trainer.logprob_warn_threshold="
-                f"{settings.logprob_warn_threshold}); weight sync or numerics are off, training is off-policy"
-            )
+        warning = logprob_mismatch_warning(step, metrics.get("sync/logprob_abs_diff", 0.0),
+                                           settings.logprob_warn_threshold)
+        if warning:
+            log.write(warning)
         log.samples(step, scored, settings.log_samples_per_step)
         log.metrics(step, metrics)
         history.append(metrics)

@@ -24,6 +24,33 @@ def vllm_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
     return env
 
 
+def _record_tied_parameters(worker) -> int:
+    """Runs inside vLLM's worker: remember which module attributes share one Parameter
+    (e.g. lm_head.weight is embed_tokens.weight when word embeddings are tied)."""
+    model = worker.model_runner.model
+    by_id: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    model._rlpost_tied = [names for names in by_id.values() if len(names) > 1]
+    return len(model._rlpost_tied)
+
+
+def _restore_tied_parameters(worker) -> None:
+    """vLLM's layer-wise `reload_weights` gives the loaded layer a new tensor, so a tied twin (that
+    received no checkpoint weight of its own) keeps the old one: point it at the new one again and
+    redo the twin's post-load processing (on CPU the LM head keeps a prepacked GEMM copy)."""
+    model = worker.model_runner.model
+    for canonical, *twins in getattr(model, "_rlpost_tied", []):
+        param = model.get_parameter(canonical)
+        for twin in twins:
+            owner_name, _, attr = twin.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            setattr(owner, attr, param)
+            method = getattr(owner, "quant_method", None)
+            if method is not None and hasattr(method, "process_weights_after_loading"):
+                method.process_weights_after_loading(owner)
+
+
 class VLLMEngine:
     def __init__(
         self,
@@ -56,6 +83,7 @@ class VLLMEngine:
             enable_sleep_mode=sleep_mode and torch.cuda.is_available(),  # sleep is a no-op on CPU
         )
         self.tokenizer = self.llm.get_tokenizer()
+        self._has_tied = any(self.llm.collective_rpc(_record_tied_parameters))
         self.version = 0
         self._sleep_mode = sleep_mode and torch.cuda.is_available()
         self._sleeping = False
@@ -99,6 +127,8 @@ class VLLMEngine:
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
+        if self._has_tied:
+            self.llm.collective_rpc(_restore_tied_parameters)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.version = version
 

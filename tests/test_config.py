@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -37,12 +38,28 @@ def test_semantic_errors_name_fields_and_fixes():
 @pytest.mark.parametrize(
     "override,expected",
     [("algorithm.lr=oops", "algorithm.lr"), ("trainer.zero_stag=3", "trainer.zero_stag"),
-     ("+nonsense=1", "nonsense"), ("rollout.n=2.5", "rollout.n")],
+     ("+nonsense=1", "nonsense"), ("rollout.n=2.5", "rollout.n"),
+     ("model.path=/no/such/model", "model.path='/no/such/model'")],
 )
 def test_cli_rejects_bad_input_fast_with_the_field_name(override, expected):
+    _fails_fast([override], expected)
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [("reward.functions=[{fn: nope_rewards.py:score}]", "reward.functions[0].fn='nope_rewards.py:score'"),
+     ("task.prompt_key=question", "task.prompt_key='question'")],
+)
+def test_bad_reward_or_data_fails_before_ray_starts(tiny_dir, override, expected):
+    _fails_fast([f"model.path={tiny_dir}/model", f"task.train_files=[{tiny_dir}/data/train.jsonl]", override],
+                expected)
+
+
+def _fails_fast(overrides, expected):
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "launch.train", override], cwd=ROOT, capture_output=True,
-                          text=True, timeout=60)
+    run_dir = f"run.dir={tempfile.mkdtemp()}"  # Hydra makes the run dir before our checks run
+    proc = subprocess.run([sys.executable, "-m", "launch.train", *overrides, run_dir], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
     elapsed = time.perf_counter() - start
     assert proc.returncode != 0
     assert expected in proc.stdout + proc.stderr

@@ -60,13 +60,14 @@ def flaky(prompts, completions, answer, **kwargs):
 
 def test_zero3_two_ranks_sync_and_a_failing_user_reward(make_config, tmp_path):
     """ZeRO-3 over 2 DeepSpeed ranks with gradient accumulation, 2 epochs x 2 mini-batches, weights
-    gathered and broadcast to vLLM over gloo; a user reward file outside the repo raises for some
+    gathered and broadcast to 2 vLLM workers over one gloo group; a user reward file outside the repo raises for some
     samples: they are recorded, the run goes on."""
     reward_file = tmp_path / "outside" / "my_reward.py"
     reward_file.parent.mkdir()
     reward_file.write_text(FLAKY_REWARD)
     cfg = make_config(
         "run.steps=3", "trainer.zero_stage=3", "trainer.num_workers=2", "task.prompts_per_step=16",
+        "rollout.num_workers=2",
         "algorithm.kl_coef=0.01", "algorithm.ppo_epochs=2", "algorithm.mini_batches=2",
         "trainer.micro_batch_size=16", f'reward.functions=[{{fn: "{reward_file}:flaky"}}]',
     )
@@ -99,3 +100,26 @@ def test_hf_backend_zero1_two_ranks_object_store_sync(make_config):
     assert len(metrics) == 2
     assert metrics[1]["sync/logprob_abs_diff"] < 1e-3
     assert 0 <= metrics[1]["reward/mean"] <= 1.1
+
+
+def test_any_local_hf_folder_works_as_model_path(make_config, tiny_dir, tmp_path):
+    """Not only the built-in model: a Qwen2-architecture folder (random init, its own config) trains
+    through vLLM and DeepSpeed the same way when named by model.path."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(f"{tiny_dir}/model")
+    folder = tmp_path / "qwen2-tiny"
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    cfg = make_config(f"model.path={folder}", "run.steps=2", "task.prompts_per_step=8")
+    summary = train(cfg)
+    metrics = read_metrics(cfg.run.dir)
+    assert metrics[1]["sync/logprob_abs_diff"] < 1e-3  # tied embeddings survive the sync too
+    from transformers import AutoModelForCausalLM
+
+    assert isinstance(AutoModelForCausalLM.from_pretrained(summary["final_model"]), Qwen2ForCausalLM)

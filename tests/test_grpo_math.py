@@ -104,3 +104,11 @@ def test_micro_batches_with_global_normalizer_sum_to_the_whole(mode):
 def test_unknown_aggregation_names_the_field():
     with pytest.raises(KeyError, match="algorithm.loss_agg"):
         aggregate(PER_TOKEN, MASK, "sum", LossNormalizer.of(MASK))
+
+
+def test_logprob_mismatch_warning_is_loud_only_above_threshold():
+    from rl.loop import logprob_mismatch_warning
+
+    assert logprob_mismatch_warning(3, 0.01, 0.05) is None
+    text = logprob_mismatch_warning(3, 0.2, 0.05)
+    assert text.startswith("WARNING: step 3") and "trainer.logprob_warn_threshold=0.05" in text

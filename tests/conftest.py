@@ -19,6 +19,16 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for tests that drive actors directly (e2e tests start their own via train())."""
+    import ray
+
+    ray.init(num_cpus=4, include_dashboard=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture
 def make_config(tiny_dir, tmp_path):
     """Compose the real Hydra config with overrides, pointed at the tiny model and a temp run dir."""

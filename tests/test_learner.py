@@ -4,7 +4,6 @@ completions and lowers the negative ones, for every ZeRO stage, at world size 1 
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
 from rl.batch import build_train_batch
@@ -14,13 +13,6 @@ from trainer.learner import LearnerSpec
 from trainer.logprobs import token_logprobs
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def _spec(model_path: str, stage: int, rows: int) -> LearnerSpec:

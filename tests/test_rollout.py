@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import ray
 import torch
 
 from rl.data import PromptDataset
@@ -12,13 +11,6 @@ from rollout.protocol import SamplingConfig
 from rollout.vllm_engine import vllm_env
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def ray_local():
-    ray.init(num_cpus=4, include_dashboard=False)
-    yield
-    ray.shutdown()
 
 
 def _requests(tiny_dir, n=4, prompts=6):

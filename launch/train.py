@@ -10,6 +10,7 @@ import json
 import os
 import statistics
 import sys
+from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
@@ -170,22 +171,73 @@ def load_inputs(cfg: DictConfig):
     return tokenizer, data
 
 
-def train(cfg: DictConfig, inputs=None) -> dict[str, float]:
+# Keys that may change when a run is resumed (extend it with more steps, watch it differently).
+RESUMABLE_CHANGES = ("run.steps", "run.resume", "run.progress", "run.save_every", "run.keep_checkpoints")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def check_run_dir(cfg: DictConfig):
+    """Refuse to write over a finished or running run; on resume, find its checkpoint and check
+    the config is the one it was started with. Returns (checkpoint path, LoopState) or None."""
+    from rl import checkpoint
+
+    saved_path = os.path.join(cfg.run.dir, "config.yaml")
+    if not cfg.run.resume:
+        if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
+            raise ConfigError(
+                f"run.dir={cfg.run.dir} already holds a run; continue it with run.resume=true, "
+                "or choose another run.dir"
+            )
+        return None
+    found = checkpoint.latest(cfg.run.dir)
+    if found is None or not os.path.exists(saved_path):
+        raise ConfigError(f"run.resume=true but run.dir={cfg.run.dir} holds no checkpoint to resume from")
+    saved = _flat(OmegaConf.to_container(OmegaConf.load(saved_path)))
+    now = _flat(OmegaConf.to_container(cfg, resolve=True))
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
+    if changed:
+        raise ConfigError(
+            "run.resume=true with a config that differs from the saved run in: "
+            + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in changed)
+            + f"; pass the original overrides again (see {saved_path}). Only {', '.join(RESUMABLE_CHANGES)} may change"
+        )
+    if found[1].next_step >= cfg.run.steps:
+        raise ConfigError(f"run.steps={cfg.run.steps}: the run already finished step {found[1].next_step}; "
+                          "raise run.steps to train further")
+    return found
+
+
+def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
     """Run one experiment from a validated, path-resolved config; returns the run summary."""
     import ray
 
     from rl.loop import LoopSettings, run_loop
-    from rl.run_log import RunLog
+    from rl.run_log import RunLog, read_metrics
 
     tokenizer, data = inputs or load_inputs(cfg)
     os.makedirs(cfg.run.dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.run.dir, "config.yaml"), resolve=True)
+    start_step = 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start_ray(cfg)
     fleet = rewards = learner = None
     try:
         fleet, rewards, learner = build_components(cfg)
-        log = RunLog(cfg.run.dir, cfg.run.steps, progress=cfg.run.progress)
+        if resume_from is not None:
+            path, state = resume_from
+            learner.load_checkpoint(os.path.join(path, "learner"))
+            learner.sync_weights(fleet, state.policy_version)  # engines started from model.path
+            start_step = state.next_step
+            print(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}")
+        log = RunLog(cfg.run.dir, cfg.run.steps, progress=cfg.run.progress, start_step=start_step)
         settings = LoopSettings(
             steps=cfg.run.steps,
             prompts_per_step=cfg.task.prompts_per_step,
@@ -196,12 +248,14 @@ def train(cfg: DictConfig, inputs=None) -> dict[str, float]:
             log_samples_per_step=cfg.run.log_samples_per_step,
             logprob_warn_threshold=cfg.trainer.logprob_warn_threshold,
             sleep_between_steps=cfg.rollout.sleep_between_steps,
+            save_every=cfg.run.save_every,
+            keep_checkpoints=cfg.run.keep_checkpoints,
         )
         try:
-            history = run_loop(settings, data, fleet, rewards, learner, log)
+            run_loop(settings, data, fleet, rewards, learner, log, start_step=start_step)
         finally:
             log.close()
-        summary = reward_trend(history)
+        summary = reward_trend(read_metrics(cfg.run.dir))
         if cfg.run.save_final_model:
             final = os.path.join(cfg.run.dir, "final_model")
             learner.save_pretrained(final)
@@ -228,11 +282,12 @@ def main(cfg: DictConfig) -> None:
         validate(cfg)
         ensure_model(cfg)
         resolve_paths(cfg)
+        resume_from = check_run_dir(cfg)
         inputs = load_inputs(cfg)
     except (ConfigError, ValueError, FileNotFoundError) as err:  # RewardLoadError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    train(cfg, inputs)
+    train(cfg, inputs, resume_from)
 
 
 if __name__ == "__main__":

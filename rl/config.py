@@ -104,6 +104,9 @@ class RunConfig:
     steps: int = 30
     log_samples_per_step: int = 4
     save_final_model: bool = True
+    save_every: int = 20  # checkpoint every N steps (and at the last step); 0 = never
+    keep_checkpoints: int = 2
+    resume: bool = False  # continue the run in run.dir from its latest checkpoint
     progress: bool = True
 
 
@@ -143,6 +146,7 @@ _POSITIVE = (
     "algorithm.ppo_epochs",
     "algorithm.mini_batches",
     "run.steps",
+    "run.keep_checkpoints",
 )
 
 

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from rl import checkpoint
 from rl.advantages import ADVANTAGES, group_success_stats
 from rl.batch import build_train_batch
 from rl.data import PromptDataset
@@ -34,6 +35,7 @@ class Rewards(Protocol):
 class Learner(Protocol):
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]: ...
     def sync_weights(self, fleet: Fleet, version: int) -> float: ...
+    def save_checkpoint(self, path: str) -> None: ...
 
 
 @dataclass
@@ -47,6 +49,8 @@ class LoopSettings:
     log_samples_per_step: int = 4
     logprob_warn_threshold: float = 0.05
     sleep_between_steps: bool = False
+    save_every: int = 0
+    keep_checkpoints: int = 2
 
 
 def reward_metrics(scored: list[ScoredSample]) -> dict[str, float]:
@@ -75,7 +79,10 @@ def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | 
 
 def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
              log: RunLog, start_step: int = 0) -> list[dict[str, float]]:
-    """Run steps [start_step, settings.steps); returns each step's metrics."""
+    """Run steps [start_step, settings.steps); returns each step's metrics.
+
+    The policy version equals the number of updates so far, i.e. the step index, also on resume.
+    """
     history = []
     estimator = ADVANTAGES.get(settings.advantage)
     version = start_step
@@ -125,4 +132,8 @@ def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards:
         log.samples(step, scored, settings.log_samples_per_step)
         log.metrics(step, metrics)
         history.append(metrics)
+        done = step + 1
+        if settings.save_every and (done % settings.save_every == 0 or done == settings.steps):
+            checkpoint.save(log.run_dir, checkpoint.LoopState(done, version), learner.save_checkpoint,
+                            settings.keep_checkpoints)
     return history

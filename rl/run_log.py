@@ -24,7 +24,7 @@ def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
 class RunLog:
     """Appends to <run>/metrics.jsonl, <run>/samples.jsonl and TensorBoard events in <run>/tb."""
 
-    def __init__(self, run_dir: str, total_steps: int, progress: bool = True):
+    def __init__(self, run_dir: str, total_steps: int, progress: bool = True, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
@@ -33,7 +33,8 @@ class RunLog:
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
         self._samples = open(os.path.join(run_dir, "samples.jsonl"), "a", buffering=1)
         self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-        self._bar = tqdm(total=total_steps, desc="GRPO", unit="step", disable=not progress, dynamic_ncols=True)
+        self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", disable=not progress,
+                         dynamic_ncols=True)
         self.total_steps = total_steps
 
     def metrics(self, step: int, values: dict[str, float]) -> None:
@@ -63,5 +64,11 @@ class RunLog:
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
+    """One row per step in step order; a step redone after a resume keeps its latest row."""
+    by_step: dict[int, dict[str, Any]] = {}
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                by_step[row["step"]] = row
+    return [by_step[k] for k in sorted(by_step)]

@@ -77,6 +77,12 @@ class LearnerGroup:
         ray.get(receives)
         return sent[0]
 
+    def save_checkpoint(self, path: str) -> None:
+        ray.get([w.save_checkpoint.remote(path) for w in self.workers])
+
+    def load_checkpoint(self, path: str) -> None:
+        ray.get([w.load_checkpoint.remote(path) for w in self.workers])
+
     def save_pretrained(self, path: str) -> None:
         ray.get([w.save_pretrained.remote(path) for w in self.workers])
 

@@ -266,6 +266,15 @@ class LearnerWorker:
                 out.update((name, t.detach().cpu().clone()) for name, t in bucket)
         return out if self.rank == 0 else None
 
+    def save_checkpoint(self, path: str) -> None:
+        """Full training state (weights, optimizer, lr schedule), every rank writing its shard."""
+        self.engine.save_checkpoint(path, tag="state")
+
+    def load_checkpoint(self, path: str) -> None:
+        loaded, _ = self.engine.load_checkpoint(path, tag="state")
+        if loaded is None:
+            raise FileNotFoundError(f"no learner checkpoint under {path}")
+
     def save_pretrained(self, path: str) -> None:
         """Write the policy as a transformers folder (safetensors) that vLLM and HF load directly."""
         state = self.full_state_dict()

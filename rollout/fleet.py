@@ -58,9 +58,6 @@ class RolloutFleet:
         order = {(r.group_id, r.sample_index): i for i, r in enumerate(requests)}
         return sorted(samples, key=lambda s: order[(s.group_id, s.sample_index)])
 
-    def versions(self) -> list[int]:
-        return ray.get([w.version.remote() for w in self.workers])
-
     def sleep(self) -> None:
         ray.get([w.sleep.remote() for w in self.workers])
 

@@ -28,6 +28,16 @@ def test_default_config_is_valid():
     assert _compose("rollout=hf").rollout.backend == "hf"
 
 
+def test_config_choices_match_the_registries():
+    """rl/config.py lists choices without importing torch (fast CLI errors); keep them in step."""
+    from rl.config import _CHOICES
+    from rl.kl import KL_ESTIMATORS
+    from rl.losses import LOSS_AGGREGATIONS
+
+    assert set(_CHOICES["algorithm.kl_estimator"]) == set(KL_ESTIMATORS.names())
+    assert set(_CHOICES["algorithm.loss_agg"]) == set(LOSS_AGGREGATIONS)
+
+
 def test_semantic_errors_name_fields_and_fixes():
     with pytest.raises(ConfigError) as err:
         validate(_compose("rollout.n=1", "trainer.zero_stage=4", "trainer.num_workers=3"))

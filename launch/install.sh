@@ -10,6 +10,17 @@ stamp=".venv/.installed-$extra-$(sha1sum pyproject.toml launch/install.sh | sha1
 if [ -f "$stamp" ]; then
   exit 0
 fi
+# The code sandbox needs bubblewrap (isolation) and valgrind (instruction counts) from Debian.
+missing=""
+command -v bwrap >/dev/null || missing="$missing bubblewrap"
+command -v valgrind >/dev/null || missing="$missing valgrind"
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q $missing >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q $missing >/dev/null)
+  else
+    echo "note: install$missing (e.g. sudo apt-get install$missing) for the code sandbox" >&2
+  fi
+fi
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 export DS_BUILD_OPS=0  # DeepSpeed ops compile on first use; we use torch's AdamW and need none
 .venv/bin/python -m pip install -q --upgrade pip

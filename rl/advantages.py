@@ -1,8 +1,18 @@
 """Advantage estimators: pure tensor functions, registered by name (`algorithm.advantage`).
 
-Outcome-reward estimators take one scalar reward per sample and the group (prompt) each
-sample belongs to, and return one advantage per sample; the loop broadcasts it to the tokens.
-Samples whose reward could not be computed are excluded by the caller (`valid` mask).
+Three kinds of input, named in `ADVANTAGE_INPUTS` so the caller knows how to call each one:
+
+- "outcome": one scalar reward per sample and the group (prompt) each sample belongs to
+  -> one advantage per sample; the caller broadcasts it to the sample's tokens.
+  Signature `(rewards [B], group_ids [B], valid [B] | None) -> [B]` (grpo also takes norm_by_std).
+- "token": per-token rewards (see `token_level_rewards`) -> per-token advantages.
+  reinforce_pp: `(token_rewards [B,T], mask [B,T], gamma) -> advantages [B,T]`.
+- "critic": per-token rewards and a critic's values -> per-token advantages and value targets.
+  gae: `(token_rewards [B,T], values [B,T], mask [B,T], gamma, lam) -> (advantages, returns)`.
+
+Samples whose reward could not be computed are excluded by the caller (`valid` mask, or an
+all-zero row of the token mask). Masks are 1 on completion tokens; rows may start with prompt
+positions (0) and end with right padding (0).
 """
 
 from __future__ import annotations
@@ -12,6 +22,10 @@ import torch
 from rl.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator", "algorithm.advantage")
+ADVANTAGE_INPUTS = {"grpo": "outcome", "rloo": "outcome", "reinforce_pp": "token", "gae": "critic"}
+
+
+# ---- outcome-reward estimators (one advantage per sample) -----------------------------------
 
 
 @ADVANTAGES.register("grpo")
@@ -44,6 +58,29 @@ def grpo_advantages(
     return adv.to(torch.float32)
 
 
+@ADVANTAGES.register("rloo")
+def rloo_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RLOO (Kool et al. 2019; Ahmadian et al. 2024): A_i = r_i - mean_{j != i} r_j.
+
+    The baseline of each sample is the mean reward of the *other* valid members of its group,
+    which equals n/(n-1) * (r_i - mean_group). A group of one valid sample (no other member to
+    compare with) gets 0, as does an all-equal group. Invalid samples get 0 and are no baseline.
+    """
+    rewards = rewards.to(torch.float64)
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid.bool()
+    adv = torch.zeros_like(rewards)
+    for gid in torch.unique(group_ids):
+        members = (group_ids == gid) & valid
+        n = int(members.sum())
+        if n < 2:
+            continue
+        r = rewards[members]
+        adv[members] = r - (r.sum() - r) / (n - 1)
+    return adv.to(torch.float32)
+
+
 def group_success_stats(rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
     """Share of groups whose valid rewards are all equal (they carry no GRPO signal)."""
     flat = 0
@@ -52,3 +89,106 @@ def group_success_stats(rewards: torch.Tensor, group_ids: torch.Tensor, valid: t
         r = rewards[(group_ids == gid) & valid.bool()]
         flat += int(r.numel() == 0 or bool((r == r[0]).all()))
     return {"adv/flat_groups_frac": flat / max(len(groups), 1)}
+
+
+# ---- per-token helpers ------------------------------------------------------------------------
+
+
+def last_valid_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of a [B, T] mask (-1 for an all-zero row)."""
+    t = mask.shape[-1]
+    positions = torch.arange(t, device=mask.device).expand_as(mask)
+    return torch.where(mask.bool(), positions, torch.full_like(positions, -1)).amax(-1)
+
+
+def token_level_rewards(
+    outcome: torch.Tensor,
+    mask: torch.Tensor,
+    kl: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+) -> torch.Tensor:
+    """Per-token rewards r_t = -kl_coef * kl_t on every valid token, plus the outcome reward at the
+    last valid token (Ziegler et al. 2019; Ouyang et al. 2022; REINFORCE++, Hu 2025).
+
+    outcome [B]: scalar reward per sample; mask [B, T]; kl [B, T]: per-token KL estimate between the
+    sampling policy and the reference (e.g. k1 on the old log-probs), or None for no penalty.
+    Masked positions are 0; an all-zero mask row gets no outcome reward.
+    """
+    mask = mask.to(torch.float32)
+    rewards = torch.zeros_like(mask)
+    if kl is not None and kl_coef:
+        rewards = -kl_coef * kl.to(torch.float32) * mask
+    last = last_valid_index(mask)
+    rows = torch.nonzero(last >= 0).squeeze(-1)
+    rewards[rows, last[rows]] += outcome.to(torch.float32)[rows]
+    return rewards
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Masked whitening: (x - mean) / sqrt(var + eps) over the valid entries of the whole tensor.
+
+    mean and the unbiased variance (Bessel, n - 1) are taken over entries where mask is 1. With
+    `shift_mean=False` the mean is added back (scale only, as in OpenRLHF/verl). Masked entries are 0.
+    """
+    mask = mask.to(values.dtype)
+    n = mask.sum()
+    mean = (values * mask).sum() / n.clamp(min=1.0)
+    var = (((values - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1.0)
+    out = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask
+
+
+def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """G_t = r_t + gamma * G_{t+1} over valid tokens, 0 on masked positions (the sum restarts there)."""
+    mask = mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros_like(token_rewards[:, 0])
+    for t in reversed(range(token_rewards.shape[1])):
+        running = (token_rewards[:, t] + gamma * running) * mask[:, t]
+        returns[:, t] = running
+    return returns
+
+
+# ---- per-token estimators ---------------------------------------------------------------------
+
+
+@ADVANTAGES.register("reinforce_pp")
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025): A_t = whiten(G_t) with G_t = sum_{k >= t} gamma^(k-t) r_k.
+
+    token_rewards [B, T] come from `token_level_rewards` (-kl_coef * kl_t on every token, outcome
+    reward at the last valid token). The returns are whitened over all valid tokens of the global
+    batch (not per group), so call this on the whole step's batch. Masked positions are 0.
+    """
+    return whiten(discounted_returns(token_rewards, mask, gamma), mask)
+
+
+@ADVANTAGES.register("gae")
+def gae_advantages(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016) with a learned critic; returns (advantages, returns), both [B, T].
+
+    delta_t = r_t + gamma * V_{t+1} - V_t, where V_{t+1} = 0 past the last valid token;
+    A_t = delta_t + gamma * lam * A_{t+1}; returns R_t = A_t + V_t (the critic's target).
+    lam=1 gives A_t = G_t - V_t (Monte-Carlo return minus value); lam=0 gives one-step TD.
+    Masked positions are 0. Advantages are *not* whitened here: PPO usually applies
+    `whiten(advantages, mask)` afterwards (keep `returns` from the raw advantages).
+    """
+    mask = mask.to(values.dtype)
+    values = values * mask
+    adv = torch.zeros_like(values)
+    next_value = torch.zeros_like(values[:, 0])
+    next_adv = torch.zeros_like(values[:, 0])
+    for t in reversed(range(values.shape[1])):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        a_t = (delta + gamma * lam * next_adv) * mask[:, t]
+        adv[:, t] = a_t
+        next_value, next_adv = values[:, t], a_t  # both 0 at a masked position
+    return adv, (adv + values) * mask

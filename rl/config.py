@@ -60,6 +60,7 @@ class RewardFunctionConfig:
     fn: str = MISSING  # "package.module:function" or "path/to/file.py:function"
     weight: float = 1.0
     name: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)  # fixed keyword arguments for fn
 
 
 @dataclass
@@ -98,6 +99,18 @@ class ClusterConfig:
 
 
 @dataclass
+class SandboxConfig:
+    """Where untrusted programs (code rewards) run: see sandbox/ and README "Code rewards"."""
+
+    backend: str = "process"      # process (bubblewrap+cgroups), docker, or unsafe_local (NO isolation)
+    num_workers: int = 0          # sandbox Ray actors; 0 = a code reward runs jobs in its own process
+    slots_per_worker: int = 2     # jobs one worker runs at once
+    num_cpus_per_worker: float = 1.0
+    resource: str | None = None   # custom Ray resource a node must advertise, e.g. "benchmark"
+    docker_image: str = "rlpost-sandbox:bookworm"
+
+
+@dataclass
 class RunConfig:
     dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     seed: int = 0
@@ -119,6 +132,7 @@ class TrainConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -127,12 +141,13 @@ class ConfigError(ValueError):
 
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
-    "algorithm.kl_estimator": ("k1", "k2", "k3"),
-    "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3", "k3_clamped"),
+    "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
     "model.dtype": ("float32", "bfloat16"),
     "rollout.backend": ("vllm", "hf"),
     "trainer.zero_stage": (0, 1, 2, 3),
     "trainer.weight_sync": ("collective", "object_store"),
+    "sandbox.backend": ("process", "docker", "unsafe_local"),
 }
 
 _POSITIVE = (
@@ -147,6 +162,7 @@ _POSITIVE = (
     "algorithm.mini_batches",
     "run.steps",
     "run.keep_checkpoints",
+    "sandbox.slots_per_worker",
 )
 
 

@@ -4,6 +4,9 @@ With log-ratio d = logp - ref_logp, on tokens sampled from the policy:
   k1 = d                       unbiased, high variance, can be negative
   k2 = d^2 / 2                 biased, low variance
   k3 = exp(-d) - 1 + d         unbiased, always >= 0 (GRPO's choice)
+  k3_clamped = clamp(k3, -10, 10)   k3 with outliers capped ("low_var_kl" in verl)
+
+Controllers that set the KL coefficient over training live in `rl/kl_control.py`.
 """
 
 from __future__ import annotations
@@ -29,3 +32,10 @@ def kl_k2(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     log_ratio = (ref_logp - logp).clamp(-20.0, 20.0)  # clamp keeps exp finite on outliers
     return torch.exp(log_ratio) - 1.0 - log_ratio
+
+
+@KL_ESTIMATORS.register("k3_clamped")
+def kl_k3_clamped(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """k3 clamped to [-10, 10]: a token whose log-ratio is far out (k3 grows like exp(-d)) adds at
+    most 10 nats and no gradient, which keeps the penalty's variance low."""
+    return kl_k3(logp, ref_logp).clamp(-10.0, 10.0)

@@ -1,0 +1,367 @@
+"""The built-in "code speed-up" task: make a slow C function faster without changing its results.
+
+Every problem is a function `long f(long n)` (defined for n >= 0) from one of a few families of
+integer loops with small digit parameters. The policy sees the slow reference and must write an
+equivalent faster one; the reward compiles it with a trusted harness (`HARNESS`), runs visible and
+hidden tests and counts the instructions of a benchmark run under callgrind.
+
+Sources are C tokens separated by single spaces and every integer constant is one digit, so the
+whole task fits a word-level vocabulary of ~40 words, and every source compiles as written.
+For each problem the generator also knows a few *variants* used to warm up the tiny policy by
+SFT: the slow reference itself, "medium" O(n) rewrites that do less work per n (stepping by `a`
+instead of testing `i % a`, hoisting a multiply or an inner loop out), a "fast" O(1) closed form
+and "wrong" near-misses (off-by-one bound, wrong constant).
+
+Pure Python (no torch) so the reward side and data tools can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+LANGUAGE = "c"
+SEPARATOR = "=>"  # ends every prompt: "<slow reference> =>"
+KINDS = ("slow", "medium", "fast", "wrong")
+CORRECT_KINDS = ("slow", "medium", "fast")
+
+# -O0 keeps the loops the source asks for (gcc -O1 and up may turn counting loops into closed
+# forms by scalar evolution, which would erase the differences the task rewards), and -static
+# removes the dynamic loader's ~90k instructions from every measurement: the fixed cost of a run
+# (start-up, scanf, printf) is then ~42k instructions, so an O(1) solution reads as a ~50x speed-up.
+COMPILE_FLAGS: tuple[str, ...] = ("-O0", "-static")
+
+# Target instruction count of the slow reference's loop on the benchmark input (see `_bench_n`):
+# large against the ~42k fixed cost, small enough that one callgrind run takes well under 0.5 s.
+BENCH_LOOP_INSTRUCTIONS = 3_000_000
+
+MAX_INPUTS = 64  # numbers the harness reads at most
+
+HARNESS = r"""/* Trusted harness of the code speed-up task: built with the candidate (solution.c). */
+#include <stdio.h>
+
+long f(long n);
+
+int main(void) {
+    long xs[64];
+    int k = 0;
+    char sentinel[64];
+    /* Read every number first, then the sentinel, and only then run the candidate: output that
+       does not end with the sentinel means the program died or exited early. */
+    while (k < 64 && scanf("%ld", &xs[k]) == 1)
+        k++;
+    if (scanf("%63s", sentinel) != 1)
+        return 3;
+    for (int i = 0; i < k; i++)
+        printf("%ld\n", f(xs[i]));
+    printf("%s\n", sentinel);
+    return 0;
+}
+"""
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    """One slow function plus what is needed to judge, benchmark and imitate rewrites of it."""
+
+    problem_id: str
+    family: str
+    params: tuple[int, ...]
+    reference: str
+    variants: dict[str, tuple[str, ...]]  # kind (slow/medium/fast/wrong) -> sources
+    tests: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]  # (inputs, expected outputs)
+    hidden_tests: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    bench_n: int
+    compile_flags: tuple[str, ...] = COMPILE_FLAGS
+    harness: str = field(default=HARNESS, repr=False)
+
+    @property
+    def prompt(self) -> str:
+        return code_prompt(self.reference)
+
+    def correct_variants(self) -> list[str]:
+        return [src for kind in CORRECT_KINDS for src in self.variants.get(kind, ())]
+
+    def kind_of(self, completion: str) -> str:
+        """`slow`, `medium`, `fast` or `wrong` for a known variant (spacing ignored), else `other`."""
+        text = " ".join(completion.split())
+        for kind in KINDS:
+            if text in self.variants.get(kind, ()):
+                return kind
+        return "other"
+
+    def to_row(self) -> dict[str, Any]:
+        """The dataset row (JSON-serialisable) the RL trainer and the reward service read."""
+        return {
+            "prompt": self.prompt,
+            "problem_id": self.problem_id,
+            "family": self.family,
+            "language": LANGUAGE,
+            "reference": self.reference,
+            "harness": self.harness,
+            "compile_flags": list(self.compile_flags),
+            "tests": [_test_row(i, o) for i, o in self.tests],
+            "hidden_tests": [_test_row(i, o) for i, o in self.hidden_tests],
+            "bench_stdin": f"{self.bench_n}\n",
+        }
+
+
+def code_prompt(reference: str) -> str:
+    return f"{reference} {SEPARATOR}"
+
+
+def _test_row(inputs: tuple[int, ...], outputs: tuple[int, ...]) -> dict[str, str]:
+    return {
+        "stdin": "".join(f"{x}\n" for x in inputs),
+        "expected_stdout": "".join(f"{y}\n" for y in outputs),
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Families. Each builder returns the variants by kind (the first "slow" one is the reference) and
+# the exact answer for n >= 0. Sources are space-separated tokens with one-digit constants.
+# --------------------------------------------------------------------------------------------
+
+HEAD = "long f ( long n ) {"
+
+
+def _src(*parts: str) -> str:
+    return " ".join([HEAD, *parts, "}"])
+
+
+def _loop(var: str, start: Any, bound: str, step: str, body: str, limit: str = "n") -> str:
+    return f"for ( long {var} = {start} ; {var} {bound} {limit} ; {step} ) {body}"
+
+
+def _other(d: int) -> int:
+    """A different one-digit parameter >= 2 (for wrong-constant variants)."""
+    return d + 1 if d < 9 else d - 1
+
+
+def _mod_cost(a: int, b: int = 0) -> int:
+    """~Instructions per n of a loop testing `i % a == b` at -O0 (measured): powers of two need no
+    division, and testing a remainder other than 0 then needs a sign fix-up."""
+    if a in (2, 4, 8):
+        return 14 if b else 8
+    return 19
+
+
+Variants = dict[str, list[str]]
+Family = Callable[..., tuple[Variants, Callable[[int], int], int]]
+
+
+def count_mult(a: int) -> tuple[Variants, Callable[[int], int], int]:
+    """How many i in 1..n are multiples of a."""
+    o = _other(a)
+    v = {
+        "slow": [_src("long c = 0 ;", _loop("i", 1, "<=", "i ++", f"if ( i % {a} == 0 ) c ++ ;"), "return c ;")],
+        "medium": [_src("long c = 0 ;", _loop("i", a, "<=", f"i += {a}", "c ++ ;"), "return c ;")],
+        "fast": [_src(f"return n / {a} ;")],
+        "wrong": [
+            _src("long c = 0 ;", _loop("i", 1, "<", "i ++", f"if ( i % {a} == 0 ) c ++ ;"), "return c ;"),
+            _src("long c = 0 ;", _loop("i", a, "<", f"i += {a}", "c ++ ;"), "return c ;"),
+            _src(f"return n / {o} ;"),
+            _src(f"return ( n + 1 ) / {a} ;"),
+        ],
+    }
+    return v, lambda n: n // a, _mod_cost(a)  # ~instructions per n of the slow loop at -O0
+
+
+def count_mod(a: int, b: int) -> tuple[Variants, Callable[[int], int], int]:
+    """How many i in 1..n leave remainder b (1 <= b < a) when divided by a."""
+    ob = b + 1 if b + 1 < a else b - 1
+    v = {
+        "slow": [_src("long c = 0 ;", _loop("i", 1, "<=", "i ++", f"if ( i % {a} == {b} ) c ++ ;"), "return c ;")],
+        "medium": [_src("long c = 0 ;", _loop("i", b, "<=", f"i += {a}", "c ++ ;"), "return c ;")],
+        "fast": [_src(f"return ( n + {a} - {b} ) / {a} ;")],
+        "wrong": [
+            _src("long c = 0 ;", _loop("i", 1, "<", "i ++", f"if ( i % {a} == {b} ) c ++ ;"), "return c ;"),
+            _src("long c = 0 ;", _loop("i", 1, "<=", "i ++", f"if ( i % {a} == {ob} ) c ++ ;"), "return c ;"),
+            _src(f"return ( n - {b} ) / {a} ;"),
+            _src("long c = 0 ;", _loop("i", b, "<", f"i += {a}", "c ++ ;"), "return c ;"),
+        ],
+    }
+    return v, lambda n: (n + a - b) // a, _mod_cost(a, b)
+
+
+def sum_mult(a: int) -> tuple[Variants, Callable[[int], int], int]:
+    """The sum of the multiples of a in 1..n."""
+    def solve(n: int) -> int:
+        m = n // a
+        return a * m * (m + 1) // 2
+
+    v = {
+        "slow": [_src("long s = 0 ;", _loop("i", 1, "<=", "i ++", f"if ( i % {a} == 0 ) s += i ;"), "return s ;")],
+        "medium": [_src("long s = 0 ;", _loop("i", a, "<=", f"i += {a}", "s += i ;"), "return s ;")],
+        "fast": [_src(f"long m = n / {a} ;", f"return {a} * m * ( m + 1 ) / 2 ;")],
+        "wrong": [
+            _src("long s = 0 ;", _loop("i", 1, "<", "i ++", f"if ( i % {a} == 0 ) s += i ;"), "return s ;"),
+            _src("long s = 0 ;", _loop("i", a, "<", f"i += {a}", "s += i ;"), "return s ;"),
+            _src(f"long m = n / {a} ;", f"return {a} * m * ( m - 1 ) / 2 ;"),
+        ],
+    }
+    return v, solve, _mod_cost(a)
+
+
+def affine_sum(a: int, b: int) -> tuple[Variants, Callable[[int], int], int]:
+    """The sum of a*i + b over i in 1..n (added in two steps, as a naive loop might)."""
+    body = f"{{ s += {a} * i ; s += {b} ; }}"
+    v = {
+        "slow": [_src("long s = 0 ;", _loop("i", 1, "<=", "i ++", body), "return s ;")],
+        "medium": [_src("long s = 0 ;", _loop("i", 1, "<=", "i ++", "s += i ;"), f"return {a} * s + {b} * n ;")],
+        "fast": [_src(f"return {a} * n * ( n + 1 ) / 2 + {b} * n ;")],
+        "wrong": [
+            _src("long s = 0 ;", _loop("i", 1, "<", "i ++", body), "return s ;"),
+            _src("long s = 0 ;", _loop("i", 0, "<=", "i ++", body), "return s ;"),
+            _src("long s = 0 ;", _loop("i", 1, "<=", "i ++", "s += i ;"), f"return {a} * s + {b} ;"),
+            _src(f"return {a} * n * ( n - 1 ) / 2 + {b} * n ;"),
+        ],
+    }
+    return v, lambda n: a * n * (n + 1) // 2 + b * n, 10
+
+
+def repeat_add(a: int) -> tuple[Variants, Callable[[int], int], int]:
+    """i added a times, for each i in 1..n (an inner loop that is a multiplication in disguise)."""
+    inner = _loop("j", 0, "<", "j ++", "s += i ;", limit=str(a))
+    v = {
+        "slow": [_src("long s = 0 ;", _loop("i", 1, "<=", "i ++", inner), "return s ;")],
+        "medium": [
+            _src("long s = 0 ;", _loop("i", 1, "<=", "i ++", f"s += {a} * i ;"), "return s ;"),
+            _src("long s = 0 ;", _loop("i", 1, "<=", "i ++", "s += i ;"), f"return {a} * s ;"),
+        ],
+        "fast": [_src(f"return {a} * n * ( n + 1 ) / 2 ;")],
+        "wrong": [
+            _src("long s = 0 ;", _loop("i", 1, "<=", "i ++", _loop("j", 0, "<=", "j ++", "s += i ;", limit=str(a))),
+                 "return s ;"),
+            _src("long s = 0 ;", _loop("i", 1, "<", "i ++", f"s += {a} * i ;"), "return s ;"),
+            _src(f"return {a} * n * ( n - 1 ) / 2 ;"),
+        ],
+    }
+    return v, lambda n: a * n * (n + 1) // 2, 8 + 5 * a
+
+
+FAMILIES: dict[str, Family] = {
+    "count_mult": count_mult,
+    "count_mod": count_mod,
+    "sum_mult": sum_mult,
+    "affine_sum": affine_sum,
+    "repeat_add": repeat_add,
+}
+
+
+def family_params(family: str) -> list[tuple[int, ...]]:
+    """Every parameter setting of a family (digits only)."""
+    if family in ("count_mult", "sum_mult", "repeat_add"):
+        return [(a,) for a in range(2, 10)]
+    if family == "count_mod":
+        return [(a, b) for a in range(3, 10) for b in range(1, a)]
+    if family == "affine_sum":
+        # a power of two makes `a * i` a shift at -O0, too cheap for the medium rewrite to be
+        # clearly faster (1.3x); with these the slow loop takes 1.65x the medium's instructions
+        return [(a, b) for a in (3, 5, 6, 7, 9) for b in range(1, 10)]
+    raise KeyError(f"unknown code family {family!r}; choose one of {', '.join(FAMILIES)}")
+
+
+def _bench_n(per_n: int) -> int:
+    return BENCH_LOOP_INSTRUCTIONS // per_n
+
+
+def _cases(params: tuple[int, ...], solve: Callable[[int], int]):
+    a = params[0]
+    b = params[1] if len(params) > 1 else 0
+    visible = [(7, 10, 25), (36, 100)]
+    edge = tuple(sorted({0, 1, 2, a - 1, a, a + 1, 3 * a + b, 10 * a + b, 60}))
+    hidden = [edge, (13, 97, 7919, 65537), (99991, 100000, 200000)]
+
+    def with_answers(groups: list[tuple[int, ...]]):
+        return tuple((g, tuple(solve(n) for n in g)) for g in groups)
+
+    return with_answers(visible), with_answers(hidden)
+
+
+def make_problem(family: str, params: tuple[int, ...]) -> CodeProblem:
+    variants, solve, per_n = FAMILIES[family](*params)
+    tests, hidden = _cases(params, solve)
+    pid = family + "_" + "_".join(f"{k}{v}" for k, v in zip("ab", params))
+    return CodeProblem(
+        problem_id=pid,
+        family=family,
+        params=tuple(params),
+        reference=variants["slow"][0],
+        variants={k: tuple(v) for k, v in variants.items()},
+        tests=tests,
+        hidden_tests=hidden,
+        bench_n=_bench_n(per_n),
+    )
+
+
+def all_code_problems() -> list[CodeProblem]:
+    """Every problem of every family (109), in a fixed order."""
+    return [make_problem(fam, p) for fam in FAMILIES for p in family_params(fam)]
+
+
+def code_speedup_splits(
+    seed: int = 0, n_count_mod: tuple[int, int] = (12, 8), n_affine: tuple[int, int] = (14, 8)
+) -> tuple[list[CodeProblem], list[CodeProblem]]:
+    """(train, test) problems, fixed by `seed`.
+
+    Train: every setting of the one-parameter families (count_mult, sum_mult, repeat_add: 8 each)
+    plus `n_count_mod[0]` count_mod and `n_affine[0]` affine_sum settings drawn by `seed`; test:
+    `n_count_mod[1]` and `n_affine[1]` further settings of the two-parameter families, never seen
+    in training (the one-parameter families have no settings left to hold out).
+    """
+    rng = random.Random(seed)
+    train: list[CodeProblem] = []
+    test: list[CodeProblem] = []
+    for family in FAMILIES:
+        params = family_params(family)
+        if family in ("count_mod", "affine_sum"):
+            n_tr, n_te = n_count_mod if family == "count_mod" else n_affine
+            if n_tr + n_te > len(params):
+                raise ValueError(f"{family} has only {len(params)} settings, asked for {n_tr} + {n_te}")
+            picked = rng.sample(params, n_tr + n_te)
+            train += [make_problem(family, p) for p in sorted(picked[:n_tr])]
+            test += [make_problem(family, p) for p in sorted(picked[n_tr:])]
+        else:
+            train += [make_problem(family, p) for p in params]
+    return train, test
+
+
+DEFAULT_MIX: dict[str, float] = {"slow": 0.5, "medium": 0.25, "fast": 0.13, "wrong": 0.12}
+
+
+def sft_examples(
+    problems: Iterable[CodeProblem],
+    seed: int = 0,
+    per_problem: int = 40,
+    mix: dict[str, float] | None = None,
+) -> list[tuple[str, str]]:
+    """(prompt, completion) pairs for the SFT warm-up: `per_problem` per problem, split between
+    the variant kinds by `mix` (largest remainder), each kind's sources drawn in turn from a
+    seeded shuffle. The result is in problem order; `sft_train` shuffles it."""
+    mix = dict(DEFAULT_MIX if mix is None else mix)
+    unknown = set(mix) - set(KINDS)
+    if unknown or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+        raise ValueError(f"mix must give non-negative weights to kinds among {KINDS}, got {mix}")
+    total = sum(mix.values())
+    rng = random.Random(seed)
+    out: list[tuple[str, str]] = []
+    for problem in problems:
+        kinds = [k for k in KINDS if mix.get(k, 0) > 0 and problem.variants.get(k)]
+        weight = sum(mix[k] for k in kinds) or total
+        exact = {k: per_problem * mix[k] / weight for k in kinds}
+        counts = {k: int(exact[k]) for k in kinds}
+        for k in sorted(kinds, key=lambda k: (counts[k] - exact[k], KINDS.index(k)))[: per_problem - sum(counts.values())]:
+            counts[k] += 1
+        for k in kinds:
+            sources = list(problem.variants[k])
+            rng.shuffle(sources)
+            out += [(problem.prompt, sources[i % len(sources)]) for i in range(counts[k])]
+    return out
+
+
+def code_corpus(problems: Iterable[CodeProblem] | None = None) -> list[str]:
+    """Texts holding every word the task uses (prompts and all variants): the tokenizer corpus."""
+    problems = all_code_problems() if problems is None else problems
+    return [text for p in problems for text in (p.prompt, *(s for k in KINDS for s in p.variants[k]))]

@@ -6,7 +6,9 @@ Bad config fails here, before Ray or any model starts: Hydra checks keys and typ
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -19,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from rl.config import ConfigError, TrainConfig, validate
 
 BUILTIN_MODEL_PATH = os.path.normpath("artifacts/tiny/model")
+BUILTIN_CODE_MODEL_PATH = os.path.normpath("artifacts/tiny_code/model")
 
 ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
@@ -27,20 +30,27 @@ def _abs(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+# Default model paths that `launch.train` builds itself on first use, with their builders.
+BUILTIN_MODELS = {
+    BUILTIN_MODEL_PATH: ("tiny model and arithmetic task", "launch.prepare_tiny", "prepare_tiny"),
+    BUILTIN_CODE_MODEL_PATH: ("tiny code model and code speed-up task", "launch.prepare_tiny_code", "build_tiny_code"),
+}
+
+
 def ensure_model(cfg: DictConfig) -> None:
-    """Build the built-in tiny model and its task data when the default path is used and missing."""
+    """Build a built-in tiny model and its task data when its default path is used and missing."""
     if os.path.isdir(cfg.model.path):
         return
-    if os.path.normpath(cfg.model.path) != BUILTIN_MODEL_PATH:
+    path = os.path.normpath(cfg.model.path)
+    if path not in BUILTIN_MODELS:
         raise ConfigError(
             f"model.path={cfg.model.path!r} does not exist; give a local Hugging Face model folder "
             f"(config.json + weights + tokenizer), or leave the default {BUILTIN_MODEL_PATH!r} to use "
             "the built-in tiny model"
         )
-    from launch.prepare_tiny import prepare_tiny
-
-    print(f"Building the built-in tiny model and task in {os.path.dirname(BUILTIN_MODEL_PATH)}/ (first run only)")
-    prepare_tiny(os.path.dirname(BUILTIN_MODEL_PATH), seed=cfg.run.seed)
+    what, module, function = BUILTIN_MODELS[path]
+    print(f"Building the built-in {what} in {os.path.dirname(path)}/ (first run only)")
+    getattr(importlib.import_module(module), function)(os.path.dirname(path), seed=cfg.run.seed)
 
 
 def resolve_paths(cfg: DictConfig) -> None:
@@ -64,13 +74,31 @@ def start_ray(cfg: DictConfig) -> None:
     # User reward modules named as `package.module:function` must import inside the actors.
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     needed = cfg.rollout.num_workers + cfg.trainer.num_workers + cfg.reward.num_workers
+    needed += math.ceil(cfg.sandbox.num_workers * cfg.sandbox.num_cpus_per_worker)
     num_cpus = cfg.cluster.num_cpus or max(os.cpu_count() or 1, needed)
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
 
 
+def start_sandbox_pool(cfg: DictConfig):
+    """The sandbox actors code rewards send their jobs to (None when sandbox.num_workers=0)."""
+    if cfg.sandbox.num_workers < 1:
+        return None
+    from sandbox.pool import SandboxPool, SandboxSettings
+
+    pool = SandboxPool(SandboxSettings(**OmegaConf.to_container(cfg.sandbox, resolve=True)))
+    print(f"Sandbox workers: {', '.join(pool.placement)}")
+    return pool
+
+
+def reward_specs(cfg: DictConfig):
+    from reward.scorer import RewardFunctionSpec
+
+    return [RewardFunctionSpec(f.fn, f.weight, f.name, OmegaConf.to_container(f.kwargs, resolve=True))
+            for f in cfg.reward.functions]
+
+
 def build_components(cfg: DictConfig):
     from reward.service import RewardService
-    from reward.scorer import RewardFunctionSpec
     from rollout.fleet import RolloutFleet
     from rollout.protocol import SamplingConfig
     from rollout.vllm_engine import vllm_env
@@ -105,7 +133,7 @@ def build_components(cfg: DictConfig):
         env_vars=rollout_env,
     )
     rewards = RewardService(
-        [RewardFunctionSpec(f.fn, f.weight, f.name) for f in cfg.reward.functions],
+        reward_specs(cfg),
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
         base_dir=os.getcwd(),
@@ -148,11 +176,20 @@ def build_components(cfg: DictConfig):
     return fleet, rewards, learner
 
 
-def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, float]:
+def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, Any]:
+    """Mean reward (and each reward function's mean) over the first and the last k steps."""
     rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
     k = min(k, len(rewards) // 2) or 1
-    return {"first_steps_reward_mean": statistics.fmean(rewards[:k]),
-            "last_steps_reward_mean": statistics.fmean(rewards[-k:]), "steps_averaged": k}
+    out: dict[str, Any] = {"first_steps_reward_mean": statistics.fmean(rewards[:k]),
+                           "last_steps_reward_mean": statistics.fmean(rewards[-k:]), "steps_averaged": k}
+    names = sorted({key for m in history for key in m if key.startswith("reward/") and key.endswith("_mean")})
+    for key in names:
+        values = [m[key] for m in history if key in m]
+        if len(values) >= 2:
+            name = key.removeprefix("reward/").removesuffix("_mean")
+            out.setdefault("components", {})[name] = {
+                "first_steps_mean": statistics.fmean(values[:k]), "last_steps_mean": statistics.fmean(values[-k:])}
+    return out
 
 
 def load_inputs(cfg: DictConfig):
@@ -160,10 +197,10 @@ def load_inputs(cfg: DictConfig):
     (imported here once, so a bad name fails in seconds), the tokenizer and the prompts."""
     from transformers import AutoTokenizer
 
-    from reward.scorer import RewardFunctionSpec, RewardScorer
+    from reward.scorer import RewardScorer
     from rl.data import PromptDataset
 
-    RewardScorer([RewardFunctionSpec(f.fn, f.weight, f.name) for f in cfg.reward.functions], base_dir=os.getcwd())
+    RewardScorer(reward_specs(cfg), base_dir=os.getcwd())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, tokenizer, cfg.run.seed,
                          cfg.rollout.max_model_len - cfg.rollout.max_new_tokens)
@@ -228,8 +265,9 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
     start_step = 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start_ray(cfg)
-    fleet = rewards = learner = None
+    fleet = rewards = learner = sandboxes = None
     try:
+        sandboxes = start_sandbox_pool(cfg)
         fleet, rewards, learner = build_components(cfg)
         if resume_from is not None:
             path, state = resume_from
@@ -268,11 +306,15 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
             f"last {summary['steps_averaged']} steps {summary['last_steps_reward_mean']:.3f}. "
             f"Run directory: {cfg.run.dir}"
         )
+        for name, trend in summary.get("components", {}).items():
+            print(f"  {name}: first steps {trend['first_steps_mean']:.3f} -> last steps {trend['last_steps_mean']:.3f}")
         return summary
     finally:
         for part in (learner, rewards, fleet):
             if part is not None:
                 part.shutdown()
+        if sandboxes is not None:
+            sandboxes.close()
         ray.shutdown()
 
 

@@ -18,7 +18,10 @@ from). It is called once per batch, with keyword arguments::
   Because columns vary by dataset, the function must accept ``**kwargs``.
 - Return one value per sample: a float, or ``None`` for "this function does not apply to this
   sample". None is skipped in the weighted sum; a sample to which no function applies is an
-  error ("no reward function returned a value").
+  error ("no reward function returned a value"). Return an exception *instance* (not raise) for
+  a sample whose value could not be computed (e.g. the code sandbox failed): that sample gets
+  ``reward=None`` and the exception as its error, the others keep their values.
+- Config may fix extra keyword arguments: ``{fn: ..., kwargs: {max_speedup: 100}}``.
 
 Several functions combine as ``reward = sum(weight * value)`` over those that returned a value;
 ``ScoredSample.components`` keeps each function's unweighted value by name.

@@ -8,6 +8,7 @@ with an error (reward None); it never crashes the step and never silently become
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import math
 import numbers
@@ -32,6 +33,7 @@ class RewardFunctionSpec:
     fn: str
     weight: float = 1.0
     name: str | None = None  # defaults to the function's __name__
+    kwargs: dict[str, Any] | None = None  # fixed keyword arguments, e.g. a threshold from config
 
 
 class RewardCallTimeout(Exception):
@@ -77,6 +79,8 @@ class RewardScorer:
                 raise RewardLoadError(f"{field}.weight={weight!r}: must be a finite number")
             fn = load_reward_function(spec.fn, base_dir, field=f"{field}.fn")
             name = spec.name or getattr(fn, "__name__", None) or spec.fn.rpartition(":")[2]
+            if spec.kwargs:
+                fn = _bind_kwargs(fn, dict(spec.kwargs), field)
             if name in seen:
                 raise RewardLoadError(
                     f"{field}: name {name!r} is already used by reward.functions[{seen[name]}]; "
@@ -157,6 +161,17 @@ class RewardScorer:
             return [None], [f"{f.name}: {type(exc).__name__}: {exc}"]
 
 
+def _bind_kwargs(fn: Callable[..., Any], fixed: dict[str, Any], field: str) -> Callable[..., Any]:
+    """`fn` with config-given keyword arguments fixed; names that clash with per-sample
+    arguments are refused here rather than on every call."""
+    clash = sorted(set(fixed) & set(RESERVED_KWARGS))
+    if clash:
+        raise RewardLoadError(f"{field}.kwargs: {clash} are passed per sample; remove them from kwargs")
+    bound = functools.partial(fn, **fixed)
+    functools.update_wrapper(bound, fn)
+    return bound
+
+
 def build_kwargs(samples: list[Sample]) -> dict[str, list[Any]]:
     """The batched keyword arguments: fixed fields plus one list per metadata column."""
     kwargs: dict[str, list[Any]] = {
@@ -199,6 +214,9 @@ def _check_values(name: str, out: Any, n: int) -> tuple[list[float | None], list
         if v is None:
             result.append(None)
             errors.append(None)
+        elif isinstance(v, BaseException):  # the function's way to report one sample's failure
+            result.append(None)
+            errors.append(f"{name}: {type(v).__name__}: {v}")
         elif isinstance(v, numbers.Real) and math.isfinite(float(v)):
             result.append(float(v))
             errors.append(None)

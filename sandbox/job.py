@@ -66,6 +66,8 @@ class TestCase:
     """Feed `stdin` (and `args`) to the program; its stdout must equal `expected_stdout`
     after trailing whitespace is stripped from every line and from the end."""
 
+    __test__ = False  # not a pytest test class
+
     stdin: str = ""
     expected_stdout: str = ""
     args: tuple[str, ...] = ()

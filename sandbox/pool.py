@@ -1,0 +1,159 @@
+"""Sandbox workers as Ray actors, and the one call code rewards use to run jobs.
+
+`SandboxPool` starts `num_workers` named actors (optionally pinned to nodes advertising a custom
+Ray resource such as `benchmark`, so a cluster can keep compile-and-benchmark work on CPU nodes
+apart from the GPU nodes). `run_jobs` finds those actors by name from anywhere in the same Ray
+job (e.g. inside a reward actor) and falls back to running in-process when there is no pool.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from sandbox.backend import Backend
+from sandbox.job import Job, Result
+from sandbox.runner import run_job
+
+ACTOR_PREFIX = "rlpost-sandbox-"
+BACKENDS = ("process", "docker", "unsafe_local")
+
+
+@dataclass(frozen=True)
+class SandboxSettings:
+    """Mirrors `sandbox.*` of the train config (rl/config.py SandboxConfig)."""
+
+    backend: str = "process"
+    num_workers: int = 0
+    slots_per_worker: int = 2
+    num_cpus_per_worker: float = 1.0
+    resource: str | None = None
+    docker_image: str = "rlpost-sandbox:bookworm"
+
+
+def make_backend(settings: SandboxSettings) -> Backend:
+    """The configured backend; raises SandboxUnavailable (naming the fix) if the host lacks it."""
+    if settings.backend == "process":
+        from sandbox.process import ProcessBackend
+
+        return ProcessBackend(slots=settings.slots_per_worker)
+    if settings.backend == "docker":
+        from sandbox.docker import DockerBackend
+
+        return DockerBackend(image=settings.docker_image)
+    if settings.backend == "unsafe_local":
+        from sandbox.local import LocalBackend
+
+        return LocalBackend(i_understand_this_is_unsafe=True)
+    raise ValueError(f"sandbox.backend={settings.backend!r}: choose one of {', '.join(BACKENDS)}")
+
+
+class SandboxWorker:
+    """Actor body: one backend, `slots` jobs at a time."""
+
+    def __init__(self, settings: SandboxSettings) -> None:
+        self.settings = settings
+        self.backend = make_backend(settings)
+        self._threads = ThreadPoolExecutor(settings.slots_per_worker, thread_name_prefix="sandbox")
+
+    def ready(self) -> str:
+        return f"{self.backend.name}@{os.uname().nodename}"
+
+    def run(self, jobs: list[Job]) -> list[Result]:
+        return list(self._threads.map(lambda job: run_job(job, self.backend), jobs))
+
+    def close(self) -> None:
+        self._threads.shutdown(wait=True)
+        self.backend.close()
+
+
+class SandboxPool:
+    """Starts the named sandbox actors of this Ray job; `close()` ends them."""
+
+    def __init__(self, settings: SandboxSettings, start_timeout_s: float | None = None) -> None:
+        import ray
+
+        if settings.num_workers < 1:
+            raise ValueError(f"sandbox.num_workers={settings.num_workers}: a pool needs at least 1 worker")
+        options: dict = {"num_cpus": settings.num_cpus_per_worker, "max_concurrency": 2}
+        if settings.resource:
+            options["resources"] = {settings.resource: 1}
+        actor = ray.remote(SandboxWorker)
+        self.workers = [actor.options(name=f"{ACTOR_PREFIX}{i}", **options).remote(settings)
+                        for i in range(settings.num_workers)]
+        try:
+            # A host without isolation fails here, with the backend's own message.
+            self.placement = ray.get([w.ready.remote() for w in self.workers], timeout=start_timeout_s or _start_timeout(settings))
+        except ray.exceptions.GetTimeoutError as exc:
+            self.close()
+            where = f" advertising resource {settings.resource!r}" if settings.resource else ""
+            raise RuntimeError(
+                f"sandbox workers did not start: no node{where} with {settings.num_cpus_per_worker} free CPU(s) "
+                "per worker; add such nodes (`ray start --resources='{\"benchmark\": 4}'`) or change "
+                "sandbox.resource / sandbox.num_workers") from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def run(self, jobs: list[Job]) -> list[Result]:
+        return _dispatch(self.workers, jobs)
+
+    def close(self) -> None:
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+
+
+def _start_timeout(settings: SandboxSettings) -> float:
+    return 600.0 if settings.backend == "docker" else 120.0
+
+
+def _dispatch(workers: list, jobs: list[Job]) -> list[Result]:
+    """Spread jobs over workers in contiguous chunks, results in input order."""
+    import ray
+
+    if not jobs:
+        return []
+    parts = min(len(workers), len(jobs))
+    bounds = [len(jobs) * i // parts for i in range(parts + 1)]
+    refs = [workers[i].run.remote(jobs[bounds[i]:bounds[i + 1]]) for i in range(parts)]
+    return [r for chunk in ray.get(refs) for r in chunk]
+
+
+def find_pool_workers() -> list:
+    """The named sandbox actors of the current Ray job (empty without Ray or without a pool)."""
+    try:
+        import ray
+    except ImportError:
+        return []
+    if not ray.is_initialized():
+        return []
+    workers = []
+    while True:
+        try:
+            workers.append(ray.get_actor(f"{ACTOR_PREFIX}{len(workers)}"))
+        except ValueError:
+            return workers
+
+
+_local: dict[SandboxSettings, Backend] = {}
+_local_lock = threading.Lock()
+
+
+def run_jobs(jobs: list[Job], fallback: SandboxSettings = SandboxSettings()) -> list[Result]:
+    """Run jobs on the pool of this Ray job if there is one, else in this process with the
+    `fallback` backend (kept for the life of the process)."""
+    workers = find_pool_workers()
+    if workers:
+        return _dispatch(workers, jobs)
+    with _local_lock:
+        backend = _local.get(fallback)
+        if backend is None:
+            backend = _local[fallback] = make_backend(fallback)
+    slots = max(1, fallback.slots_per_worker)
+    with ThreadPoolExecutor(slots, thread_name_prefix="sandbox") as threads:
+        return list(threads.map(lambda job: run_job(job, backend), jobs))

@@ -1,0 +1,196 @@
+"""Compile, test and benchmark one `Job` in a box of any backend, and judge it into a `Result`.
+
+Every step runs inside the sandbox, the compiler included. Tests stop at the first failure
+(the remaining ones cannot turn a failure into a pass). The benchmark runs only for programs
+that passed every test, on `job.bench_stdin`, with `job.method`:
+- `instructions`: one run under callgrind; the count is deterministic for the same binary,
+  input and environment, so it is the same under load and across machines of one kind.
+- `cpu_time`: min over `job.repeats` runs of user+sys CPU seconds; `spread` says how noisy.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import replace
+
+from sandbox.backend import Backend, Box
+from sandbox.job import ExecOutcome, Job, Language, Limits, Measurement, Method, Result, Status, TestCase
+
+TAIL_CHARS = 2000
+CALLGRIND_OUT = "callgrind.out"
+# callgrind runs ~50x slower than native and needs room for its own tables.
+VALGRIND_SLOWDOWN = 60.0
+VALGRIND_EXTRA_MB = 512
+_TOTAL = re.compile(rb"^(?:summary|totals):\s*(\d+)", re.MULTILINE)
+
+_SOURCE_NAME = {Language.C: "solution.c", Language.CPP: "solution.cpp", Language.PYTHON: "solution.py"}
+_HARNESS_NAME = {Language.C: "harness.c", Language.CPP: "harness.cpp", Language.PYTHON: "main.py"}
+_COMPILER = {Language.C: "gcc", Language.CPP: "g++"}
+
+
+def run_job(job: Job, backend: Backend) -> Result:
+    """The judged result of one job. A failure of the sandbox machinery itself (not of the
+    program) becomes `sandbox_error` with the reason, so callers never mistake it for a zero."""
+    try:
+        with backend.box() as box:
+            result = _judge(job, box)
+    except Exception as exc:  # noqa: BLE001 - reported as sandbox_error, never swallowed silently
+        result = Result(Status.SANDBOX_ERROR, detail=f"{type(exc).__name__}: {exc}")
+    result.backend = backend.name
+    return result
+
+
+def program_argv(language: Language, has_harness: bool) -> list[str]:
+    """How the built program is started inside the box."""
+    if language is Language.PYTHON:
+        # -E -s: ignore PYTHON* env vars and user site-packages; -B: no .pyc writes.
+        return ["python3", "-E", "-s", "-B", _HARNESS_NAME[language] if has_harness else _SOURCE_NAME[language]]
+    return ["./prog"]
+
+
+def _judge(job: Job, box: Box) -> Result:
+    language = Language(job.language)
+    box.write(_SOURCE_NAME[language], job.source.encode())
+    if job.harness is not None:
+        box.write(_HARNESS_NAME[language], job.harness.encode())
+
+    started = time.monotonic()
+    failure = _compile(job, language, box)
+    compile_s = time.monotonic() - started
+    if failure is not None:
+        failure.compile_s = compile_s
+        return failure
+
+    argv = program_argv(language, job.harness is not None)
+    tests = [(t, False) for t in job.tests] + [(t, True) for t in job.hidden_tests]
+    started = time.monotonic()
+    last: ExecOutcome | None = None
+    for i, (test, hidden) in enumerate(tests):
+        last = box.run(argv + list(test.args), _stdin(job, test.stdin), job.limits)
+        label = f"test {i + 1} of {len(tests)}{' (hidden)' if hidden else ''}"
+        failure = _failure(job, last, label, test)
+        if failure is not None:
+            failure.tests_passed, failure.tests_total = i, len(tests)
+            failure.compile_s, failure.run_s = compile_s, time.monotonic() - started
+            return failure
+    run_s = time.monotonic() - started
+
+    result = Result(Status.OK, tests_passed=len(tests), tests_total=len(tests), compile_s=compile_s, run_s=run_s)
+    if last is not None:
+        result.stdout_tail, result.stderr_tail = _tail(last.stdout), _tail(last.stderr)
+    if job.bench_stdin is not None:
+        measured = _benchmark(job, box, argv)
+        if isinstance(measured, Result):
+            measured.tests_passed, measured.tests_total = result.tests_passed, result.tests_total
+            measured.compile_s, measured.run_s = compile_s, run_s
+            return measured
+        result.measurement = measured
+    return result
+
+
+def _compile(job: Job, language: Language, box: Box) -> Result | None:
+    if language is Language.PYTHON:
+        files = [_SOURCE_NAME[language]] + ([_HARNESS_NAME[language]] if job.harness is not None else [])
+        argv = ["python3", "-E", "-s", "-c",
+                "import ast,sys\nfor f in sys.argv[1:]: ast.parse(open(f).read(), f)", *files]
+    else:
+        sources = ([_HARNESS_NAME[language]] if job.harness is not None else []) + [_SOURCE_NAME[language]]
+        argv = [_COMPILER[language], *job.compile_flags, "-o", "prog", *sources]
+        if language is Language.C:
+            argv.append("-lm")
+    out = box.run(argv, b"", job.compile_limits)
+    if out.exit_code == 0 and not (out.timed_out or out.memory_exceeded or out.output_exceeded):
+        return None
+    why = "compiler timed out" if out.timed_out else "compiler ran out of memory" if out.memory_exceeded else (
+        "compiler output over the limit" if out.output_exceeded else f"exit code {out.exit_code}")
+    return Result(Status.COMPILE_ERROR, detail=why, stdout_tail=_tail(out.stdout), stderr_tail=_tail(out.stderr))
+
+
+def _stdin(job: Job, text: str) -> bytes:
+    if job.sentinel is None:
+        return text.encode()
+    sep = "" if not text or text.endswith("\n") else "\n"
+    return f"{text}{sep}{job.sentinel}\n".encode()
+
+
+def _failure(job: Job, out: ExecOutcome, label: str, test: TestCase | None) -> Result | None:
+    """None when the run passed; otherwise the failing Result (status and a one-line reason)."""
+    status, why = _run_status(out)
+    stdout = out.stdout.decode(errors="replace")
+    if status is Status.OK and job.sentinel is not None:
+        lines = normalize_output(stdout).split("\n")
+        if not lines or lines[-1] != job.sentinel:
+            status, why = Status.RUNTIME_ERROR, "exited before the harness finished (no end marker)"
+        else:
+            stdout = "\n".join(lines[:-1])
+    if status is Status.OK and test is not None:
+        got, want = normalize_output(stdout), normalize_output(test.expected_stdout)
+        if got != want:
+            status, why = Status.WRONG_ANSWER, f"expected {_short(want)}, got {_short(got)}"
+    if status is Status.OK:
+        return None
+    return Result(status, detail=f"{label}: {why}", stdout_tail=_tail(out.stdout), stderr_tail=_tail(out.stderr))
+
+
+def _run_status(out: ExecOutcome) -> tuple[Status, str]:
+    if out.output_exceeded:
+        return Status.OUTPUT_LIMIT, "output over the limit"
+    if out.memory_exceeded:
+        return Status.MEMORY_LIMIT, "memory limit exceeded"
+    if out.timed_out:
+        return Status.TIMEOUT, "time limit exceeded"
+    if out.process_limit_hit:
+        return Status.RUNTIME_ERROR, "tried to create a process (not allowed)"
+    if out.violation:
+        return Status.RUNTIME_ERROR, f"forbidden operation ({out.violation})"
+    if out.signal is not None:
+        return Status.RUNTIME_ERROR, f"killed by signal {out.signal}"
+    if out.exit_code != 0:
+        return Status.RUNTIME_ERROR, f"exit code {out.exit_code}"
+    return Status.OK, ""
+
+
+def _benchmark(job: Job, box: Box, argv: list[str]) -> Measurement | Result:
+    stdin = _stdin(job, job.bench_stdin or "")
+    if Method(job.method) is Method.INSTRUCTIONS:
+        limits = job.limits.scaled(VALGRIND_SLOWDOWN)
+        limits = replace(limits, memory_mb=limits.memory_mb + VALGRIND_EXTRA_MB)
+        cmd = ["valgrind", "--tool=callgrind", "-q", f"--callgrind-out-file={CALLGRIND_OUT}",
+               "--dump-line=no", "--compress-strings=no", *argv]
+        out = box.run(cmd, stdin, limits)
+        failure = _failure(job, out, "benchmark run", None)
+        if failure is not None:
+            return failure
+        report = box.read(CALLGRIND_OUT, 1 << 22)
+        match = _TOTAL.search(report or b"")
+        if match is None:
+            raise RuntimeError(f"callgrind wrote no instruction total (stderr: {_tail(out.stderr, 300)!r})")
+        return Measurement(Method.INSTRUCTIONS, float(match.group(1)), "instructions")
+    times = []
+    for _ in range(max(1, job.repeats)):
+        out = box.run(argv, stdin, job.limits)
+        failure = _failure(job, out, "benchmark run", None)
+        if failure is not None:
+            return failure
+        times.append(out.cpu_s)
+    best = min(times)
+    spread = (max(times) - best) / best if best > 0 else 0.0
+    return Measurement(Method.CPU_TIME, best, "s", runs=len(times), spread=spread)
+
+
+def normalize_output(text: str) -> str:
+    """Trailing whitespace of every line and trailing blank lines do not count."""
+    return "\n".join(line.rstrip() for line in text.rstrip().split("\n"))
+
+
+def _short(text: str, n: int = 60) -> str:
+    flat = text.replace("\n", "\\n")
+    return repr(flat if len(flat) <= n else flat[:n] + "...")
+
+
+def _tail(data: bytes, n: int = TAIL_CHARS) -> str:
+    return data[-n:].decode(errors="replace")
+
+
+__all__ = ["run_job", "normalize_output", "program_argv", "Limits"]

@@ -57,12 +57,19 @@ class SandboxWorker:
         self.settings = settings
         self.backend = make_backend(settings)
         self._threads = ThreadPoolExecutor(settings.slots_per_worker, thread_name_prefix="sandbox")
+        self.jobs_run = 0
 
     def ready(self) -> str:
         return f"{self.backend.name}@{os.uname().nodename}"
 
     def run(self, jobs: list[Job]) -> list[Result]:
-        return list(self._threads.map(lambda job: run_job(job, self.backend), jobs))
+        results = list(self._threads.map(lambda job: run_job(job, self.backend), jobs))
+        self.jobs_run += len(jobs)
+        return results
+
+    def count(self) -> int:
+        """Jobs this worker has run (for tests and monitoring)."""
+        return self.jobs_run
 
     def close(self) -> None:
         self._threads.shutdown(wait=True)
@@ -99,6 +106,11 @@ class SandboxPool:
 
     def run(self, jobs: list[Job]) -> list[Result]:
         return _dispatch(self.workers, jobs)
+
+    def jobs_run(self) -> int:
+        import ray
+
+        return sum(ray.get([w.count.remote() for w in self.workers]))
 
     def close(self) -> None:
         import ray

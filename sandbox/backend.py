@@ -44,3 +44,8 @@ class Backend(Protocol):
 
     def close(self) -> None:
         """Release long-lived resources (containers, slot uids)."""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox machinery itself failed while running a command (not the program): the
+    runner reports it as `sandbox_error`."""

@@ -11,6 +11,7 @@ that passed every test, on `job.bench_stdin`, with `job.method`:
 from __future__ import annotations
 
 import re
+import secrets
 import time
 from dataclasses import replace
 
@@ -18,7 +19,9 @@ from sandbox.backend import Backend, Box
 from sandbox.job import ExecOutcome, Job, Language, Limits, Measurement, Method, Result, Status, TestCase
 
 TAIL_CHARS = 2000
-CALLGRIND_OUT = "callgrind.out"
+# callgrind writes its report into the work dir at exit; a random name keeps the program from
+# planting or removing it in advance.
+CALLGRIND_PREFIX = ".callgrind-"
 # callgrind runs ~50x slower than native and needs room for its own tables.
 VALGRIND_SLOWDOWN = 60.0
 VALGRIND_EXTRA_MB = 512
@@ -156,13 +159,14 @@ def _benchmark(job: Job, box: Box, argv: list[str]) -> Measurement | Result:
     if Method(job.method) is Method.INSTRUCTIONS:
         limits = job.limits.scaled(VALGRIND_SLOWDOWN)
         limits = replace(limits, memory_mb=limits.memory_mb + VALGRIND_EXTRA_MB)
-        cmd = ["valgrind", "--tool=callgrind", "-q", f"--callgrind-out-file={CALLGRIND_OUT}",
+        report_name = f"{CALLGRIND_PREFIX}{secrets.token_hex(8)}.out"
+        cmd = ["valgrind", "--tool=callgrind", "-q", f"--callgrind-out-file={report_name}",
                "--dump-line=no", "--compress-strings=no", *argv]
         out = box.run(cmd, stdin, limits)
         failure = _failure(job, out, "benchmark run", None)
         if failure is not None:
             return failure
-        report = box.read(CALLGRIND_OUT, 1 << 22)
+        report = box.read(report_name, 1 << 22)
         match = _TOTAL.search(report or b"")
         if match is None:
             raise RuntimeError(f"callgrind wrote no instruction total (stderr: {_tail(out.stderr, 300)!r})")

@@ -25,18 +25,28 @@ from trainer.sft import sequence_logprobs, sft_train
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
 
-def build_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    corpus: list[str],
+    *,
+    pre_tokenizer: Any = None,
+    decoder: Any = None,
+    model_max_length: int = 64,
+) -> PreTrainedTokenizerFast:
     """Word-level tokenizer trained on `corpus`: one token per digit and per symbol.
 
     Special ids are fixed (pad 0, bos 1, eos 2, unk 3). Encoding a text prepends BOS and never
     appends EOS, so `tokenizer(prompt).input_ids` is exactly what the model saw in training.
+    By default words are split at punctuation and into single digits and decoded by joining the
+    pieces without spaces (the arithmetic task); other tasks pass their own `pre_tokenizer` and
+    `decoder` (e.g. `word_tokenizer` below: whitespace-separated words, joined with spaces).
     """
     tok = Tokenizer(models.WordLevel(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
+    tok.pre_tokenizer = pre_tokenizer if pre_tokenizer is not None else pre_tokenizers.Sequence(
         [pre_tokenizers.Punctuation(), pre_tokenizers.Digits(individual_digits=True)]
     )
     tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=[PAD, BOS, EOS, UNK]))
-    tok.decoder = decoders.Fuse()  # join pieces without spaces: ["6", "2"] -> "62"
+    # default: join pieces without spaces: ["6", "2"] -> "62"
+    tok.decoder = decoder if decoder is not None else decoders.Fuse()
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
@@ -48,7 +58,21 @@ def build_tokenizer(corpus: list[str]) -> PreTrainedTokenizerFast:
         pad_token=PAD,
         unk_token=UNK,
         padding_side="left",  # for batched generation; the SFT collator pads on its own
-        model_max_length=64,
+        model_max_length=model_max_length,
+    )
+
+
+def word_tokenizer(corpus: list[str], model_max_length: int = 256) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer for texts whose words are separated by single spaces (e.g. C tokens).
+
+    Each whitespace-separated word of `corpus` is one token; decoding joins tokens with one space,
+    so decoded text re-encodes to the same ids. Special tokens as in `build_tokenizer`.
+    """
+    return build_tokenizer(
+        corpus,
+        pre_tokenizer=pre_tokenizers.WhitespaceSplit(),
+        decoder=decoders.WordPiece(prefix="##", cleanup=False),  # no word starts with "##": joins with " "
+        model_max_length=model_max_length,
     )
 
 

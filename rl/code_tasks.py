@@ -7,6 +7,7 @@ hidden tests and counts the instructions of a benchmark run under callgrind.
 
 Sources are C tokens separated by single spaces and every integer constant is one digit, so the
 whole task fits a word-level vocabulary of ~40 words, and every source compiles as written.
+Prompts are at most 48 words and every variant at most 47 (48 tokens with EOS).
 For each problem the generator also knows a few *variants* used to warm up the tiny policy by
 SFT: the slow reference itself, "medium" O(n) rewrites that do less work per n (stepping by `a`
 instead of testing `i % a`, hoisting a multiply or an inner loop out), a "fast" O(1) closed form
@@ -223,7 +224,9 @@ def affine_sum(a: int, b: int) -> tuple[Variants, Callable[[int], int], int]:
 
 def repeat_add(a: int) -> tuple[Variants, Callable[[int], int], int]:
     """i added a times, for each i in 1..n (an inner loop that is a multiplication in disguise)."""
-    inner = _loop("j", 0, "<", "j ++", "s += i ;", limit=str(a))
+    o = _other(a)
+    # the inner loop counts j down to 0 (`j` as the condition) to keep sources under 48 tokens
+    inner = f"for ( long j = {a} ; j ; j -- ) s += i ;"
     v = {
         "slow": [_src("long s = 0 ;", _loop("i", 1, "<=", "i ++", inner), "return s ;")],
         "medium": [
@@ -232,7 +235,7 @@ def repeat_add(a: int) -> tuple[Variants, Callable[[int], int], int]:
         ],
         "fast": [_src(f"return {a} * n * ( n + 1 ) / 2 ;")],
         "wrong": [
-            _src("long s = 0 ;", _loop("i", 1, "<=", "i ++", _loop("j", 0, "<=", "j ++", "s += i ;", limit=str(a))),
+            _src("long s = 0 ;", _loop("i", 1, "<=", "i ++", f"for ( long j = {o} ; j ; j -- ) s += i ;"),
                  "return s ;"),
             _src("long s = 0 ;", _loop("i", 1, "<", "i ++", f"s += {a} * i ;"), "return s ;"),
             _src(f"return {a} * n * ( n - 1 ) / 2 ;"),
@@ -271,7 +274,8 @@ def _cases(params: tuple[int, ...], solve: Callable[[int], int]):
     a = params[0]
     b = params[1] if len(params) > 1 else 0
     visible = [(7, 10, 25), (36, 100)]
-    edge = tuple(sorted({0, 1, 2, a - 1, a, a + 1, 3 * a + b, 10 * a + b, 60}))
+    # every remainder mod a (an off-by-one bound or a wrong residue shows on one of them)
+    edge = tuple(sorted({0, 1, 2, a - 1, a, a + 1, 10 * a + b, 60, *(5 * a + r for r in range(a))}))
     hidden = [edge, (13, 97, 7919, 65537), (99991, 100000, 200000)]
 
     def with_answers(groups: list[tuple[int, ...]]):
@@ -328,7 +332,10 @@ def code_speedup_splits(
     return train, test
 
 
-DEFAULT_MIX: dict[str, float] = {"slow": 0.5, "medium": 0.25, "fast": 0.13, "wrong": 0.12}
+# Weights of the variant kinds in the SFT data. A model that learns this mix answers correctly
+# ~2/3 of the time, mostly with a copy of the slow function, and is wrong (near misses: an
+# off-by-one bound, a wrong constant) the rest: GRPO has both correctness and speed to improve.
+DEFAULT_MIX: dict[str, float] = {"slow": 0.36, "medium": 0.2, "fast": 0.12, "wrong": 0.32}
 
 
 def sft_examples(
@@ -352,7 +359,8 @@ def sft_examples(
         weight = sum(mix[k] for k in kinds) or total
         exact = {k: per_problem * mix[k] / weight for k in kinds}
         counts = {k: int(exact[k]) for k in kinds}
-        for k in sorted(kinds, key=lambda k: (counts[k] - exact[k], KINDS.index(k)))[: per_problem - sum(counts.values())]:
+        by_remainder = sorted(kinds, key=lambda k: (counts[k] - exact[k], KINDS.index(k)))
+        for k in by_remainder[: per_problem - sum(counts.values())]:
             counts[k] += 1
         for k in kinds:
             sources = list(problem.variants[k])

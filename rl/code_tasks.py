@@ -273,10 +273,12 @@ def _bench_n(per_n: int) -> int:
 def _cases(params: tuple[int, ...], solve: Callable[[int], int]):
     a = params[0]
     b = params[1] if len(params) > 1 else 0
-    visible = [(7, 10, 25), (36, 100)]
+    # One run per test group (the harness reads up to 64 inputs): every process start costs a
+    # sandbox set-up, so inputs are batched into one visible and one hidden group.
+    visible = [(7, 10, 25, 36, 100)]
     # every remainder mod a (an off-by-one bound or a wrong residue shows on one of them)
-    edge = tuple(sorted({0, 1, 2, a - 1, a, a + 1, 10 * a + b, 60, *(5 * a + r for r in range(a))}))
-    hidden = [edge, (13, 97, 7919, 65537), (99991, 100000, 200000)]
+    edge = sorted({0, 1, 2, a - 1, a, a + 1, 10 * a + b, 60, *(5 * a + r for r in range(a))})
+    hidden = [(*edge, 13, 97, 7919, 65537, 99991, 100000, 200000)]
 
     def with_answers(groups: list[tuple[int, ...]]):
         return tuple((g, tuple(solve(n) for n in g)) for g in groups)

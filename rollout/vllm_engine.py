@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -51,6 +51,15 @@ def _restore_tied_parameters(worker) -> None:
                 method.process_weights_after_loading(owner)
 
 
+def _cpu_scheduler_kwargs(max_model_len: int) -> dict[str, Any]:
+    """vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a request with its own
+    seed is prefilled in chunks (a batch of prompts over max_num_batched_tokens): it rewinds the
+    request's generator offset, which CPU generators lack. Whole-prompt prefill avoids that path."""
+    if torch.cuda.is_available():
+        return {}
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
+
+
 class VLLMEngine:
     def __init__(
         self,
@@ -81,6 +90,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             enable_sleep_mode=sleep_mode and torch.cuda.is_available(),  # sleep is a no-op on CPU
+            **_cpu_scheduler_kwargs(max_model_len),
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._has_tied = any(self.llm.collective_rpc(_record_tied_parameters))

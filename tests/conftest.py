@@ -29,13 +29,33 @@ def ray_local():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def tiny_code(tmp_path_factory) -> tuple[str, dict]:
+    """The built-in tiny code model and code speed-up task (dir, build summary), built once."""
+    from launch.prepare_tiny_code import build_tiny_code
+
+    out = tmp_path_factory.mktemp("tiny_code")
+    summary = build_tiny_code(str(out), seed=0, threads=0, log_every=0)
+    return str(out), summary
+
+
+def compose_config(overrides: list[str]):
+    """The real Hydra config of `launch.train` with overrides, validated, paths made absolute."""
+    from hydra import compose, initialize_config_dir
+
+    import launch.train
+    from rl.config import validate
+
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base=None):
+        cfg = compose("train", overrides=list(overrides))
+    validate(cfg)
+    launch.train.resolve_paths(cfg)
+    return cfg
+
+
 @pytest.fixture
 def make_config(tiny_dir, tmp_path):
     """Compose the real Hydra config with overrides, pointed at the tiny model and a temp run dir."""
-    from hydra import compose, initialize_config_dir
-
-    import launch.train  # noqa: F401  registers the schema
-    from rl.config import validate
 
     def build(*overrides: str):
         base = [
@@ -44,10 +64,6 @@ def make_config(tiny_dir, tmp_path):
             f"run.dir={tmp_path}/run",
             "run.progress=false",
         ]
-        with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base=None):
-            cfg = compose("train", overrides=base + list(overrides))
-        validate(cfg)
-        launch.train.resolve_paths(cfg)
-        return cfg
+        return compose_config(base + list(overrides))
 
     return build

@@ -214,14 +214,15 @@ def test_decoded_token_ids_compile(splits, harness_obj: Path, tmp_path: Path) ->
 # ------------------------------------------------------------------------------- the tiny model
 
 @pytest.mark.slow
-def test_build_tiny_code_samples_correct_and_fast_programs(tmp_path: Path) -> None:
+def test_build_tiny_code_samples_correct_and_fast_programs(tiny_code) -> None:
     """The default build (~1-2 min on one CPU thread): some correct samples, of several speeds."""
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launch.prepare_tiny_code import build_tiny_code, sampled_kinds
+    from launch.prepare_tiny_code import sampled_kinds
 
-    summary = build_tiny_code(str(tmp_path), seed=0, threads=0, log_every=0)
+    out, summary = tiny_code
+    tmp_path = Path(out)
     shares = summary["sampled_train"]["shares"]
     assert 0.3 <= shares["correct"] <= 0.85, shares
     assert shares["fast"] > 0.02 and shares["medium"] > 0.02 and shares["slow"] > shares["fast"], shares

@@ -75,3 +75,14 @@ def _fails_fast(overrides, expected):
     assert expected in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert elapsed < 10, f"took {elapsed:.1f}s"
+
+
+def test_code_task_and_sandbox_choices_compose_and_validate():
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["task=code_speedup", "sandbox=docker", "sandbox.resource=benchmark"])
+    assert cfg.sandbox.backend == "docker" and cfg.sandbox.num_workers == 2
+    assert cfg.reward.functions[0].kwargs.backend == "docker"  # the reward's fallback follows sandbox.backend
+    assert cfg.model.path.endswith("artifacts/tiny_code/model") and cfg.rollout.max_new_tokens == 48
+    with pytest.raises(ConfigError, match="sandbox.backend='chroot'"):
+        compose_config(["sandbox.backend=chroot"])

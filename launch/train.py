@@ -34,6 +34,7 @@ def _abs(path: str) -> str:
 BUILTIN_MODELS = {
     BUILTIN_MODEL_PATH: ("tiny model and arithmetic task", "launch.prepare_tiny", "prepare_tiny"),
     BUILTIN_CODE_MODEL_PATH: ("tiny code model and code speed-up task", "launch.prepare_tiny_code", "build_tiny_code"),
+    os.path.normpath("artifacts/tiny_rm/model"): ("tiny reward model and preference task", "launch.prepare_tiny_rm", "build_tiny_rm"),
 }
 
 
@@ -157,6 +158,16 @@ def build_components(cfg: DictConfig):
         clip_eps_high=a.clip_eps_high,
         kl_coef=a.kl_coef,
         kl_estimator=a.kl_estimator,
+        clip_ratio_c=a.clip_ratio_c,
+        entropy_coef=a.entropy_coef,
+        max_response_len=cfg.rollout.max_new_tokens,
+        kl_in_reward=a.kl_in_reward,
+        ref_offload=cfg.trainer.ref_offload,
+        critic=a.critic,
+        critic_init=a.critic_init,
+        critic_lr=a.critic_lr,
+        critic_warmup_steps=a.critic_warmup_steps,
+        value_clip=a.value_clip,
         temperature=cfg.rollout.temperature,
         seed=cfg.run.seed,
         offload_optimizer=cfg.trainer.offload_optimizer,
@@ -256,13 +267,14 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
     """Run one experiment from a validated, path-resolved config; returns the run summary."""
     import ray
 
+    from rl.estimate import AdvantageSettings
     from rl.loop import LoopSettings, run_loop
     from rl.run_log import RunLog, read_metrics
 
     tokenizer, data = inputs or load_inputs(cfg)
     os.makedirs(cfg.run.dir, exist_ok=True)
     OmegaConf.save(cfg, os.path.join(cfg.run.dir, "config.yaml"), resolve=True)
-    start_step = 0
+    start_step, kl_state = 0, None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     start_ray(cfg)
     fleet = rewards = learner = sandboxes = None
@@ -273,16 +285,27 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
             path, state = resume_from
             learner.load_checkpoint(os.path.join(path, "learner"))
             learner.sync_weights(fleet, state.policy_version)  # engines started from model.path
-            start_step = state.next_step
+            start_step, kl_state = state.next_step, state.kl_ctrl
             print(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}")
         log = RunLog(cfg.run.dir, cfg.run.steps, progress=cfg.run.progress, start_step=start_step)
+        a = cfg.algorithm
         settings = LoopSettings(
             steps=cfg.run.steps,
             prompts_per_step=cfg.task.prompts_per_step,
             n=cfg.rollout.n,
-            advantage=cfg.algorithm.advantage,
-            norm_by_std=cfg.algorithm.norm_by_std,
             pad_id=pad_id,
+            advantage=AdvantageSettings(a.advantage, a.norm_by_std, a.gamma, a.lam, a.kl_in_reward,
+                                        a.kl_estimator, a.whiten_advantages),
+            kl_coef=a.kl_coef,
+            kl_ctrl=a.kl_ctrl,
+            kl_target=a.kl_target,
+            kl_horizon=a.kl_horizon,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            dynamic_sampling=a.dynamic_sampling,
+            max_sampling_rounds=a.max_sampling_rounds,
+            overlong_buffer=a.overlong_buffer,
+            overlong_penalty=a.overlong_penalty,
+            mask_truncated=a.mask_truncated,
             log_samples_per_step=cfg.run.log_samples_per_step,
             logprob_warn_threshold=cfg.trainer.logprob_warn_threshold,
             sleep_between_steps=cfg.rollout.sleep_between_steps,
@@ -290,7 +313,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
             keep_checkpoints=cfg.run.keep_checkpoints,
         )
         try:
-            run_loop(settings, data, fleet, rewards, learner, log, start_step=start_step)
+            run_loop(settings, data, fleet, rewards, learner, log, start_step=start_step, kl_state=kl_state)
         finally:
             log.close()
         summary = reward_trend(read_metrics(cfg.run.dir))

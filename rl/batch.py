@@ -1,4 +1,4 @@
-"""Turning scored samples and their advantages into the learner's padded `TrainBatch`."""
+"""Turning scored samples into the learner's padded `TrainBatch`."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import torch
 from rl.types import ScoredSample, TrainBatch
 
 
-def build_train_batch(scored: list[ScoredSample], advantages: torch.Tensor, pad_id: int, version: int) -> TrainBatch:
+def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mask_truncated: bool = False) -> TrainBatch:
     """Right-pad prompt+completion rows; the loss covers completion tokens of scored samples only.
 
     A sample whose reward failed keeps its row (the learner's batch size stays fixed) with a zero
-    loss mask, so it contributes nothing.
+    loss mask, so it contributes nothing; so does a completion cut at the token budget when
+    `mask_truncated` (DAPO's overlong filtering). Advantages are filled in later (`rl.estimate`).
     """
     stale = {s.sample.policy_version for s in scored} - {version}
     if stale:
@@ -30,9 +31,8 @@ def build_train_batch(scored: list[ScoredSample], advantages: torch.Tensor, pad_
         # position t predicts token t+1: completion token j sits at len(p)+j, predicted from len(p)+j-1
         span = slice(len(p) - 1, len(p) - 1 + len(c))
         rollout_lp[i, span] = torch.tensor(s.sample.logprobs)
-        if s.error is None and c:
+        if s.error is None and c and not (mask_truncated and s.sample.finish_reason == "length"):
             loss_mask[i, span] = 1.0
-            adv[i, span] = float(advantages[i])
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention,

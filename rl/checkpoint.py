@@ -19,6 +19,7 @@ from typing import Callable
 class LoopState:
     next_step: int
     policy_version: int
+    kl_ctrl: dict | None = None  # the KL controller's state (its coefficient may adapt)
 
 
 def checkpoint_root(run_dir: str) -> str:

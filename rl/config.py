@@ -17,14 +17,33 @@ from omegaconf import MISSING
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    advantage: str = "grpo"  # registry name in rl/advantages.py
-    norm_by_std: bool = True  # False = Dr.GRPO (mean-centred only)
-    policy_loss: str = "ppo_clip"  # registry name in rl/losses.py
-    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum
+    advantage: str = "grpo"  # grpo | rloo | reinforce_pp | gae (rl/advantages.py)
+    norm_by_std: bool = True  # grpo only; False = Dr.GRPO (mean-centred only)
+    gamma: float = 1.0  # reinforce_pp, gae
+    lam: float = 0.95  # gae
+    whiten_advantages: bool = True  # gae: normalise advantages over the batch (PPO)
+    policy_loss: str = "ppo_clip"  # ppo_clip | ppo_dual_clip | gspo (rl/losses.py)
+    loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2
-    kl_coef: float = 0.001  # weight of KL(policy || reference) in the loss; 0 disables the ref model
-    kl_estimator: str = "k3"  # k1 | k2 | k3
+    clip_eps_high: float = 0.2  # > clip_eps_low: DAPO's clip-higher
+    clip_ratio_c: float = 3.0  # ppo_dual_clip: lower bound on the loss of negative advantages
+    entropy_coef: float = 0.0  # entropy bonus weight
+    kl_coef: float = 0.001  # weight of KL(policy || reference); 0 disables the reference model
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | k3_clamped
+    kl_in_reward: bool = False  # True: per-token reward penalty (PPO-RLHF style); False: a loss term
+    kl_ctrl: str = "fixed"  # fixed | adaptive (Ziegler et al.: steer towards kl_target)
+    kl_target: float = 0.01  # adaptive: target KL in nats per token
+    kl_horizon: int = 10000  # adaptive: samples over which the coefficient adapts
+    critic: bool = False  # PPO: learn a value model (needed by advantage=gae)
+    critic_init: str | None = None  # value model start: null = the policy's weights, or a reward-model folder
+    critic_lr: float = 1e-3
+    critic_warmup_steps: int = 0  # steps that train only the critic before the policy moves
+    value_clip: float = 0.2  # clipped value loss range; 0 = unclipped
+    dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and sample more
+    max_sampling_rounds: int = 3  # DAPO: generation rounds per step at most (then fill with what there is)
+    overlong_buffer: int = 0  # DAPO: soft length penalty over the last N tokens of the budget; 0 = off
+    overlong_penalty: float = 1.0  # DAPO: penalty at the budget
+    mask_truncated: bool = False  # DAPO: completions cut at max_new_tokens get no loss
     lr: float = 1e-3
     lr_warmup_steps: int = 10  # optimizer updates of linear warm-up
     weight_decay: float = 0.0
@@ -84,6 +103,7 @@ class TrainerConfig:
     zero_stage: int = 2
     micro_batch_size: int = 64  # sequences per forward/backward on one rank
     offload_optimizer: bool = False
+    ref_offload: bool = False  # keep the frozen reference model's weights on CPU (ZeRO-3 param offload)
     zero3_persistence_threshold: int = 0  # DeepSpeed's 1e5 keeps small tensors whole; 0 shards all
     weight_sync: str = "collective"  # collective (gloo/NCCL broadcast) | object_store (Ray)
     logprob_warn_threshold: float = 0.05  # warn when learner and rollout log-probs differ more
@@ -141,6 +161,9 @@ class ConfigError(ValueError):
 
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
+    "algorithm.advantage": ("grpo", "rloo", "reinforce_pp", "gae"),
+    "algorithm.policy_loss": ("ppo_clip", "ppo_dual_clip", "gspo"),
+    "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", "k3_clamped"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
     "model.dtype": ("float32", "bfloat16"),
@@ -235,6 +258,23 @@ def validate(cfg: Any) -> None:
             f"algorithm.mini_batches={cfg.algorithm.mini_batches} x trainer.num_workers="
             f"{cfg.trainer.num_workers}; change one of them so the product divides {batch}"
         )
+    a = cfg.algorithm
+    if a.advantage == "gae" and not a.critic:
+        errors.append("algorithm.advantage=gae needs a value model: set algorithm.critic=true (or use algorithm=ppo)")
+    if a.critic and a.advantage != "gae":
+        errors.append(f"algorithm.critic=true is only used by advantage=gae, not {a.advantage!r}; "
+                      "set algorithm.critic=false or algorithm.advantage=gae")
+    if a.dynamic_sampling and a.advantage not in ("grpo", "rloo"):
+        errors.append("algorithm.dynamic_sampling needs group-relative advantages (grpo or rloo)")
+    if a.kl_in_reward and a.kl_coef <= 0:
+        errors.append("algorithm.kl_in_reward=true needs algorithm.kl_coef > 0")
+    if a.policy_loss == "ppo_dual_clip" and a.clip_ratio_c <= 1:
+        errors.append(f"algorithm.clip_ratio_c={a.clip_ratio_c}: dual clip needs a value > 1, e.g. 3.0")
+    if not 0 <= a.overlong_buffer < cfg.rollout.max_new_tokens:
+        errors.append(f"algorithm.overlong_buffer={a.overlong_buffer}: must be in [0, rollout.max_new_tokens="
+                      f"{cfg.rollout.max_new_tokens})")
+    if a.max_sampling_rounds < 1:
+        errors.append(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be at least 1")
     if not cfg.reward.functions:
         errors.append("reward.functions is empty: name at least one, e.g. reward=arith or "
                       "'reward.functions=[{fn: my_rewards.py:score}]'")

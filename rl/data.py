@@ -62,11 +62,18 @@ class PromptDataset:
             self._perm_epoch = epoch
         return int(self._perm[offset])
 
-    def requests(self, step: int, prompts_per_step: int, n: int) -> list[GenerationRequest]:
-        """`prompts_per_step` prompts, each repeated `n` times with its own sampling seed."""
+    def requests(self, step: int, prompts_per_step: int, n: int, round: int = 0) -> list[GenerationRequest]:
+        """`prompts_per_step` prompts, each repeated `n` times with its own sampling seed.
+
+        Round 0 walks the seeded epoch permutation; a later `round` of the same step (DAPO's
+        refill) draws prompts at random from a stream of its own, with group ids after those
+        of earlier rounds, so seeds and groups never repeat within a step."""
         out = []
-        for group in range(prompts_per_step):
-            row = self.table[self._index(step * prompts_per_step + group)]
+        extra = None if round == 0 else np.random.default_rng(derive_seed(self.seed, step, round, 7))
+        for i in range(prompts_per_step):
+            group = round * prompts_per_step + i
+            index = self._index(step * prompts_per_step + i) if extra is None else int(extra.integers(len(self)))
+            row = self.table[index]
             text = row[self.prompt_key]
             ids = self.tokenizer(text).input_ids
             if len(ids) > self.max_prompt_tokens:

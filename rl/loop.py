@@ -1,4 +1,4 @@
-"""The driver loop: generate -> score -> advantages -> train -> sync weights, once per step.
+"""The driver loop: generate -> reward -> learner scores -> advantages -> train -> sync weights.
 
 It owns the step counter, the policy version and the logging, and talks to the rollout fleet,
 reward service and learner only through the small protocols below, so the same loop runs
@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from rl import checkpoint
-from rl.advantages import ADVANTAGES, group_success_stats
+from rl.advantages import group_success_stats
 from rl.batch import build_train_batch
+from rl.dapo import informative_groups, overlong_penalty
 from rl.data import PromptDataset
+from rl.estimate import AdvantageSettings, estimate_advantages
+from rl.kl_control import KL_CONTROLLERS, kl_controller_from_dict
 from rl.run_log import RunLog
 from rl.types import GenerationRequest, Sample, ScoredSample, TrainBatch
 
@@ -33,6 +36,7 @@ class Rewards(Protocol):
 
 
 class Learner(Protocol):
+    def score(self, batch: TrainBatch) -> TrainBatch: ...
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]: ...
     def sync_weights(self, fleet: Fleet, version: int) -> float: ...
     def save_checkpoint(self, path: str) -> None: ...
@@ -43,14 +47,90 @@ class LoopSettings:
     steps: int
     prompts_per_step: int
     n: int
-    advantage: str
-    norm_by_std: bool
     pad_id: int
+    advantage: AdvantageSettings = field(default_factory=AdvantageSettings)
+    kl_coef: float = 0.0
+    kl_ctrl: str = "fixed"
+    kl_target: float = 0.01
+    kl_horizon: int = 10000
+    max_new_tokens: int = 0       # the generation budget (for the overlong penalty)
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 1
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
+    mask_truncated: bool = False
     log_samples_per_step: int = 4
     logprob_warn_threshold: float = 0.05
     sleep_between_steps: bool = False
     save_every: int = 0
     keep_checkpoints: int = 2
+
+
+def make_kl_controller(settings: LoopSettings):
+    if settings.kl_ctrl == "adaptive":
+        return KL_CONTROLLERS.get("adaptive")(settings.kl_coef, settings.kl_target, settings.kl_horizon)
+    return KL_CONTROLLERS.get("fixed")(settings.kl_coef)
+
+
+def collect(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards: Rewards,
+            step: int) -> tuple[list[ScoredSample], list[Sample], dict[str, float]]:
+    """Generate and score one step's groups. With DAPO's dynamic sampling, groups whose rewards
+    are all equal are set aside and more prompts are drawn (up to max_sampling_rounds); the
+    batch is filled up with set-aside groups only if the rounds run out (its size is fixed)."""
+    P, n = settings.prompts_per_step, settings.n
+    kept: list[list[ScoredSample]] = []
+    flat: list[list[ScoredSample]] = []
+    generated: list[Sample] = []
+    timing = {"time/rollout_s": 0.0, "time/reward_s": 0.0}
+    rounds = settings.max_sampling_rounds if settings.dynamic_sampling else 1
+    for rnd in range(rounds):
+        t0 = time.perf_counter()
+        samples = fleet.generate(data.requests(step, P, n, round=rnd))
+        t1 = time.perf_counter()
+        scored = _shape_rewards(settings, rewards.score(samples))
+        timing["time/rollout_s"] += t1 - t0
+        timing["time/reward_s"] += time.perf_counter() - t1
+        generated += samples
+        groups = _by_group(scored)
+        if not settings.dynamic_sampling:
+            return scored, generated, timing
+        reward, valid, ids = _reward_tensors(scored)
+        informative = set(informative_groups(reward, ids, valid))
+        kept += [g for gid, g in groups.items() if gid in informative]
+        flat += [g for gid, g in groups.items() if gid not in informative]
+        if len(kept) >= P:
+            break
+    metrics = {**timing, "dapo/sampling_rounds": float(rnd + 1), "dapo/informative_groups": float(len(kept)),
+               "dapo/filled_groups": float(max(0, P - len(kept)))}
+    chosen = (kept + flat)[:P]
+    return [s for g in chosen for s in g], generated, metrics
+
+
+def _shape_rewards(settings: LoopSettings, scored: list[ScoredSample]) -> list[ScoredSample]:
+    """DAPO's overlong penalty, added to every scored sample's reward."""
+    if settings.overlong_buffer <= 0:
+        return scored
+    lengths = torch.tensor([len(s.sample.completion_ids) for s in scored])
+    penalty = overlong_penalty(lengths, settings.max_new_tokens, settings.overlong_buffer, settings.overlong_penalty)
+    for s, p in zip(scored, penalty.tolist()):
+        if s.error is None:
+            s.components["overlong_penalty"] = p
+            s.reward = s.reward + p
+    return scored
+
+
+def _by_group(scored: list[ScoredSample]) -> dict[int, list[ScoredSample]]:
+    groups: dict[int, list[ScoredSample]] = {}
+    for s in scored:
+        groups.setdefault(s.sample.group_id, []).append(s)
+    return groups
+
+
+def _reward_tensors(scored: list[ScoredSample]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    valid = torch.tensor([s.error is None for s in scored])
+    reward = torch.tensor([s.reward if s.error is None else 0.0 for s in scored], dtype=torch.float64)
+    groups = torch.tensor([s.sample.group_id for s in scored])
+    return reward, valid, groups
 
 
 def reward_metrics(scored: list[ScoredSample]) -> dict[str, float]:
@@ -78,29 +158,27 @@ def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | 
 
 
 def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
-             log: RunLog, start_step: int = 0) -> list[dict[str, float]]:
+             log: RunLog, start_step: int = 0, kl_state: dict | None = None) -> list[dict[str, float]]:
     """Run steps [start_step, settings.steps); returns each step's metrics.
 
     The policy version equals the number of updates so far, i.e. the step index, also on resume.
     """
     history = []
-    estimator = ADVANTAGES.get(settings.advantage)
+    kl_ctrl = kl_controller_from_dict(kl_state) if kl_state else make_kl_controller(settings)
     version = start_step
     for step in range(start_step, settings.steps):
         t0 = time.perf_counter()
-        requests = data.requests(step, settings.prompts_per_step, settings.n)
-        samples = fleet.generate(requests)
-        t_gen = time.perf_counter()
-        scored = rewards.score(samples)
+        scored, samples, collect_metrics = collect(settings, data, fleet, rewards, step)
         t_rew = time.perf_counter()
 
-        valid = torch.tensor([s.error is None for s in scored])
-        reward = torch.tensor([s.reward if s.error is None else 0.0 for s in scored], dtype=torch.float64)
-        groups = torch.tensor([s.sample.group_id for s in scored])
-        adv = estimator(reward, groups, valid, norm_by_std=settings.norm_by_std)
-        batch = build_train_batch(scored, adv, settings.pad_id, version)
+        reward, valid, groups = _reward_tensors(scored)
+        batch = build_train_batch(scored, settings.pad_id, version, mask_truncated=settings.mask_truncated)
         if settings.sleep_between_steps:
             fleet.sleep()
+        batch = learner.score(batch)
+        est = estimate_advantages(settings.advantage, reward, valid, groups, batch.loss_mask, kl_ctrl.value,
+                                  batch.old_logprobs, batch.ref_logprobs, batch.values)
+        batch.advantages, batch.returns = est.advantages, est.returns
         train_metrics = learner.train_step(batch, step)
         t_train = time.perf_counter()
         version += 1
@@ -108,18 +186,21 @@ def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards:
             fleet.wake()
         sent = learner.sync_weights(fleet, version)
         t_sync = time.perf_counter()
+        measured_kl = est.metrics.get("actor/kl_in_reward_nats", train_metrics.get("actor/kl_nats"))
+        if measured_kl is not None:
+            kl_ctrl.update(measured_kl, len(scored))
 
         gen_tokens = sum(len(s.completion_ids) for s in samples)
         metrics = {
             **reward_metrics(scored),
             **group_success_stats(reward, groups, valid),
+            **collect_metrics,
+            **est.metrics,
             **train_metrics,
-            "rollout/tokens_per_s": gen_tokens / max(t_gen - t0, 1e-9),
+            "rollout/tokens_per_s": gen_tokens / max(collect_metrics["time/rollout_s"], 1e-9),
             "rollout/completion_len_tokens": gen_tokens / len(samples),
             "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
             "sync/weights_mb": sent / 2**20,
-            "time/rollout_s": t_gen - t0,
-            "time/reward_s": t_rew - t_gen,
             "time/train_s": t_train - t_rew,
             "time/sync_s": t_sync - t_train,
             "time/step_s": t_sync - t0,
@@ -134,6 +215,6 @@ def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards:
         history.append(metrics)
         done = step + 1
         if settings.save_every and (done % settings.save_every == 0 or done == settings.steps):
-            checkpoint.save(log.run_dir, checkpoint.LoopState(done, version), learner.save_checkpoint,
+            checkpoint.save(log.run_dir, checkpoint.LoopState(done, version, kl_ctrl.to_dict()), learner.save_checkpoint,
                             settings.keep_checkpoints)
     return history

@@ -10,7 +10,8 @@ from typing import Any
 from rl.types import ScoredSample
 
 SUMMARY_KEYS = (("reward/mean", "reward {:.3f}"), ("actor/kl_nats", "kl {:.4f}"),
-                ("rollout/tokens_per_s", "{:.0f} tok/s"), ("time/step_s", "{:.1f} s"))
+                ("actor/kl_in_reward_nats", "kl {:.4f}"), ("rollout/tokens_per_s", "{:.0f} tok/s"),
+                ("time/step_s", "{:.1f} s"))
 
 
 def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:

@@ -85,6 +85,8 @@ class TrainBatch:
     policy_version: int
     old_logprobs: torch.Tensor | None = None  # [B, T-1], filled by the learner before updating
     ref_logprobs: torch.Tensor | None = None  # [B, T-1], reference model, when KL is used
+    values: torch.Tensor | None = None  # [B, T-1], the critic's values before the update (PPO)
+    returns: torch.Tensor | None = None  # [B, T-1], the critic's targets (PPO)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -107,4 +109,6 @@ class TrainBatch:
             policy_version=self.policy_version,
             old_logprobs=rows(self.old_logprobs),
             ref_logprobs=rows(self.ref_logprobs),
+            values=rows(self.values),
+            returns=rows(self.returns),
         )

@@ -37,7 +37,9 @@ def _batch(tok, model):
             lp, _ = token_logprobs(model, ids, torch.ones_like(ids))
         s = Sample(p_ids, c_ids, lp[0, len(p_ids) - 1 :].tolist(), "stop", 0, p, c, i, 0)
         scored.append(ScoredSample(s, float(advantages[i]), {}))
-    return build_train_batch(scored, advantages, tok.pad_token_id, 0), scored
+    batch = build_train_batch(scored, tok.pad_token_id, 0)
+    batch.advantages = advantages[:, None] * batch.loss_mask
+    return batch, scored
 
 
 def _seq_logprob(model, s: Sample) -> float:

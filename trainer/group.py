@@ -43,6 +43,24 @@ class LearnerGroup:
         ray.get([w.setup.remote(master_addr, master_port) for w in self.workers])
         self.metas: list[weight_sync.WeightMeta] = ray.get(self.workers[0].weight_metas.remote())
 
+    def score(self, batch: TrainBatch) -> TrainBatch:
+        """Every rank scores its shard (old/reference log-probs, values); reassembled in row order."""
+        if len(batch) != self.spec.samples_per_step:
+            raise ValueError(f"expected {self.spec.samples_per_step} rows per step, got {len(batch)}")
+        index = shard_rows(len(batch), self.world_size)
+        scored = ray.get([w.score.remote(batch.select(rows)) for w, rows in zip(self.workers, index)])
+        width = batch.input_ids.shape[1] - 1
+        for name in ("old_logprobs", "ref_logprobs", "values"):
+            parts = [getattr(s, name) for s in scored]
+            if parts[0] is None:
+                setattr(batch, name, None)
+                continue
+            full = torch.zeros((len(batch), width))
+            for rows, part in zip(index, parts):
+                full[rows, : part.shape[1]] = part
+            setattr(batch, name, full)
+        return batch
+
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
         if len(batch) != self.spec.samples_per_step:
             raise ValueError(f"expected {self.spec.samples_per_step} rows per step, got {len(batch)}")
@@ -100,12 +118,18 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     tokens = max(total.pop("_tokens", 0.0), 1.0)
     loss_tokens = max(total.pop("_loss_tokens", 0.0), 1.0)
     updates = max(total.pop("_updates", 0.0) / len(results), 1.0)  # optimizer steps (same on every rank)
+    critic_tokens = max(total.pop("_critic_tokens", 0.0), 1.0)
+    critic_updates = max(total.pop("_updates/critic", 0.0) / len(results), 1.0)
     out: dict[str, float] = {}
     for k, v in total.items():
         if k.startswith("_max/"):
             out[k.removeprefix("_max/")] = v
-        elif k in ("sync/logprob_abs_diff", "actor/entropy_nats"):
+        elif k in ("sync/logprob_abs_diff", "actor/entropy_nats", "critic/values_mean"):
             out[k] = v / tokens
+        elif k in ("critic/value_error", "critic/clip_frac"):
+            out[k] = v / critic_tokens
+        elif k == "critic/value_loss":
+            out[k] = v / critic_updates
         elif k in ("actor/kl_nats", "actor/pg_loss_nats", "actor/clip_frac"):
             out[k] = v / loss_tokens
         elif k in ("actor/grad_norm", "actor/lr"):  # every rank reports the same value

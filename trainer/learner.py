@@ -16,9 +16,10 @@ from typing import Any, Iterator
 import torch
 
 from rl.kl import KL_ESTIMATORS
-from rl.losses import POLICY_LOSSES, LossNormalizer, aggregate
+from rl.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
 from rl.types import TrainBatch
 from trainer import weight_sync
+from trainer.engine import ds_config
 from trainer.logprobs import token_logprobs
 
 
@@ -49,6 +50,16 @@ class LearnerSpec:
     gradient_checkpointing: bool = False
     zero3_persistence_threshold: int = 0
     threads: int = 0
+    clip_ratio_c: float = 3.0  # ppo_dual_clip
+    entropy_coef: float = 0.0
+    max_response_len: int = 0  # generation budget, for the seq_mean_token_sum_norm normaliser
+    kl_in_reward: bool = False  # the driver puts the KL into the rewards; the loss then has none
+    ref_offload: bool = False
+    critic: bool = False
+    critic_init: str | None = None  # None: the policy's weights
+    critic_lr: float = 1e-3
+    critic_warmup_steps: int = 0
+    value_clip: float = 0.2
 
 
 def gradient_accumulation_steps(spec: LearnerSpec, world_size: int) -> int:
@@ -59,23 +70,26 @@ def gradient_accumulation_steps(spec: LearnerSpec, world_size: int) -> int:
 def deepspeed_config(spec: LearnerSpec, world_size: int, with_optimizer: bool = True) -> dict[str, Any]:
     gas = gradient_accumulation_steps(spec, world_size)
     rows_per_rank = spec.samples_per_step // (spec.mini_batches * world_size)
-    zero: dict[str, Any] = {"stage": spec.zero_stage}
-    if spec.zero_stage == 3:
-        zero["stage3_param_persistence_threshold"] = spec.zero3_persistence_threshold
-    if spec.offload_optimizer and with_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    clipping = {"gradient_clipping": spec.max_grad_norm} if with_optimizer else {}
-    return {
-        "train_micro_batch_size_per_gpu": -(-rows_per_rank // gas),
-        "gradient_accumulation_steps": gas,
-        **clipping,
-        "zero_optimization": zero,
-        "bf16": {"enabled": spec.dtype == "bfloat16"},
-        "zero_allow_untested_optimizer": True,
-        "zero_force_ds_cpu_optimizer": False,
-        "steps_per_print": 10**12,
-        "wall_clock_breakdown": False,
-    }
+    return ds_config(
+        micro_batch_size=-(-rows_per_rank // gas),
+        gradient_accumulation_steps=gas,
+        zero_stage=spec.zero_stage,
+        dtype=spec.dtype,
+        max_grad_norm=spec.max_grad_norm if with_optimizer else None,
+        offload_optimizer=spec.offload_optimizer and with_optimizer,
+        zero3_persistence_threshold=spec.zero3_persistence_threshold,
+    )
+
+
+def _hf_zero3_config(ds_config: dict[str, Any]):
+    """What transformers' `from_pretrained` must see while it loads a model for this engine: under
+    ZeRO-3 an `HfDeepSpeedConfig` kept alive with the engine (weights are partitioned as they
+    load); otherwise none (an earlier ZeRO-3 engine's global config is cleared)."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    return HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None
 
 
 class LearnerWorker:
@@ -102,38 +116,68 @@ class LearnerWorker:
             torch.set_num_threads(spec.threads)
         import deepspeed
         from transformers import AutoModelForCausalLM
-        from transformers.integrations import HfDeepSpeedConfig
 
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         torch.manual_seed(spec.seed)
         ds_config = deepspeed_config(spec, world_size)
-        # Under ZeRO-3 this object must be alive while from_pretrained runs, so that weights are
-        # partitioned as they load (zero.Init) instead of materialised whole on every rank.
-        self._hf_ds_config = HfDeepSpeedConfig(ds_config) if spec.zero_stage == 3 else None
         dtype = getattr(torch, spec.dtype)
-        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype)
-        if spec.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad], lr=spec.lr, weight_decay=spec.weight_decay
-        )
-        # Linear warm-up: Adam's first updates are sign-like steps of size lr on every weight, which
-        # can knock a small policy off its warm-up before the moment estimates settle.
-        warmup = max(spec.lr_warmup_steps, 1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda updates: min(1.0, (updates + 1) / warmup))
-        self.engine, *_ = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
-        )
-        self.ref = None
-        if spec.kl_coef > 0:
-            ref = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype).eval()
-            ref.requires_grad_(False)
-            if spec.zero_stage == 3:
-                ref, *_ = deepspeed.initialize(model=ref, config=deepspeed_config(spec, world_size, with_optimizer=False))
-            self.ref = ref.to(self.device) if spec.zero_stage != 3 else ref
+        self.engine = self._trainable(lambda: AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype),
+                                      ds_config, spec.lr)
+        self.ref = self._reference(dtype) if spec.kl_coef > 0 else None
+        self.critic = None
+        if spec.critic:
+            from transformers import AutoModelForTokenClassification
+
+            def value_model() -> torch.nn.Module:
+                # A token-classification head with one label is a per-token value head; from a
+                # reward model (sequence classification, same `score` layer) it keeps that head.
+                return AutoModelForTokenClassification.from_pretrained(
+                    spec.critic_init or spec.model_path, num_labels=1, dtype=dtype)
+
+            self.critic = self._trainable(value_model, deepspeed_config(spec, world_size), spec.critic_lr)
         self._named_params = [(n, p) for n, p in self.engine.module.named_parameters()]
         self._sync_group = None
+        self._scored_sums: dict[str, float] = {}
+
+    def _trainable(self, load_model, ds_config: dict[str, Any], lr: float):
+        """A DeepSpeed engine with torch AdamW and linear lr warm-up: Adam's first updates are
+        sign-like steps of size lr on every weight, which can knock a small policy off its warm-up."""
+        import deepspeed
+
+        spec = self.spec
+        keep_alive = _hf_zero3_config(ds_config)
+        model = load_model()
+        if spec.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                      weight_decay=spec.weight_decay)
+        warmup = max(spec.lr_warmup_steps, 1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda updates: min(1.0, (updates + 1) / warmup))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+        engine._rlpost_hf_ds_config = keep_alive
+        return engine
+
+    def _reference(self, dtype: torch.dtype):
+        """The frozen reference policy in its own DeepSpeed engine (no optimizer); with
+        `ref_offload` its weights live on the CPU (ZeRO-3 parameter offload) between uses."""
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        spec = self.spec
+        config = deepspeed_config(spec, self.world_size, with_optimizer=False)
+        if spec.ref_offload:
+            config["zero_optimization"] = {**config["zero_optimization"], "stage": 3,
+                                           "offload_param": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}
+        elif spec.zero_stage != 3:
+            config["zero_optimization"] = {"stage": 0}  # a frozen model: nothing to shard but weights
+        keep_alive = _hf_zero3_config(config)
+        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype).eval()
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine._rlpost_hf_ds_config = keep_alive
+        engine.eval()
+        return engine
 
     # ---- training -------------------------------------------------------------------------
 
@@ -141,56 +185,79 @@ class LearnerWorker:
         return t.to(self.device, non_blocking=True)
 
     @torch.no_grad()
-    def _score(self, batch: TrainBatch) -> tuple[TrainBatch, torch.Tensor]:
-        """Fill old-policy (and reference) log-probs of every row before any update this step."""
-        self.engine.eval()
+    def score(self, batch: TrainBatch) -> TrainBatch:
+        """Old-policy (and reference) log-probs and critic values of every row, before any update
+        this step; the driver estimates advantages from them. Kept on CPU, full width."""
         width = batch.input_ids.shape[1] - 1
-        old, ref, ent = [], [], []
+        old, ref, values, entropy = [], [], [], []
 
         def full_width(t: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.pad(t.float().cpu(), (0, width - t.shape[1]))
 
+        self.engine.eval()
         for chunk in torch.split(torch.arange(len(batch)), self.spec.micro_batch_size):
             mb = batch.select(chunk)
             ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
             lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True)
             old.append(full_width(lp))
-            ent.append(full_width(e))
+            entropy.append(full_width(e))
             if self.ref is not None:
                 ref.append(full_width(token_logprobs(self.ref, ids, am, self.spec.temperature)[0]))
+            if self.critic is not None:
+                values.append(full_width(self._values(self.critic, ids, am)))
         self.engine.train()
         batch.old_logprobs = torch.cat(old)
         batch.ref_logprobs = torch.cat(ref) if ref else None
-        return batch, torch.cat(ent)
+        batch.values = torch.cat(values) if values else None
+        mask = batch.loss_mask
+        self._scored_sums = {"actor/entropy_nats": float((torch.cat(entropy) * mask).sum())}
+        if batch.values is not None:
+            self._scored_sums["critic/values_mean"] = float((batch.values * mask).sum())
+        return batch
+
+    @staticmethod
+    def _values(critic, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
+        """V(prefix up to t) at position t, aligned with the log-prob of token t+1: [B, T-1]."""
+        return critic(input_ids=ids, attention_mask=am).logits[:, :-1, 0].float()
 
     def _global_normalizer(self, mask: torch.Tensor) -> LossNormalizer:
         local = LossNormalizer.of(mask)
         counts = torch.tensor([local.tokens, local.sequences], dtype=torch.float64)
         if self.world_size > 1:
             torch.distributed.all_reduce(counts)
-        return LossNormalizer(tokens=float(counts[0]), sequences=float(counts[1]))
+        return LossNormalizer(tokens=float(counts[0]), sequences=float(counts[1]),
+                              max_response_len=float(self.spec.max_response_len))
 
     def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
         """PPO-style update on this rank's shard; returns metric *sums* (the group reduces them).
 
         Every mini-batch is split into exactly `gradient_accumulation_steps` micro-batches on
-        every rank, so DeepSpeed's accumulation boundary is the mini-batch boundary.
+        every rank, so DeepSpeed's accumulation boundary is the mini-batch boundary. The critic
+        (PPO) trains on the same mini-batches; during its warm-up steps the policy stays put.
         """
         spec = self.spec
-        batch, entropy = self._score(batch)
+        if batch.old_logprobs is None:  # called without the driver's score phase (tests, tools)
+            batch = self.score(batch)
         mask = batch.loss_mask
         diff = (batch.old_logprobs - batch.rollout_logprobs).abs() * mask
-        sums: dict[str, float] = defaultdict(float)
+        sums: dict[str, float] = defaultdict(float, self._scored_sums)
         sums["_tokens"] = float(mask.sum())
         sums["sync/logprob_abs_diff"] = float(diff.sum())
         sums["_max/sync/logprob_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
-        sums["actor/entropy_nats"] = float((entropy * mask).sum())
         gas = gradient_accumulation_steps(spec, self.world_size)
+        train_policy = step >= spec.critic_warmup_steps or self.critic is None
         generator = torch.Generator().manual_seed((spec.seed * 1_000_003 + step * 7919 + self.rank) % 2**31)
         for _epoch in range(spec.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mb_rows in torch.tensor_split(order, spec.mini_batches):
                 norm = self._global_normalizer(mask[mb_rows])
+                if self.critic is not None:
+                    for rows in torch.tensor_split(mb_rows, gas):
+                        self._critic_backward(batch.select(rows), norm, sums)
+                        self.critic.step()
+                    sums["_updates/critic"] += 1
+                if not train_policy:
+                    continue
                 for rows in torch.tensor_split(mb_rows, gas):
                     self._backward(batch.select(rows), norm, sums)
                     self.engine.step()
@@ -204,15 +271,18 @@ class LearnerWorker:
         spec = self.spec
         ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
         mask, adv, old = (self._to_device(t) for t in (mb.loss_mask, mb.advantages, mb.old_logprobs))
-        logp, _ = token_logprobs(self.engine, ids, am, spec.temperature)
+        logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature, with_entropy=spec.entropy_coef > 0)
+        extra = {"clip_ratio_c": spec.clip_ratio_c} if spec.policy_loss == "ppo_dual_clip" else {}
         pg_loss, clipped = POLICY_LOSSES.get(spec.policy_loss)(
-            logp, old, adv, clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high
+            logp, old, adv, clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, mask=mask, **extra
         )
         per_token = pg_loss
-        if mb.ref_logprobs is not None:
+        if mb.ref_logprobs is not None and not spec.kl_in_reward:
             kl = KL_ESTIMATORS.get(spec.kl_estimator)(logp, self._to_device(mb.ref_logprobs))
             per_token = per_token + spec.kl_coef * kl
             sums["actor/kl_nats"] += float((kl.detach() * mask).sum())
+        if entropy is not None:
+            per_token = with_entropy_bonus(per_token, entropy, spec.entropy_coef)
         loss = aggregate(per_token, mask, spec.loss_agg, norm)
         # DeepSpeed averages gradients over data-parallel ranks; the normalizer is already global,
         # so undo that average, and do not let it divide by the accumulation steps again.
@@ -221,6 +291,18 @@ class LearnerWorker:
         sums["actor/pg_loss_nats"] += float((pg_loss.detach() * mask).sum())
         sums["actor/clip_frac"] += float((clipped * mask).sum())
         sums["_loss_tokens"] += float(mask.sum())
+
+    def _critic_backward(self, mb: TrainBatch, norm: LossNormalizer, sums: dict[str, float]) -> None:
+        ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
+        mask, old, returns = (self._to_device(t) for t in (mb.loss_mask, mb.values, mb.returns))
+        values = self._values(self.critic, ids, am)
+        per_token, clipped = value_loss(values, old, returns, self.spec.value_clip or None)
+        loss = aggregate(per_token, mask, "token_mean", norm)
+        self.critic.backward(loss * self.world_size, scale_wrt_gas=False)
+        sums["critic/value_loss"] += float(loss.detach())
+        sums["critic/clip_frac"] += float((clipped * mask).sum())
+        sums["critic/value_error"] += float(((values.detach() - returns).abs() * mask).sum())
+        sums["_critic_tokens"] += float(mask.sum())
 
     # ---- weights out ----------------------------------------------------------------------
 
@@ -267,13 +349,19 @@ class LearnerWorker:
         return out if self.rank == 0 else None
 
     def save_checkpoint(self, path: str) -> None:
-        """Full training state (weights, optimizer, lr schedule), every rank writing its shard."""
+        """Full training state (weights, optimizer, lr schedule), every rank writing its shard;
+        the critic's in `critic/` beside it."""
         self.engine.save_checkpoint(path, tag="state")
+        if self.critic is not None:
+            self.critic.save_checkpoint(os.path.join(path, "critic"), tag="state")
 
     def load_checkpoint(self, path: str) -> None:
-        loaded, _ = self.engine.load_checkpoint(path, tag="state")
-        if loaded is None:
-            raise FileNotFoundError(f"no learner checkpoint under {path}")
+        for engine, where in ((self.engine, path), (self.critic, os.path.join(path, "critic"))):
+            if engine is None:
+                continue
+            loaded, _ = engine.load_checkpoint(where, tag="state")
+            if loaded is None:
+                raise FileNotFoundError(f"no learner checkpoint under {where}")
 
     def save_pretrained(self, path: str) -> None:
         """Write the policy as a transformers folder (safetensors) that vLLM and HF load directly."""

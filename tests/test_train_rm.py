@@ -110,9 +110,10 @@ def test_reward_model_config_composes_for_grpo() -> None:
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base=None):
         cfg = compose("train", overrides=["reward=model"])
     validate(cfg)
-    (fn,) = cfg.reward.functions
-    assert fn.fn == "reward.model_reward:score" and fn.kwargs.path == "artifacts/tiny_rm/model"
-    assert os.path.normpath(fn.kwargs.path) in launch.train.BUILTIN_MODELS
+    rm, check = cfg.reward.functions
+    assert rm.fn == "reward.model_reward:score" and rm.kwargs.path == "artifacts/tiny_rm/model" and rm.weight == 1
+    assert os.path.normpath(rm.kwargs.path) in launch.train.BUILTIN_MODELS
+    assert check.fn == "reward.builtin:exact_answer" and check.weight == 0  # logged, not trained on
 
 
 def test_pooling_reads_the_last_real_token_with_right_padding() -> None:

@@ -1,8 +1,15 @@
-"""Plain-torch supervised fine-tuning on (prompt, completion) pairs.
+"""Supervised fine-tuning pieces: tokenisation with prompt masking, collation, the loss.
 
-Used to warm up the built-in tiny model before RL (and by tests): no DeepSpeed, no Ray, so it
-runs anywhere in seconds. The loss covers completion tokens only (EOS included): the model must
-learn to answer and to stop, not to predict prompts it will always be given.
+The loss covers completion tokens only (EOS included): the model must learn to answer and to
+stop, not to predict prompts it will always be given. Two data shapes:
+
+- completion: `tokenize_pair(prompt, completion)` then `build_example` (prompt positions -100);
+- chat: `chat_example(messages)` where only assistant turns are trained (see `render_chat`).
+
+`sft_train` is the plain-torch trainer that warms up the built-in tiny models (no DeepSpeed, no
+Ray, seconds on a CPU). It runs the same loop (`trainer.supervised.train_loop`) and the same
+batch loss (`completion_batch_loss`) as `python -m launch.train_sft`, which drives them with a
+DeepSpeed engine instead of a torch optimizer.
 """
 
 from __future__ import annotations
@@ -35,6 +42,92 @@ def build_example(prompt_ids: list[int], completion_ids: list[int]) -> tuple[lis
     return input_ids, labels
 
 
+def build_segments_example(segments: list[tuple[list[int], bool]]) -> tuple[list[int], list[int]]:
+    """Concatenate token segments; those marked trainable keep their labels, the rest get -100.
+
+    `build_example(p, c)` is `build_segments_example([(p, False), (c, True)])`; multi-turn chat
+    uses one segment per turn.
+    """
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for ids, trainable in segments:
+        input_ids += list(ids)
+        labels += list(ids) if trainable else [IGNORE_INDEX] * len(ids)
+    return input_ids, labels
+
+
+# Chat data for a tokenizer without a chat template of its own: each context message is
+# rendered as "{role}:\n{content}\n"; an assistant message as the header "assistant:\n" (context)
+# followed by its content and EOS (trained). The whole starts with the tokenizer's special prefix.
+FALLBACK_CHAT_TURN = "{role}:\n{content}\n"
+FALLBACK_CHAT_HEADER = "{role}:\n"
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[tuple[list[int], bool]]:
+    """Token segments of a conversation, each marked trainable (assistant output) or not.
+
+    With a chat template (`tokenizer.chat_template`): the conversation is rendered by the
+    template; the tokens of assistant turn i are those between the rendering of messages[:i]
+    with the generation prompt and the rendering of messages[:i+1] (end-of-turn marker
+    included, so the model learns to stop). The template must be prefix-stable (rendering a
+    longer conversation extends the token ids of a shorter one); a ValueError says when not.
+
+    Without one: the fallback format above (`FALLBACK_CHAT_TURN`, `FALLBACK_CHAT_HEADER`).
+    """
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"messages[{i}] must be a mapping with 'role' and 'content', got {m!r}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("a conversation has no assistant message: nothing to train on")
+    if getattr(tokenizer, "chat_template", None):
+        return _render_with_template(tokenizer, messages)
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer has no eos_token_id: assistant turns must end with EOS")
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    segments: list[tuple[list[int], bool]] = [(list(tokenizer("").input_ids), False)]  # e.g. BOS
+    for m in messages:
+        if m["role"] == "assistant":
+            segments.append((ids(FALLBACK_CHAT_HEADER.format(role="assistant")), False))
+            segments.append((ids(m["content"]) + [int(tokenizer.eos_token_id)], True))
+        else:
+            segments.append((ids(FALLBACK_CHAT_TURN.format(role=m["role"], content=m["content"])), False))
+    return [seg for seg in segments if seg[0]]
+
+
+def _render_with_template(tokenizer: Any, messages: list[dict[str, str]]) -> list[tuple[list[int], bool]]:
+    def ids(conversation: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=generation_prompt)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+    segments: list[tuple[list[int], bool]] = []
+    done: list[int] = []  # ids covered by the segments so far
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        context, turn = ids(messages[:i], True), ids(messages[: i + 1], False)
+        if context[: len(done)] != done or turn[: len(context)] != context:
+            raise ValueError(
+                "the tokenizer's chat template is not prefix-stable (rendering more messages changes "
+                "earlier tokens), so assistant tokens cannot be located; use data.format=completion "
+                "with pre-rendered prompts instead"
+            )
+        segments += [(context[len(done):], False), (turn[len(context):], True)]
+        done = turn
+    rest = ids(messages, False)
+    if rest[: len(done)] != done:
+        raise ValueError("the tokenizer's chat template is not prefix-stable; use data.format=completion")
+    segments.append((rest[len(done):], False))  # e.g. a trailing user message
+    return [seg for seg in segments if seg[0]]
+
+
+def chat_example(tokenizer: Any, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
+    """(input_ids, labels) of a conversation; only assistant turns carry labels."""
+    return build_segments_example(render_chat(tokenizer, messages))
+
+
 def collate_right_padded(
     examples: list[tuple[list[int], list[int]]], pad_id: int
 ) -> dict[str, torch.Tensor]:
@@ -60,6 +153,25 @@ def completion_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         targets.reshape(-1),
         ignore_index=IGNORE_INDEX,
     )
+
+
+def completion_batch_loss(
+    examples: list[tuple[list[int], list[int]]], pad_id: int
+) -> Callable[[Any, list[int]], tuple[torch.Tensor, dict[str, float]]]:
+    """The SFT batch loss for `trainer.supervised.train_loop`: `fn(model, indices)` collates
+    `examples[indices]` (right-padded) and returns (`completion_loss`, extra metrics).
+
+    `model` is anything called like a causal LM: a transformers model or a DeepSpeed engine.
+    """
+
+    def loss_fn(model: Any, indices: list[int]) -> tuple[torch.Tensor, dict[str, float]]:
+        batch = collate_right_padded([examples[i] for i in indices], pad_id)
+        device = model.device
+        logits = model(input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+        labels = batch["labels"].to(device)
+        return completion_loss(logits, labels), {"tokens": float((labels[:, 1:] != IGNORE_INDEX).sum())}
+
+    return loss_fn
 
 
 @torch.no_grad()
@@ -88,12 +200,15 @@ def sequence_logprobs(
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def _lr_factor(step: int, steps: int, warmup: int) -> float:
+def lr_factor(step: int, steps: int, warmup: int) -> float:
     """Linear warm-up then cosine decay to 10%: stable for tiny models at high learning rates."""
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, steps - warmup)
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+_lr_factor = lr_factor  # the old private name
 
 
 def sft_train(
@@ -112,46 +227,36 @@ def sft_train(
     log_fn: Callable[[str], None] = print,
     stop_fn: Callable[[int], bool] | None = None,
 ) -> list[float]:
-    """Train `model` in place on completion tokens; returns the loss of every step.
+    """Train `model` in place on completion tokens (plain torch AdamW); returns every step's loss.
 
     Batches are drawn epoch by epoch from a permutation made by a local generator seeded with
     `seed`, so the run depends only on its inputs, not on global RNG state. `stop_fn(done_steps)`
     is called after every step and ends training early when it returns True (e.g. once a probe
-    accuracy is reached); the learning-rate schedule still spans `steps`.
+    accuracy is reached); the learning-rate schedule still spans `steps`. Same loop and loss as
+    `python -m launch.train_sft` (`trainer.supervised.train_loop` + `completion_batch_loss`).
     """
+    from trainer.supervised import TorchStepper, train_loop
+
     if len(prompts) != len(completions) or not prompts:
         raise ValueError(
             f"need equally many prompts and completions (> 0), got {len(prompts)} and {len(completions)}"
         )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     examples = [build_example(*tokenize_pair(tokenizer, p, c)) for p, c in zip(prompts, completions)]
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: _lr_factor(s, steps, warmup_steps)
+    stepper = TorchStepper(
+        model, lr=lr, weight_decay=weight_decay, lr_lambda=lambda s: lr_factor(s, steps, warmup_steps), max_grad_norm=1.0
     )
-    model.train()
-    order: list[int] = []
-    losses: list[float] = []
-    for step in range(steps):
-        while len(order) < batch_size:
-            order += torch.randperm(len(examples), generator=generator).tolist()
-        picked, order = order[:batch_size], order[batch_size:]
-        batch = collate_right_padded([examples[i] for i in picked], pad_id)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        loss = completion_loss(logits, batch["labels"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        losses.append(float(loss.detach()))
-        if log_every and (step + 1) % log_every == 0:
-            log_fn(f"sft step {step + 1}/{steps} loss {losses[-1]:.4f} lr {scheduler.get_last_lr()[0]:.2e}")
-        if stop_fn is not None:
-            stop = stop_fn(step + 1)
-            model.train()  # stop_fn may have switched to eval mode to probe the model
-            if stop:
-                break
+    losses = train_loop(
+        stepper,
+        len(examples),
+        completion_batch_loss(examples, pad_id),
+        steps=steps,
+        batch_size=batch_size,
+        seed=seed,
+        log_every=log_every,
+        log_fn=log_fn,
+        log_prefix="sft",
+        stop_fn=stop_fn,
+    )
     model.eval()
     return losses

@@ -1,0 +1,380 @@
+"""The training loop shared by every supervised trainer, and the run directory they write.
+
+`train_loop` draws batches, splits them into micro-batches, calls a loss function and steps an
+optimizer; what it steps is a `Stepper`:
+
+- `TorchStepper`: a plain model with torch AdamW (the tiny models' warm-up, `trainer.sft.sft_train`);
+- `DeepSpeedStepper`: a DeepSpeed engine (ZeRO 0-3; `launch.train_sft`, `launch.train_rm`).
+
+So the SFT warm-up of the built-in tiny model and `python -m launch.train_sft` run the same loop
+with the same loss (`trainer.sft.completion_batch_loss`); only the optimizer wrapper differs.
+`RunWriter` writes the run directory (config, metrics.jsonl, TensorBoard, summary, final model).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Protocol
+
+import torch
+
+LossFn = Callable[[Any, list[int]], tuple[torch.Tensor, dict[str, float]]]
+
+
+class Stepper(Protocol):
+    model: Any  # called like the transformers model (a model or a DeepSpeed engine)
+
+    def train(self) -> None: ...
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None: ...
+    def update(self) -> float | None: ...  # returns the gradient norm when known
+    def lr(self) -> float: ...
+
+
+class TorchStepper:
+    """torch AdamW + LambdaLR + gradient clipping on a plain model (no process group needed)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        lr_lambda: Callable[[int], float] = lambda _: 1.0,
+        max_grad_norm: float = 1.0,
+    ) -> None:
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+
+    def train(self) -> None:
+        self.model.train()
+
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        (loss if micro_batches == 1 else loss / micro_batches).backward()
+
+    def update(self) -> float | None:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+
+class DeepSpeedStepper:
+    """A DeepSpeed engine: it averages micro-batch gradients (its gradient_accumulation_steps
+    must equal the micro-batches per step), clips, and steps optimizer and schedule itself."""
+
+    def __init__(self, engine: Any) -> None:
+        self.model = engine
+
+    def train(self) -> None:
+        self.model.train()
+
+    def backward(self, loss: torch.Tensor, micro_batches: int) -> None:
+        if micro_batches != self.model.gradient_accumulation_steps():
+            raise ValueError(
+                f"{micro_batches} micro-batches per step but the engine accumulates "
+                f"{self.model.gradient_accumulation_steps()}"
+            )
+        self.model.backward(loss)
+        self.model.step()  # applies the update only at the accumulation boundary
+
+    def update(self) -> float | None:
+        norm = self.model.get_global_grad_norm()
+        return float(norm) if norm is not None else None
+
+    def lr(self) -> float:
+        return float(self.model.get_lr()[0])
+
+
+def train_loop(
+    stepper: Stepper,
+    n_examples: int,
+    loss_fn: LossFn,
+    *,
+    steps: int,
+    batch_size: int,
+    micro_batch_size: int | None = None,
+    seed: int = 0,
+    log_every: int = 0,
+    log_fn: Callable[[str], None] = print,
+    log_prefix: str = "step",
+    stop_fn: Callable[[int], bool] | None = None,
+    on_step: Callable[[int, dict[str, float]], None] | None = None,
+) -> list[float]:
+    """Run `steps` optimizer updates of `batch_size` examples each; returns every step's loss.
+
+    Example indices come epoch after epoch from permutations of a generator seeded with `seed`
+    (never from global RNG state). A batch is split into micro-batches of `micro_batch_size`
+    (default: the whole batch); `loss_fn(model, indices)` returns one micro-batch's mean loss and
+    extra metrics, and the step's loss is the mean over its micro-batches. After each step,
+    `on_step(done_steps, metrics)` gets the averaged metrics plus `loss`, `lr` and `grad_norm`,
+    then `stop_fn(done_steps)` may end training early (it may switch the model to eval mode;
+    training mode is restored).
+    """
+    if n_examples < 1:
+        raise ValueError("no training examples")
+    micro = micro_batch_size or batch_size
+    if batch_size % micro:
+        raise ValueError(f"batch size {batch_size} is not a multiple of the micro-batch size {micro}")
+    n_micro = batch_size // micro
+    generator = torch.Generator().manual_seed(seed)
+    stepper.train()
+    order: list[int] = []
+    losses: list[float] = []
+    for step in range(steps):
+        while len(order) < batch_size:
+            order += torch.randperm(n_examples, generator=generator).tolist()
+        picked, order = order[:batch_size], order[batch_size:]
+        sums: dict[str, float] = {}
+        for start in range(0, batch_size, micro):
+            loss, extra = loss_fn(stepper.model, picked[start : start + micro])
+            stepper.backward(loss, n_micro)
+            for key, value in {"loss": float(loss.detach()), **extra}.items():
+                sums[key] = sums.get(key, 0.0) + value
+        grad_norm = stepper.update()
+        metrics = {k: v / n_micro for k, v in sums.items()}
+        metrics["lr"] = stepper.lr()
+        if grad_norm is not None:
+            metrics["grad_norm"] = grad_norm
+        losses.append(metrics["loss"])
+        if log_every and (step + 1) % log_every == 0:
+            log_fn(f"{log_prefix} step {step + 1}/{steps} loss {losses[-1]:.4f} lr {metrics['lr']:.2e}")
+        if on_step is not None:
+            on_step(step + 1, metrics)
+        if stop_fn is not None:
+            stop = stop_fn(step + 1)
+            stepper.train()  # stop_fn may have switched to eval mode to probe the model
+            if stop:
+                break
+    return losses
+
+
+def schedule(epochs: float, n_examples: int, batch_size: int) -> tuple[int, int]:
+    """(total optimizer steps, steps per epoch) for `epochs` passes over `n_examples`."""
+    per_epoch = max(1, math.ceil(n_examples / batch_size))
+    return max(1, math.ceil(epochs * n_examples / batch_size)), per_epoch
+
+
+def set_threads(threads: int) -> int:
+    """Set torch's CPU threads when `threads` > 0; returns the previous setting (to restore)."""
+    before = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return before
+
+
+class DataError(ValueError):
+    """Training data that cannot be used (missing file or column, no rows); names the config key."""
+
+
+def load_columns(
+    files: list[str], columns: dict[str, str], field: str, *, optional: tuple[str, ...] = ()
+):
+    """A `datasets` table from local jsonl/json/parquet/csv files, checked for its columns.
+
+    `columns` maps config keys (e.g. "data.chosen_key") to the column each names; a missing one
+    is a DataError naming the column, the key to change and the columns that exist. Keys in
+    `optional` may name no column (None).
+    """
+    from rl.data import load_table
+
+    try:
+        table = load_table(list(files), field_name=field)
+    except (ValueError, FileNotFoundError) as err:
+        raise DataError(str(err)) from None
+    for key, column in columns.items():
+        if key in optional and column is None:
+            continue
+        if column not in table.column_names:
+            raise DataError(
+                f"{key}={column!r} is not a column of {field}={list(files)}; columns are "
+                f"{table.column_names}; set {key} to the right column"
+            )
+    if len(table) == 0:
+        raise DataError(f"{field}={list(files)} holds no rows")
+    return table
+
+
+def split_table(train, test_files: list[str], test_fraction: float, seed: int, load_test: Callable[[], Any]):
+    """The (train, test) tables: test from its own files, else `test_fraction` of train held out
+    (seeded), else no test set (None)."""
+    if test_files:
+        return train, load_test()
+    if test_fraction > 0:
+        parts = train.train_test_split(test_size=test_fraction, seed=seed, shuffle=True)
+        return parts["train"], parts["test"]
+    return train, None
+
+
+class RunWriter:
+    """One run directory: config.yaml, metrics.jsonl + tb/, summary.json; rows logged with
+    `echo` (and `progress` on) are also printed as one line.
+
+    Refuses a directory that already holds a finished or running run (metrics.jsonl exists).
+    """
+
+    def __init__(self, run_dir: str, config_yaml: str, title: str, progress: bool = True) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+            raise FileExistsError(f"run.dir={run_dir} already holds a run; choose another run.dir")
+        os.makedirs(run_dir, exist_ok=True)
+        self.run_dir, self.title, self.progress = run_dir, title, progress
+        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+            f.write(config_yaml)
+        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        self.started = time.perf_counter()
+
+    def log(self, step: int, values: dict[str, float], echo: bool = True) -> None:
+        clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in values.items()}
+        self._metrics.write(json.dumps({"step": step, **clean}) + "\n")
+        for k, v in clean.items():
+            if v is not None:
+                self._tb.add_scalar(k, v, step)
+        if echo and self.progress:
+            shown = " | ".join(f"{k} {v:.4g}" for k, v in clean.items() if v is not None)
+            print(f"{self.title} step {step}: {shown}", flush=True)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        summary = {**summary, "time/total_s": round(time.perf_counter() - self.started, 2)}
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.close()
+
+    def close(self) -> None:
+        self._tb.close()
+        self._metrics.close()
+
+
+def save_model(engine: Any, zero_stage: int, tokenizer: Any, path: str) -> None:
+    """`save_pretrained` of the engine's model (weights gathered under ZeRO-3) and tokenizer,
+    written to a temporary folder and renamed, so `path` is either complete or absent."""
+    import shutil
+
+    from trainer.engine import full_state_dict
+
+    tmp = f"{path}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = full_state_dict(engine.module, zero_stage)
+    engine.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+
+
+def fit(
+    cfg: Any,
+    *,
+    title: str,
+    tokenizer: Any,
+    load_model: Callable[[], torch.nn.Module],
+    n_train: int,
+    loss_fn: LossFn,
+    evaluate: Callable[[Any], dict[str, float]] | None = None,
+    summary: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Train with a one-process DeepSpeed engine and write the run directory; returns the summary.
+
+    `cfg` has the `model`, `optim`, `trainer` and `run` sections of `rl/sft_rm_config.py`.
+    `load_model()` builds the model (called under the ZeRO-3 context; seed it yourself);
+    `loss_fn(engine, indices)` is one micro-batch's loss (see `train_loop`); `evaluate(engine)`
+    returns held-out metrics (keys like "eval/loss"), run before training, after every epoch,
+    every `run.eval_every` steps and at the end. Metrics: `train/<name>` for every value
+    `loss_fn` reports, plus lr and gradient norm, one row per step in metrics.jsonl/TensorBoard.
+    """
+    from trainer.engine import restored_dist_env
+
+    with restored_dist_env():
+        return _fit(cfg, title, tokenizer, load_model, n_train, loss_fn, evaluate, summary)
+
+
+def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn.Module], n_train: int,
+         loss_fn: LossFn, evaluate: Callable[[Any], dict[str, float]] | None, summary: dict[str, Any] | None):
+    from omegaconf import OmegaConf
+
+    from trainer.engine import build_engine, ds_config
+    from trainer.sft import lr_factor
+
+    o = cfg.optim
+    steps, per_epoch = schedule(o.epochs, n_train, o.batch_size)
+    writer = RunWriter(cfg.run.dir, OmegaConf.to_yaml(cfg, resolve=True), title, progress=cfg.run.progress)
+    try:
+        config = ds_config(
+            micro_batch_size=o.micro_batch_size,
+            gradient_accumulation_steps=o.batch_size // o.micro_batch_size,
+            zero_stage=cfg.trainer.zero_stage,
+            dtype=cfg.model.dtype,
+            max_grad_norm=o.max_grad_norm,
+            offload_optimizer=cfg.trainer.offload_optimizer,
+            zero3_persistence_threshold=cfg.trainer.zero3_persistence_threshold,
+        )
+        engine = build_engine(load_model, config, lr=o.lr, weight_decay=o.weight_decay,
+                              lr_lambda=lambda s: lr_factor(s, steps, o.warmup_steps),
+                              gradient_checkpointing=cfg.model.gradient_checkpointing)
+        print(f"{title}: {n_train} training rows, {steps} steps of {o.batch_size} "
+              f"({o.batch_size // o.micro_batch_size} micro-batches), ZeRO-{cfg.trainer.zero_stage}", flush=True)
+        history: list[dict[str, float]] = []
+
+        def run_eval(done: int) -> None:
+            if evaluate is not None:
+                t0 = time.perf_counter()
+                row = {"epoch": done / per_epoch, **evaluate(engine), "time/eval_s": time.perf_counter() - t0}
+                history.append(row)
+                writer.log(done, row)
+
+        last_echo = [time.perf_counter()]
+
+        def on_step(done: int, m: dict[str, float]) -> None:
+            echo = bool(cfg.run.log_every) and done % cfg.run.log_every == 0
+            row = {"epoch": done / per_epoch, **{f"train/{k}": v for k, v in m.items()}}
+            if echo:
+                now = time.perf_counter()
+                row["time/step_s"] = (now - last_echo[0]) / cfg.run.log_every
+                last_echo[0] = now
+            writer.log(done, row, echo=echo)
+            if done % per_epoch == 0 or done == steps or (cfg.run.eval_every and done % cfg.run.eval_every == 0):
+                run_eval(done)
+
+        run_eval(0)
+        t_train = time.perf_counter()
+        losses = train_loop(DeepSpeedStepper(engine), n_train, loss_fn, steps=steps, batch_size=o.batch_size,
+                            micro_batch_size=o.micro_batch_size, seed=cfg.run.seed, on_step=on_step)
+        out: dict[str, Any] = {
+            **(summary or {}),
+            "steps": len(losses),
+            "train/first_loss": losses[0],
+            "train/last_loss": sum(losses[-10:]) / len(losses[-10:]),
+            "time/train_s": round(time.perf_counter() - t_train, 2),
+        }
+        if history:
+            out.update({k: v for k, v in history[-1].items() if k.startswith("eval/")})
+            out.update({f"{k}_before_training": v for k, v in history[0].items() if k in ("eval/loss", "eval/pairwise_accuracy")})
+        if cfg.run.save_final_model:
+            out["final_model"] = os.path.join(cfg.run.dir, "final_model")
+            save_model(engine, cfg.trainer.zero_stage, tokenizer, out["final_model"])
+        writer.finish(out)
+    except BaseException:
+        writer.close()
+        raise
+    return out
+
+
+def compose(app: str, schema_validate: Callable[[Any], None], overrides: list[str] | tuple[str, ...] = ()):
+    """The merged, validated config of `configs/<app>.yaml` with `overrides`, as its CLI builds it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
+    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
+        cfg = hydra_compose(app, overrides=list(overrides))
+    schema_validate(cfg)
+    return cfg

@@ -39,7 +39,13 @@ BUILTIN_MODELS = {
 
 
 def ensure_model(cfg: DictConfig) -> None:
-    """Build a built-in tiny model and its task data when its default path is used and missing."""
+    """Build a built-in tiny model and its task data when its default path is used and missing
+    (the policy's, and a built-in reward model named by a reward function's `path`), before Ray
+    starts."""
+    for f in cfg.reward.functions:
+        path = f.kwargs.get("path") if f.kwargs else None
+        if isinstance(path, str) and os.path.normpath(path) in BUILTIN_MODELS and not os.path.isdir(path):
+            _build_builtin(os.path.normpath(path), cfg.run.seed)
     if os.path.isdir(cfg.model.path):
         return
     path = os.path.normpath(cfg.model.path)
@@ -49,14 +55,21 @@ def ensure_model(cfg: DictConfig) -> None:
             f"(config.json + weights + tokenizer), or leave the default {BUILTIN_MODEL_PATH!r} to use "
             "the built-in tiny model"
         )
+    _build_builtin(path, cfg.run.seed)
+
+
+def _build_builtin(path: str, seed: int) -> None:
     what, module, function = BUILTIN_MODELS[path]
     print(f"Building the built-in {what} in {os.path.dirname(path)}/ (first run only)")
-    getattr(importlib.import_module(module), function)(os.path.dirname(path), seed=cfg.run.seed)
+    getattr(importlib.import_module(module), function)(os.path.dirname(path), seed=seed)
 
 
 def resolve_paths(cfg: DictConfig) -> None:
     """Make every path absolute (relative = relative to the launch directory), for the actors."""
     cfg.model.path = _abs(cfg.model.path)
+    for f in cfg.reward.functions:
+        if f.kwargs and isinstance(f.kwargs.get("path"), str):
+            f.kwargs.path = _abs(f.kwargs.path)
     cfg.task.train_files = [_abs(f) for f in cfg.task.train_files]
     cfg.run.dir = _abs(cfg.run.dir)
 

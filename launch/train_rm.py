@@ -14,12 +14,11 @@ Bad config fails here before torch loads: keys and types against `rl.sft_rm_conf
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import hydra
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from rl.config import ConfigError
 from rl.sft_rm_config import TrainRMConfig, validate_rm
@@ -196,21 +195,9 @@ def run(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
 
 @hydra.main(config_path="../configs", config_name="train_rm", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        validate_rm(cfg)
-        ensure_builtin_inputs(cfg)
-        if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
-            raise ConfigError(f"run.dir={cfg.run.dir} already holds a run; choose another run.dir")
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    from trainer.supervised import DataError
+    from trainer.supervised import cli_main
 
-    try:
-        train_rm(cfg)
-    except DataError as err:  # a data file or column problem, found while loading (before training)
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    cli_main(cfg, validate_rm, ensure_builtin_inputs, train_rm)
 
 
 if __name__ == "__main__":

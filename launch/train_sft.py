@@ -18,7 +18,6 @@ With no arguments it continues the warm-up of the built-in tiny policy on its ar
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import hydra
@@ -154,21 +153,9 @@ def run(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
 
 @hydra.main(config_path="../configs", config_name="train_sft", version_base=None)
 def main(cfg: DictConfig) -> None:
-    try:
-        validate_sft(cfg)
-        ensure_builtin_inputs(cfg)
-        if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
-            raise ConfigError(f"run.dir={cfg.run.dir} already holds a run; choose another run.dir")
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    from trainer.supervised import DataError
+    from trainer.supervised import cli_main
 
-    try:
-        train_sft(cfg)
-    except DataError as err:  # a data file, column or row problem, found while loading (before training)
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    cli_main(cfg, validate_sft, ensure_builtin_inputs, train_sft)
 
 
 if __name__ == "__main__":

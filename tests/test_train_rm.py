@@ -169,3 +169,24 @@ def test_cli_rejects_bad_config_fast_naming_the_field(override, expected, tmp_pa
     assert expected in proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert time.perf_counter() - start < 15
+
+
+@pytest.mark.slow
+def test_ppo_against_the_reward_model_raises_its_score(built_rm, make_config) -> None:
+    """PPO with the critic initialised from the RM (its `score` head becomes the value head)."""
+    import statistics
+
+    from launch.train import train
+    from rl.run_log import read_metrics
+
+    out, _ = built_rm
+    cfg = make_config("algorithm=ppo", "reward=model", f"reward.functions.0.kwargs.path={out}/model",
+                      f"algorithm.critic_init={out}/model", "run.steps=30",
+                      "run.save_every=0", "run.save_final_model=false")
+    train(cfg)
+    metrics = read_metrics(cfg.run.dir)
+    rm = [m["reward/rm_mean"] for m in metrics]
+    first, last = statistics.fmean(rm[:8]), statistics.fmean(rm[-8:])
+    print(f"RM score under PPO: first 8 steps {first:.3f} -> last 8 steps {last:.3f}")
+    assert last > first, rm
+    assert all(m["reward/errors_count"] == 0 for m in metrics)

@@ -378,3 +378,26 @@ def compose(app: str, schema_validate: Callable[[Any], None], overrides: list[st
         cfg = hydra_compose(app, overrides=list(overrides))
     schema_validate(cfg)
     return cfg
+
+
+def cli_main(cfg: Any, validate: Callable[[Any], None], ensure_inputs: Callable[[Any], None],
+             train: Callable[[Any], Any]) -> None:
+    """The body of every supervised CLI: a bad config, missing inputs, a used run dir or a data
+    problem found while loading end with one `error: ...` line naming the fix (exit 2), not a traceback."""
+    import sys
+
+    from rl.config import ConfigError
+
+    try:
+        validate(cfg)
+        ensure_inputs(cfg)
+        if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
+            raise ConfigError(f"run.dir={cfg.run.dir} already holds a run; choose another run.dir")
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        train(cfg)
+    except DataError as err:  # a data file, column or row problem, found while loading (before training)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

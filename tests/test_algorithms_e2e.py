@@ -22,6 +22,8 @@ def test_algorithm_runs(make_config, algorithm):
                  "run.save_final_model=false"]
     if algorithm in ("dr_grpo", "dapo", "gspo"):  # KL-free by design; add a small KL term to check it is logged
         overrides.append("algorithm.kl_coef=0.001")
+    if algorithm == "rloo":
+        overrides.append("trainer.ref_offload=true")  # the reference engine with its weights offloaded (ZeRO-3)
     cfg = make_config(*overrides)
     train(cfg)
     metrics = read_metrics(cfg.run.dir)

@@ -1,8 +1,10 @@
 """The bubblewrap command line: which parts of the host a sandboxed command sees.
 
 Only /usr (read-only) and the usr-merge links (/bin, /lib, /lib64, /sbin) are visible, plus a
-private /tmp, /proc and a minimal /dev, and the run's work dir at `WORKDIR` (read-write, cwd);
-the sandbox's root itself is read-only.
+private /tmp, /proc and a minimal, read-only /dev (with a private /dev/shm), and the work dir
+at `WORKDIR` (read-write, cwd); the sandbox's root itself is read-only. So the only writable
+places are the work dir, /tmp and /dev/shm (a box whose command left anything in the latter two
+gets a fresh sandbox for its next command, see sandbox._session).
 /etc, /root, /home, /var, /work, /run... are absent: gcc/g++ (cc1, as, collect2, ld), python3
 (-I / -S) and valgrind were checked to need none of them (without /etc/ld.so.cache the loader
 falls back to its built-in library dirs, which on Debian include the multiarch ones).
@@ -32,16 +34,20 @@ def system_mounts() -> list[str]:
 
 
 def argv(bwrap: str, workdir: str | None, command: list[str], seccomp_fd: int | None = None,
-         info_fd: int | None = None, tmp_bytes: int | None = None) -> list[str]:
+         info_fd: int | None = None, tmp_bytes: int | None = None,
+         as_pid_1: bool = False) -> list[str]:
     """bwrap with every namespace unshared (user, pid, net, ipc, uts, cgroup), dying with its
-    parent, in a new session (no TIOCSTI on our terminal), all capabilities dropped."""
+    parent, in a new session (no TIOCSTI on our terminal), all capabilities dropped.
+    `as_pid_1`: the command itself is the pid namespace's init (the box supervisor), instead of
+    bwrap's own reaper."""
     out = [bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
            "--hostname", "box"]
+    if as_pid_1:
+        out.append("--as-pid-1")
     out += system_mounts()
-    out += ["--proc", "/proc", "--dev", "/dev"]
-    if tmp_bytes is not None:
-        out += ["--size", str(tmp_bytes)]
-    out += ["--tmpfs", "/tmp"]
+    size = [] if tmp_bytes is None else ["--size", str(tmp_bytes)]
+    out += ["--proc", "/proc", "--dev", "/dev", *size, "--tmpfs", "/dev/shm",
+            "--remount-ro", "/dev", *size, "--tmpfs", "/tmp"]
     if workdir is not None:
         out += ["--bind", workdir, WORKDIR, "--chdir", WORKDIR]
     out += ["--remount-ro", "/"]       # the sandbox's own root tmpfs: nothing to write there

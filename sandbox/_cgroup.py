@@ -1,10 +1,16 @@
 """Per-run cgroups: the memory (swap included) and task caps, CPU accounting and the final kill.
 
 This host runs cgroups in hybrid mode: the v1 hierarchies `memory`, `pids` and `cpuacct` carry
-the limits and the accounting, while the v2 hierarchy (`unified`) has no controllers but offers
-`cgroup.kill`, which ends every task of a cgroup in one atomic step (used when present; the
-fallback kills the v1 `pids` cgroup's tasks until none is left). Each run gets fresh cgroups,
-so peak usage and failure counters describe that run alone.
+the limits and the accounting. Each run gets fresh cgroups, so peak usage and failure counters
+describe that run alone. The command joins them through their `tasks` files (see
+sandbox._helper for why not `cgroup.procs`).
+
+The v2 hierarchy (`unified`) is not used for runs: joining a v2 cgroup costs an RCU grace
+period per command (its `cgroup.procs` write takes the global threadgroup lock, and v2 has no
+per-thread way into a domain cgroup), and its `cgroup.kill` is not needed: a run's tasks are
+the outer bwrap and its pid namespace, which the kernel empties atomically once the namespace's
+init dies, so killing the tasks the `pids` cgroup lists until none is left ends everything.
+(`remove_stale` still cleans `unified` leftovers of older versions.)
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ V1_CONTROLLERS = ("memory", "pids", "cpuacct")
 UNIFIED = "unified"
 PARENT = "rlpost-sandbox"        # every run's cgroups live in <hierarchy>/rlpost-sandbox/<name>
 _EMPTY_WAIT_S = 5.0
+_FIRST_PAUSE_S = 0.0002    # polling for killed tasks to leave: start short, back off
+_MAX_PAUSE_S = 0.005
 
 
 @dataclass
@@ -48,33 +56,16 @@ def has_swap_accounting(root: str = ROOT) -> bool:
     return os.path.exists(os.path.join(root, "memory", "memory.memsw.limit_in_bytes"))
 
 
-def has_kill(root: str = ROOT) -> bool:
-    """v2 `cgroup.kill` exists in non-root cgroups only: look in (or create) our parent there."""
-    unified = os.path.join(root, UNIFIED)
-    if not os.path.isfile(os.path.join(unified, "cgroup.procs")):
-        return False
-    parent = os.path.join(unified, PARENT)
-    try:
-        os.makedirs(parent, exist_ok=True)
-    except OSError:
-        return False
-    return os.path.exists(os.path.join(parent, "cgroup.kill"))
-
-
 class RunCgroups:
-    """The cgroups of one command. Create, let the child join them (`join_fds` are opened here,
-    close-on-exec, and written by the child before it execs), then `kill_all` and `remove`."""
+    """The cgroups of one command. Create, let the command join them (before it execs, the
+    process that becomes it writes "0" to each of `join_files`: the launcher, the fallback
+    preexec_fn or the box supervisor's child), then `kill_all` and `remove`."""
 
-    def __init__(self, name: str, *, memory_bytes: int, pids_max: int, root: str = ROOT,
-                 use_kill: bool = True) -> None:
+    def __init__(self, name: str, *, memory_bytes: int, pids_max: int, root: str = ROOT) -> None:
         self.paths: dict[str, str] = {}
-        self.join_fds: list[int] = []
         self._swap = has_swap_accounting(root)
-        controllers = list(V1_CONTROLLERS)
-        if use_kill:                     # the caller checked has_kill() once
-            controllers.append(UNIFIED)
         try:
-            for ctl in controllers:
+            for ctl in V1_CONTROLLERS:
                 parent = os.path.join(root, ctl, PARENT)
                 os.makedirs(parent, exist_ok=True)
                 path = os.path.join(parent, name)
@@ -85,17 +76,10 @@ class RunCgroups:
             if self._swap:
                 _write(os.path.join(mem, "memory.memsw.limit_in_bytes"), str(memory_bytes))
             _write(os.path.join(self.paths["pids"], "pids.max"), str(pids_max))
-            for path in self.paths.values():
-                self.join_fds.append(os.open(os.path.join(path, "cgroup.procs"),
-                                             os.O_WRONLY | os.O_CLOEXEC))
         except BaseException:
             self.remove()
             raise
-
-    def close_join_fds(self) -> None:
-        for fd in self.join_fds:
-            os.close(fd)
-        self.join_fds = []
+        self.join_files = [os.path.join(path, "tasks") for path in self.paths.values()]
 
     def cpu_s(self) -> float:
         return int(_read(os.path.join(self.paths["cpuacct"], "cpuacct.usage"))) / 1e9
@@ -129,10 +113,10 @@ class RunCgroups:
                 _kill(pid)
 
     def kill_all(self) -> None:
-        """End every task in the cgroups and wait until they are gone."""
+        """SIGKILL every task in the cgroups, again and again (a task may fork between listing
+        and kill, though never past pids.max), until none is left."""
         deadline = time.monotonic() + _EMPTY_WAIT_S
-        if UNIFIED in self.paths:
-            _write(os.path.join(self.paths[UNIFIED], "cgroup.kill"), "1")
+        pause = _FIRST_PAUSE_S
         while True:
             left = self.pids()
             if not left:
@@ -141,13 +125,14 @@ class RunCgroups:
                 raise SandboxError(f"tasks {left} of cgroup {self.paths['pids']} survive SIGKILL")
             for pid in left:
                 _kill(pid)
-            time.sleep(0.005)
+            time.sleep(pause)     # killed tasks take a moment to leave: usually well under 1 ms
+            pause = min(2 * pause, _MAX_PAUSE_S)
 
     def remove(self) -> None:
         """Remove the cgroups (retrying while just-killed tasks finish leaving them)."""
-        self.close_join_fds()
         deadline = time.monotonic() + _EMPTY_WAIT_S
         for ctl, path in list(self.paths.items()):
+            pause = _FIRST_PAUSE_S
             while True:
                 try:
                     os.rmdir(path)
@@ -157,7 +142,8 @@ class RunCgroups:
                 except OSError as e:
                     if e.errno != errno.EBUSY or time.monotonic() > deadline:
                         raise SandboxError(f"cannot remove cgroup {path}: {e}") from e
-                    time.sleep(0.005)
+                    time.sleep(pause)
+                    pause = min(2 * pause, _MAX_PAUSE_S)
             del self.paths[ctl]
 
 

@@ -3,6 +3,8 @@
 Shared by the process backend (which wraps the command in bubblewrap inside per-run cgroups)
 and the unsafe local backend (a bare subprocess): both differ only in how the child is set up,
 how its CPU time is read and how everything it started is killed, which they pass in here.
+`spawn` starts commands through the trusted launcher (sandbox._helper) so that `subprocess` can
+vfork, however large the calling process; without it, through a `preexec_fn`.
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ from __future__ import annotations
 import math
 import os
 import resource
+import select
 import selectors
 import subprocess
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from sandbox import _helper
 from sandbox.backend import SandboxError
 from sandbox.job import Limits
 
@@ -59,10 +63,42 @@ def address_space(limits: Limits) -> int:
     return 2 * limits.memory_mb * _MIB + 1024 * _MIB
 
 
+def spawn(argv: list[str], *, rlimits: Sequence[Rlimit], env: dict[str, str], cwd: str,
+          uid: int | None = None, join: Sequence[str] = (), pass_fds: Sequence[int] = ()) -> "Child":
+    """Start argv with stdin/stdout/stderr pipes in a new session, after (in this order) moving
+    it into the v1 cgroups whose `tasks` files are in `join`, switching to `uid` (gid = uid, no
+    supplementary groups) and setting `rlimits`. A set-up failure surfaces as a SandboxError
+    from `supervise`."""
+    err_r, err_w = os.pipe2(os.O_CLOEXEC)
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                 cwd=cwd, start_new_session=True)
+    try:
+        if _helper.path() is not None:
+            cmd = _helper.launch_argv(argv, error_fd=err_w, join=list(join), uid=uid,
+                                      rlimits=list(rlimits))
+            proc = subprocess.Popen(cmd, pass_fds=(*pass_fds, err_w), **pipes)
+        else:
+            ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+            fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in join]
+            try:
+                proc = subprocess.Popen(argv, pass_fds=pass_fds, **ids, **pipes,
+                                        preexec_fn=child_setup(rlimits, fds))
+            finally:
+                for fd in fds:
+                    os.close(fd)
+    except BaseException:
+        os.close(err_r)
+        raise
+    finally:
+        os.close(err_w)
+    return Child(proc, err_r)
+
+
 def child_setup(limits: Sequence[Rlimit], join_fds: Sequence[int] = ()) -> Callable[[], None]:
-    """A preexec_fn: join the cgroups whose `cgroup.procs` the parent opened (writing "0" moves
-    the writer), then set the rlimits. Runs between fork and exec, so it only makes plain
-    system calls (no imports, no locks)."""
+    """The preexec_fn `spawn` falls back to: join the cgroups whose `tasks` files the parent
+    opened (writing "0" moves the writing thread, see sandbox._helper for why not
+    `cgroup.procs`), then set the rlimits. Runs between fork and exec (after the uid switch),
+    so it only makes plain system calls (no imports, no locks)."""
     lims = list(limits)
     fds = list(join_fds)
 
@@ -76,13 +112,56 @@ def child_setup(limits: Sequence[Rlimit], join_fds: Sequence[int] = ()) -> Calla
 
 
 class Child:
-    """A started command, reaped with wait4 so its rusage (CPU of it and of the children it
-    waited for) is kept: the only CPU figure a backend without cgroups has."""
+    """A command started by `spawn`. `supervise` drives anything with this interface (a box
+    session's commands too, see sandbox._session): `args`; the host ends of the command's pipes
+    as fds (`stdin`, `stdout`, `stderr`); `exit_fd()`, readable once the main process has ended;
+    `poll`, `wait`, `returncode`; `cpu_s`; `close_stdin()`; and `close()`, which closes what it
+    holds and says why the command could not be started ("" if it was).
 
-    def __init__(self, proc: subprocess.Popen) -> None:
+    This one is reaped with wait4 so its rusage (CPU of it and of the children it waited for) is
+    kept: the only CPU figure a backend without cgroups has. `error_fd`: the read end of the
+    launcher's error pipe."""
+
+    def __init__(self, proc: subprocess.Popen, error_fd: int) -> None:
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         self.proc = proc
+        self.args = proc.args
         self.pid = proc.pid
         self.cpu_s = 0.0
+        self.stdin, self.stdout, self.stderr = (proc.stdin.fileno(), proc.stdout.fileno(),
+                                                proc.stderr.fileno())
+        self._error_fd = error_fd
+        self._pidfd = -1
+
+    def exit_fd(self) -> int:
+        if self._pidfd < 0:
+            self._pidfd = os.pidfd_open(self.pid)
+        return self._pidfd
+
+    def close_stdin(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+
+    def close(self) -> str:
+        """Close the pipes and the pidfd; what the launcher reported before it could exec the
+        command ("" if it did; only meaningful once the command has been reaped)."""
+        for pipe in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if pipe is not None and not pipe.closed:
+                pipe.close()
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+        if self._error_fd < 0:
+            return ""
+        try:
+            os.set_blocking(self._error_fd, False)
+            try:
+                return os.read(self._error_fd, 4096).decode(errors="replace").strip()
+            except BlockingIOError:
+                return ""
+        finally:
+            os.close(self._error_fd)
+            self._error_fd = -1
 
     @property
     def returncode(self) -> int | None:
@@ -102,10 +181,9 @@ class Child:
             _, status, ru = os.wait4(self.pid, 0)
             self.proc.returncode = os.waitstatus_to_exitcode(status)
             self.cpu_s = ru.ru_utime + ru.ru_stime
-        end = time.monotonic() + (timeout or 0.0)
-        while self.poll() is None and time.monotonic() < end:
-            time.sleep(0.002)
-        return self.proc.returncode
+        if self.poll() is None and timeout:
+            select.select([self.exit_fd()], [], [], timeout)
+        return self.poll()
 
 
 @dataclass
@@ -123,7 +201,7 @@ class Captured:
     tasks_exceeded: bool = False
 
 
-def supervise(child: Child, stdin: bytes, limits: Limits, *,
+def supervise(child: "Child", stdin: bytes, limits: Limits, *,
               kill: Callable[[], None], cpu_used: Callable[[], float] | None = None,
               tasks_exceeded: Callable[[], bool] | None = None,
               started: float | None = None) -> Captured:
@@ -134,14 +212,12 @@ def supervise(child: Child, stdin: bytes, limits: Limits, *,
     limit is exceeded, or when the main process has exited but something it left behind still
     holds its output pipes open (after _DRAIN_S). `cpu_used` (total CPU seconds so far) and
     `tasks_exceeded` (a fork failed on the task cap: a fork bomb spins until killed) are polled
-    every _TICK_S. The command needs stdin/stdout/stderr pipes.
+    every _TICK_S. `child`: see Child; supervise closes it.
     """
-    proc = child.proc
-    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
     t0 = time.monotonic() if started is None else started
     deadline = t0 + limits.wall_s
     cap = limits.output_bytes
-    in_fd, out_fd, err_fd = proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno()
+    in_fd, out_fd, err_fd = child.stdin, child.stdout, child.stderr
     bufs = {out_fd: bytearray(), err_fd: bytearray()}
     res = Captured(returncode=0, stdout=b"", stderr=b"", wall_s=0.0)
     killed_at: float | None = None
@@ -149,9 +225,9 @@ def supervise(child: Child, stdin: bytes, limits: Limits, *,
     checked_at = t0
     pending = memoryview(stdin)
     sel = selectors.DefaultSelector()
-    pidfd = os.pidfd_open(child.pid)      # readable once the main process has exited
     try:
-        sel.register(pidfd, selectors.EVENT_READ)
+        exit_fd = child.exit_fd()         # readable once the main process has exited
+        sel.register(exit_fd, selectors.EVENT_READ)
         for fd in (out_fd, err_fd):
             os.set_blocking(fd, False)
             sel.register(fd, selectors.EVENT_READ)
@@ -159,7 +235,7 @@ def supervise(child: Child, stdin: bytes, limits: Limits, *,
             os.set_blocking(in_fd, False)
             sel.register(in_fd, selectors.EVENT_WRITE)
         else:
-            proc.stdin.close()
+            child.close_stdin()
 
         def stop() -> None:
             nonlocal killed_at
@@ -181,14 +257,14 @@ def supervise(child: Child, stdin: bytes, limits: Limits, *,
                     stop()    # a leftover process holds the pipes: end it
             elif now - killed_at > _KILL_GRACE_S:
                 if child.poll() is None:
-                    raise SandboxError(f"command {proc.args!r} survived its kill")
+                    raise SandboxError(f"command {child.args!r} survived its kill")
                 break         # something out of kill()'s reach holds a pipe (unsafe backend only)
             if now - checked_at >= _TICK_S:
                 checked_at = now
             timeout = _TICK_S if killed_at is not None else min(_TICK_S, max(0.0, deadline - now))
             for key, _ in sel.select(timeout):
                 fd = key.fd
-                if fd == pidfd:
+                if fd == exit_fd:
                     if child.poll() is not None:
                         sel.unregister(fd)
                     continue
@@ -200,7 +276,7 @@ def supervise(child: Child, stdin: bytes, limits: Limits, *,
                     pending = pending[n:]
                     if not pending:
                         sel.unregister(fd)
-                        proc.stdin.close()
+                        child.close_stdin()
                     continue
                 data = os.read(fd, _CHUNK)
                 if not data:
@@ -214,10 +290,9 @@ def supervise(child: Child, stdin: bytes, limits: Limits, *,
                     stop()
     finally:
         sel.close()
-        os.close(pidfd)
-        for pipe in (proc.stdin, proc.stdout, proc.stderr):
-            if not pipe.closed:
-                pipe.close()
+        error = child.close()             # the command was reaped: its launcher is done
+    if error:
+        raise SandboxError(f"could not start the command: {error}")
     rc = child.wait()
     assert rc is not None
     res.returncode = rc

@@ -1,11 +1,13 @@
-"""The seccomp filter bubblewrap installs right before it execs the untrusted command.
+"""The seccomp filter bubblewrap installs right before it execs into the sandbox.
 
 Namespaces already hide the network, other processes and the host file system; the filter
 removes kernel attack surface a compiler, an interpreter, valgrind or a judged program never
-needs (new namespaces, mounts, tracing, BPF, keyrings, io_uring, perf, module loading...) and
-all sockets but AF_UNIX. Denied calls fail with EPERM, so well-behaved programs see an ordinary
-error. Calls of another ABI (i386 `int 0x80`, x32) kill the process (SIGSYS), which the backend
-reports as a violation.
+needs (new namespaces, mounts, tracing, BPF, keyrings, io_uring, perf, module loading...), all
+sockets but AF_UNIX, and the IPC objects that could outlive a command (System V, POSIX message
+queues). Denied calls fail with EPERM, so well-behaved programs see an ordinary error. Calls
+of another ABI (i386 `int 0x80`, x32) kill the process (SIGSYS), which the backend reports as a
+violation. bubblewrap installs it on what it starts: the box supervisor (every command inherits
+it from there) or, without one, the command itself.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ DENIED = (
     "fanotify_init", "lookup_dcookie", "quotactl", "acct", "swapon", "swapoff", "reboot",
     "syslog", "iopl", "ioperm", "settimeofday", "clock_settime", "clock_adjtime", "adjtimex",
     "sethostname", "setdomainname", "vhangup", "uselib", "ustat", "sysfs",
+    # System V IPC and POSIX message queues: objects that would outlive the command in the box's
+    # IPC namespace (shared by its commands), and of no use to a single judged process
+    "shmget", "semget", "msgget", "mq_open",
 )
 
 # clone() flags that would create namespaces (clone3 takes its flags in memory, which seccomp

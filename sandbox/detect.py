@@ -27,13 +27,13 @@ class HostSupport:
     bwrap_path: str | None          # resolved path, None when not found
     bwrap_version: str = ""
     bwrap_usable: bool = False      # a sandbox with every namespace started as the slot uid
+    bwrap_as_pid_1: bool = False    # --as-pid-1 (a box's supervisor as the sandbox's init)
     bwrap_error: str = ""
     user_namespaces: bool = False
     cgroup_memory: bool = False     # v1 memory controller, writable
     cgroup_swap: bool = False       # memory.memsw.* (swap counted in the cap)
     cgroup_pids: bool = False
     cgroup_cpuacct: bool = False
-    cgroup_kill: bool = False       # v2 cgroup.kill
     seccomp: bool = False           # pyseccomp/libseccomp can build the filter, kernel has seccomp
     seccomp_error: str = ""
     valgrind_path: str | None = None
@@ -127,24 +127,26 @@ def probe_host(bwrap: str = "bwrap", uid: int | None = 60000) -> HostSupport:
     """Probe (once per process and arguments) what the process backend needs."""
     root = os.geteuid() == 0
     path = shutil.which(bwrap)
-    version, usable, err = "", False, "not found"
+    version, usable, err, as_pid_1 = "", False, "not found", False
     if path:
         v = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10)
         version = v.stdout.strip()
         usable, err = _bwrap_try(path, uid)
+        h = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=10)
+        as_pid_1 = "--as-pid-1" in h.stdout + h.stderr
     sec_ok, sec_err = _seccomp_ok()
     return HostSupport(
         root=root,
         bwrap_path=path,
         bwrap_version=version,
         bwrap_usable=usable,
+        bwrap_as_pid_1=as_pid_1,
         bwrap_error=err,
         user_namespaces=_userns_enabled(),
         cgroup_memory=_cgroup_writable("memory"),
         cgroup_swap=_cgroup.has_swap_accounting(),
         cgroup_pids=_cgroup_writable("pids"),
         cgroup_cpuacct=_cgroup_writable("cpuacct"),
-        cgroup_kill=_cgroup.has_kill(),
         seccomp=sec_ok,
         seccomp_error=sec_err,
         valgrind_path=shutil.which("valgrind"),

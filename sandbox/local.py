@@ -1,10 +1,11 @@
 """The unsafe local backend: a plain subprocess in a temp dir, with NO isolation.
 
 For users who explicitly opt in (code they trust, hosts without bubblewrap/cgroups/root), and as
-the bare-subprocess peer when benchmarking the process backend. It applies the same rlimits,
-wall/CPU limits and output caps (sandbox._exec), and kills the command's process group at the
-end, but the program runs as this user, sees the whole file system and network, and a process
-that leaves its process group (setsid) survives the run. Memory is capped by RLIMIT_AS only
+the bare-subprocess peer when benchmarking the process backend. It starts commands the same way
+(sandbox._exec.spawn, through the launcher), applies the same rlimits, wall/CPU limits and
+output caps, and kills the command's process group at the end, but the program runs as this
+user, sees the whole file system and network, and a process that leaves its process group
+(setsid) survives the run. Memory is capped by RLIMIT_AS only
 (so memory_exceeded is never reported), tasks are not capped (RLIMIT_NPROC would count every
 process of this user) and cpu_s is the rusage of the main process and the children it waited for.
 """
@@ -16,12 +17,11 @@ import os
 import shutil
 import signal
 import stat
-import subprocess
 import tempfile
 import threading
 import time
 
-from sandbox import _exec
+from sandbox import _exec, _helper
 from sandbox.backend import SandboxError, SandboxUnavailable
 from sandbox.job import ExecOutcome, Limits
 
@@ -40,6 +40,7 @@ class LocalBackend:
                 "(it can read and write your files, use the network and outlive the run); "
                 "pass i_understand_this_is_unsafe=True (sandbox.backend=unsafe_local) only for "
                 "code you trust, otherwise use sandbox.backend=process or docker")
+        _helper.path()          # build it now rather than in the first command
 
     def box(self) -> "LocalBox":
         return LocalBox()
@@ -88,10 +89,8 @@ class LocalBox:
             rl = _exec.rlimits(limits, address_space=_exec.address_space(limits), nproc=None)
             started = time.time()
             t0 = time.monotonic()
-            child = _exec.Child(subprocess.Popen(
-                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                cwd=self.path, env={**_ENV, "HOME": self.path, "TMPDIR": self.path},
-                start_new_session=True, preexec_fn=_exec.child_setup(rl)))
+            child = _exec.spawn(argv, rlimits=rl, cwd=self.path,
+                                env={**_ENV, "HOME": self.path, "TMPDIR": self.path})
 
             def kill() -> None:
                 _killpg(child.pid)

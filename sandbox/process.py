@@ -2,24 +2,33 @@
 
 Layers, outermost first, for every command a box runs:
 - a slot uid (uid_base + n, used by nothing else: no passwd entry, no process, and an flock held
-  by the owning backend) that the supervisor switches to before exec'ing bwrap, so nothing the
-  program does is done as root, and files it writes belong to that uid;
+  by the owning backend) that the trusted launcher (sandbox._helper) switches to before
+  exec'ing bwrap, so nothing the program does is done as root, and files it writes belong to
+  that uid;
 - fresh cgroups per command: v1 `memory` (+ swap) caps memory, `pids` caps tasks, `cpuacct`
-  measures CPU of everything the command ran; v2 `cgroup.kill` ends it all at the end;
+  measures CPU of everything the command ran; killing what `pids` lists ends it all at the end;
 - rlimits (CPU with soft < hard, FSIZE, NOFILE, NPROC, CORE=0 and a generous AS, see
   `sandbox._exec.address_space`);
 - bubblewrap: new user/pid/net/ipc/uts/cgroup namespaces, all capabilities dropped, only /usr and
-  the box's tmpfs work dir visible (see sandbox._bwrap); bwrap's pid-namespace init reaps
-  orphans, and when the command exits the kernel kills whatever is left in the namespace
-  (kill(-1, ...) inside reaches nothing outside it);
+  the box's tmpfs work dir visible (see sandbox._bwrap); kill(-1, ...) inside reaches nothing
+  outside it;
 - a seccomp filter (sandbox._seccomp): no sockets but AF_UNIX, no ptrace/mount/unshare/bpf/...
+
+One bubblewrap serves all the commands of a box (sandbox._session): its PID 1 is the helper's
+supervisor, which starts each command in that command's cgroups with its rlimits; the host
+kills all that is left in them when the command is over, and a command that leaves files in
+/tmp or /dev/shm gets the box a fresh sandbox. That saves a bubblewrap start and teardown per
+command, as much CPU as a test run. Where the helper cannot be built (no gcc) or bwrap lacks
+--as-pid-1, each command gets a bubblewrap of its own instead (bwrap's init reaps orphans, and
+when the command exits the kernel kills whatever is left in the namespace).
 
 The work dir is a size-capped tmpfs per box, owned by the slot uid: hard links to host files are
 impossible across file systems, and its size cap and the memory cgroup bound what it can take.
 
-Exit status: bwrap reports a command killed by signal N as exit code 128 + N, so a program that
-itself exits with 129..192 is reported as killed by that signal (as a shell would). A program
-that writes "bwrap: ..." to stderr and exits 1 is taken for a bwrap set-up failure
+Exit status: the supervisor reports the command's own wait status. With a bubblewrap per
+command, bwrap reports a command killed by signal N as exit code 128 + N, so a program that
+itself exits with 129..192 is reported as killed by that signal (as a shell would), and a
+program that writes "bwrap: ..." to stderr and exits 1 is taken for a bwrap set-up failure
 (SandboxError): it can only spoil its own result.
 """
 
@@ -34,12 +43,11 @@ import pwd
 import queue
 import signal
 import stat
-import subprocess
 import tempfile
 import threading
 import time
 
-from sandbox import _bwrap, _cgroup, _exec, _linux, _seccomp
+from sandbox import _bwrap, _cgroup, _exec, _helper, _linux, _seccomp, _session
 from sandbox.backend import SandboxError
 from sandbox.detect import probe_host, require_isolation
 from sandbox.job import ExecOutcome, Limits
@@ -49,6 +57,9 @@ _MIB = 1 << 20
 # pid-namespace init; the command is the third. Measured: pids.current == 3 while a
 # single-threaded command runs.
 BWRAP_TASKS = 2
+# Tasks of a box's sandbox outside the command's cgroups but of the slot uid: bwrap and the
+# supervisor (counted by RLIMIT_NPROC; the command's pids cgroup holds only the command).
+SESSION_TASKS = 2
 # Memory bwrap's two processes and the sandbox's tmpfs/proc bookkeeping take in the memory
 # cgroup, on top of limits.memory_mb (measured peak 1.2 MiB with `sleep` as the command).
 BWRAP_MEMORY = 8 * _MIB
@@ -163,8 +174,9 @@ class ProcessBackend:
         require_isolation(support)
         assert support.bwrap_path is not None
         self.bwrap = support.bwrap_path
-        self.cgroup_kill = support.cgroup_kill
         self.workdir_parent = workdir_parent or tempfile.gettempdir()
+        # One sandbox per box where the helper can be built (else a bubblewrap per command).
+        self.sessions = support.bwrap_as_pid_1 and _helper.path() is not None
         cleanup_stale()
         self._locks = _SlotLocks(uid_base, slots)
         self._uids = list(self._locks.uids)
@@ -228,6 +240,8 @@ class ProcessBox:
         self._lock = threading.Lock()
         self._closed = False
         self._size_mb = 0
+        self._tmp_bytes = workdir_mb * _MIB       # /tmp and /dev/shm of the box's sandbox
+        self._session: _session.BoxSession | None = None
         self.source = f"{_SOURCE}-{os.getpid()}"
         self.path = tempfile.mkdtemp(prefix=f"{_SOURCE}-{os.getpid()}-{uid}-",
                                      dir=backend.workdir_parent)
@@ -336,24 +350,62 @@ class ProcessBox:
 
     # -- running --------------------------------------------------------------------------
     def run(self, argv: list[str], stdin: bytes = b"", limits: Limits = Limits()) -> ExecOutcome:
-        """Run argv in the work dir (cwd, at _bwrap.WORKDIR inside) under `limits`."""
+        """Run argv in the work dir (cwd, at _bwrap.WORKDIR inside) under `limits`: in the box's
+        sandbox (see sandbox._session), or, without the helper, in a bubblewrap of its own."""
         with self._lock:
             self._check_open()
             self._resize(limits.workdir_mb)
             name = f"{os.getpid()}-{self.uid}-{next(_seq)}"
+            in_session = self._backend.sessions
             cg = _cgroup.RunCgroups(name, memory_bytes=limits.memory_mb * _MIB + BWRAP_MEMORY,
-                                    pids_max=limits.processes + BWRAP_TASKS,
-                                    use_kill=self._backend.cgroup_kill)
+                                    pids_max=limits.processes + (0 if in_session else BWRAP_TASKS))
             try:
-                return self._run_in(cg, argv, stdin, limits)
+                if in_session:
+                    return self._run_in_session(cg, argv, stdin, limits)
+                return self._run_in_bwrap(cg, argv, stdin, limits)
             finally:
                 try:
                     cg.kill_all()
                 finally:
                     cg.remove()
 
-    def _run_in(self, cg: _cgroup.RunCgroups, argv: list[str], stdin: bytes,
-                limits: Limits) -> ExecOutcome:
+    def _run_in_session(self, cg: _cgroup.RunCgroups, argv: list[str], stdin: bytes,
+                        limits: Limits) -> ExecOutcome:
+        if self._session is not None and not self._session.usable():
+            self._end_session()
+        if self._session is None:
+            self._session = _session.BoxSession(self._backend.bwrap, self.path, self.uid,
+                                                self._tmp_bytes)
+        rl = _exec.rlimits(limits, address_space=_exec.address_space(limits),
+                           nproc=limits.processes + SESSION_TASKS + 1)
+        started, t0 = time.time(), time.monotonic()
+        try:
+            command = self._session.run(argv, rl, cg.join_files)
+            try:
+                cap = _exec.supervise(command, stdin, limits, kill=cg.kill_all,
+                                      cpu_used=cg.cpu_s, started=t0,
+                                      tasks_exceeded=lambda: cg.pids_max_hits() > 0)
+            finally:
+                cg.kill_all()         # whatever the command left (it cannot leave its cgroups)
+            self._session.finish()    # ... and the supervisor reaped it
+        except BaseException:
+            cg.kill_all()             # before ending the session, which waits for the supervisor
+            self._end_session()
+            raise
+        return self._outcome(cap, cg.usage(), limits, started, from_bwrap=False)
+
+    def _end_session(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
+
+    def sandbox_pids(self) -> list[int]:
+        """The box's own processes while it is open (its bubblewrap and supervisor, if it has
+        started them), so tests can tell them from leftovers of a command."""
+        return [] if self._session is None else self._session.pids()
+
+    def _run_in_bwrap(self, cg: _cgroup.RunCgroups, argv: list[str], stdin: bytes,
+                      limits: Limits) -> ExecOutcome:
         sfd = _seccomp.filter_fd()
         info_r, info_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         started = time.time()
@@ -363,18 +415,14 @@ class ProcessBox:
             rl = _exec.rlimits(limits, address_space=_exec.address_space(limits),
                                nproc=limits.processes + BWRAP_TASKS + 1)
             t0 = time.monotonic()
-            child = _exec.Child(subprocess.Popen(
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                env=_bwrap.ENV, cwd="/", user=self.uid, group=self.uid, extra_groups=[],
-                start_new_session=True, pass_fds=(sfd, info_w),
-                preexec_fn=_exec.child_setup(rl, cg.join_fds)))
+            child = _exec.spawn(cmd, rlimits=rl, env=_bwrap.ENV, cwd="/", uid=self.uid,
+                                join=cg.join_files, pass_fds=(sfd, info_w))
         except BaseException:
             os.close(info_r)
             raise
         finally:
             os.close(sfd)
             os.close(info_w)
-            cg.close_join_fds()
 
         def kill() -> None:
             cg.kill_except(child.pid)     # the namespace init dies, so the namespace empties
@@ -391,45 +439,29 @@ class ProcessBox:
                 self._reap_ns_init(info_r)
         finally:
             os.close(info_r)
-        return self._outcome(cap, cg.usage(), limits, started)
+        return self._outcome(cap, cg.usage(), limits, started, from_bwrap=True)
 
     def _reap_ns_init(self, info_fd: int) -> None:
         """bwrap exits as soon as its namespace init reports the command's status, orphaning the
-        init. As child subreaper we inherit it: reap it now, or it would linger as a zombie of
-        the slot uid (counting against RLIMIT_NPROC) until the host's init gets to it."""
+        init. As child subreaper we inherit it: reap it now."""
         try:
             info = os.read(info_fd, 4096)
         except BlockingIOError:
             return                        # bwrap failed before starting a namespace
-        if not info:
-            return
-        pid = int(json.loads(info)["child-pid"])
-        deadline = time.monotonic() + 5.0
-        while True:
-            try:
-                st = os.stat(f"/proc/{pid}")
-                with open(f"/proc/{pid}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except FileNotFoundError:
-                return                    # already reaped
-            if st.st_uid != self.uid or ppid != os.getpid():
-                return                    # not (or no longer) our orphan: not ours to reap
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    return
-            except ChildProcessError:
-                return                    # reaped elsewhere meanwhile
-            if time.monotonic() > deadline:
-                raise SandboxError(f"namespace init {pid} of slot uid {self.uid} does not exit")
-            time.sleep(0.001)
+        if info:
+            _session.reap_orphan(int(json.loads(info)["child-pid"]), self.uid)
 
     def _outcome(self, cap: _exec.Captured, usage: _cgroup.Usage, limits: Limits,
-                 started: float) -> ExecOutcome:
+                 started: float, from_bwrap: bool) -> ExecOutcome:
+        """`from_bwrap`: the status is bwrap's (signal deaths as 128 + N, its own failures as
+        "bwrap: ..." and exit 1), not the command's own wait status as the supervisor reports."""
         rc = cap.returncode
         exit_code: int | None = rc
         sig: int | None = None
-        if rc < 0:                        # bwrap itself killed (fallback kill)
+        if rc < 0:                        # killed by a signal (bwrap: the fallback kill)
             exit_code, sig = None, -rc
+        elif not from_bwrap:
+            pass
         elif 128 < rc <= 128 + 64:        # bwrap reports a signal death as 128 + signo
             exit_code, sig = None, rc - 128
         elif rc == 1 and cap.stderr.startswith(b"bwrap: "):
@@ -465,8 +497,11 @@ class ProcessBox:
                 return
             self._closed = True
             try:
-                os.close(self._dirfd)
-                self._unmount()
+                try:
+                    self._end_session()
+                finally:
+                    os.close(self._dirfd)
+                    self._unmount()
             finally:
                 self._backend._release(self.uid)
 

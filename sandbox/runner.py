@@ -160,7 +160,8 @@ def _benchmark(job: Job, box: Box, argv: list[str]) -> Measurement | Result:
         limits = job.limits.scaled(VALGRIND_SLOWDOWN)
         limits = replace(limits, memory_mb=limits.memory_mb + VALGRIND_EXTRA_MB)
         report_name = f"{CALLGRIND_PREFIX}{secrets.token_hex(8)}.out"
-        cmd = ["valgrind", "--tool=callgrind", "-q", f"--callgrind-out-file={report_name}",
+        # --command-line-only: a .valgrindrc the program planted in its work dir is not read.
+        cmd = ["valgrind", "--tool=callgrind", "-q", "--command-line-only=yes", f"--callgrind-out-file={report_name}",
                "--dump-line=no", "--compress-strings=no", *argv]
         out = box.run(cmd, stdin, limits)
         failure = _failure(job, out, "benchmark run", None)

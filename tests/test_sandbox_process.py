@@ -41,11 +41,11 @@ def backend():
     be.close()
 
 
-def slot_processes(uids: list[int]) -> list[str]:
-    """Processes (any state, zombies included) of the given uids, from /proc."""
+def slot_processes(uids: list[int], besides: list[int] = ()) -> list[str]:
+    """Processes (any state, zombies included) of the given uids, from /proc, but `besides`."""
     out = []
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) in besides:
             continue
         try:
             with open(f"/proc/{entry.name}/status") as f:
@@ -437,7 +437,8 @@ def test_orphaned_background_child_dies_with_the_run(box, backend, lang):
         t = time.monotonic()
         o = run_py(box, ORPHAN_PY, limits=lim)
     assert o.exit_code == 0 and time.monotonic() - t < 2, o
-    assert not slot_processes(backend.uids)
+    # nothing of the run is left; only the box's own sandbox (bwrap, supervisor) while it is open
+    assert not slot_processes(backend.uids, besides=box.sandbox_pids())
     size = os.path.getsize(os.path.join(box.path, "marker"))
     time.sleep(0.2)
     assert os.path.getsize(os.path.join(box.path, "marker")) == size > 0
@@ -554,6 +555,126 @@ def test_probe_is_fast_cached_and_complete():
     assert fresh.root and fresh.bwrap_usable and fresh.user_namespaces and fresh.seccomp
     assert fresh.cgroup_memory and fresh.cgroup_pids and fresh.cgroup_cpuacct
     assert isinstance(fresh.perf_hw_counters, bool)     # False in VMs without a PMU: detected
+
+
+# -- how commands are started ------------------------------------------------------------------
+
+SETUP_PROBE = ("import os, resource as r\n"
+               "print(os.getuid(), os.getgid(), os.getgroups(),"
+               " [r.getrlimit(x) for x in (r.RLIMIT_NOFILE, r.RLIMIT_FSIZE, r.RLIMIT_CORE)])\n")
+
+
+@needs_isolation
+@pytest.mark.parametrize("mode", ["session", "bwrap_per_command", "no_helper"])
+def test_same_setup_and_containment_in_every_mode(backend, monkeypatch, mode):
+    """Commands run in the box's sandbox (one bwrap per box, the helper's supervisor starting
+    them); without sessions, in a bwrap per command started by the helper's launcher (so
+    subprocess can vfork); without the helper (no gcc), through a preexec_fn. All give the same
+    uid, groups, rlimits, cgroup limits and containment."""
+    from sandbox import _helper
+
+    assert _helper.path() is not None and backend.sessions     # gcc is here: it must be used
+    if mode != "session":
+        monkeypatch.setattr(backend, "sessions", False)
+    if mode == "no_helper":
+        monkeypatch.setattr(_helper, "path", lambda: None)
+    lim = Limits(wall_s=5, cpu_s=2, memory_mb=64, open_files=33, file_bytes=5 << 20)
+    with backend.box() as b:
+        o = run_py(b, SETUP_PROBE, limits=lim)
+        assert o.exit_code == 0, o.stderr
+        assert o.stdout.decode().strip() == (f"{b.uid} {b.uid} [] "
+                                             f"[(33, 33), ({5 << 20}, {5 << 20}), (0, 0)]")
+        o = run_py(b, "a = []\nwhile True:\n    a.append(bytearray(1 << 20))\n", limits=lim)
+        assert o.memory_exceeded and o.signal == signal.SIGKILL
+        o = run_py(b, FORK_BOMB_PY, limits=lim)
+        assert o.process_limit_hit and o.exit_code != 0
+        o = run_py(b, "while True:\n    pass\n", limits=lim)
+        assert o.timed_out and 1.5 <= o.cpu_s < 3.5
+        o = run_py(b, ORPHAN_PY, limits=Limits(wall_s=5, cpu_s=2, processes=4))
+        assert o.exit_code == 0 and not slot_processes(backend.uids, besides=b.sandbox_pids())
+        assert (b.sandbox_pids() != []) == (mode == "session")
+    assert_clean(backend, b)
+
+
+@needs_isolation
+def test_box_sandbox_starts_each_command_clean(box, backend):
+    """The commands of a box share one sandbox while they leave /tmp and /dev/shm empty; one
+    that leaves anything there gets the next command a fresh sandbox. /dev is read-only, System V
+    IPC is denied, and nothing run can reach the supervisor (PID 1)."""
+    probe = ("import os, sys, signal, ctypes\n"
+             "print(sorted(os.listdir('/tmp')), sorted(os.listdir('/dev/shm')))\n"
+             "if sys.argv[1:] == ['dirty']:\n"
+             "    for d in ('/tmp', '/dev/shm'):\n"
+             "        os.makedirs(d + '/a/b', exist_ok=True); open(d + '/a/b/f', 'w').write('x')\n"
+             "        os.chmod(d + '/a', 0); os.chmod(d, 0o500)\n"
+             "try:\n    open('/dev/x', 'w')\nexcept OSError as e:\n    print('dev', e.errno)\n"
+             "libc = ctypes.CDLL(None, use_errno=True)\n"
+             "print('shmget', libc.shmget(0, 4096, 0o1600), ctypes.get_errno())\n"
+             "for p in ('/proc/1/environ', '/proc/1/mem', '/proc/1/fd/3'):\n"
+             "    try:\n        open(p, 'rb').read(1); print('read', p)\n"
+             "    except OSError as e:\n        print(p, type(e).__name__)\n"
+             "for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGSTOP):\n"
+             "    os.kill(1, sig)\n"
+             "try:\n    os.kill(-1, signal.SIGKILL)\nexcept ProcessLookupError:\n    pass\n"
+             "print('fds', sorted(os.listdir('/proc/self/fd')))\n"
+             "print('pid', os.getpid(), 'ok')\n")
+    lim = Limits(wall_s=5, cpu_s=2, processes=2)
+    box.write("probe.py", probe.encode())
+    sandboxes = []
+    for arg in ("clean", "clean", "dirty", "clean", "clean"):
+        o = box.run(["python3", "-I", "probe.py", arg], limits=lim)
+        assert o.exit_code == 0, o.stderr
+        lines = o.stdout.decode().splitlines()
+        assert lines[0] == "[] []", lines                 # no earlier run's files
+        assert lines[1] == "dev 30"                       # EROFS
+        assert lines[2] == "shmget -1 1"                  # EPERM
+        assert all(line.endswith("PermissionError") for line in lines[3:6]), lines
+        assert lines[6] == "fds ['0', '1', '2', '3']"      # nothing of the supervisor's
+        assert lines[7].endswith(" ok")
+        sandboxes.append(tuple(box.sandbox_pids()))
+        assert len(sandboxes[-1]) == 2
+    assert sandboxes[0] == sandboxes[1] == sandboxes[2] != sandboxes[3] == sandboxes[4]
+    o = box.run(["sh", "-c", "exit 130"], limits=lim)
+    assert (o.exit_code, o.signal) == (130, None)          # exact status, not bwrap's 128 + N
+    o = box.run(["./missing"], limits=lim)
+    assert o.exit_code == 127 and b"No such file" in o.stderr
+
+
+@needs_isolation
+def test_box_outliving_the_thread_that_started_its_sandbox(backend):
+    """bwrap dies with the thread that started it (--die-with-parent): the box notices, starts a
+    fresh sandbox, and leaves no zombie of the old one."""
+    with backend.box() as b:
+        t = threading.Thread(target=lambda: b.run(["true"], limits=FAST))
+        t.start()
+        t.join()
+        first = b.sandbox_pids()
+        time.sleep(0.2)
+        o = b.run(["sh", "-c", "echo hi"], limits=FAST)
+        assert (o.exit_code, o.stdout) == (0, b"hi\n")
+        assert b.sandbox_pids() != first
+        assert not slot_processes(backend.uids, besides=b.sandbox_pids())
+    assert_clean(backend, b)
+
+
+def test_helper_is_private_and_reports_setup_errors(tmp_path):
+    from sandbox import _exec, _helper
+    from sandbox.backend import SandboxError
+
+    tool = _helper.path()
+    if tool is None:
+        pytest.skip("no gcc: the helper cannot be built here")
+    st = os.stat(tool)
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o7777 == 0o755
+    st = os.stat(os.path.dirname(tool))
+    assert st.st_uid == os.geteuid() and st.st_mode & 0o077 == 0
+    child = _exec.spawn(["true"], rlimits=[], env={}, cwd="/",
+                        join=[str(tmp_path / "no-such-cgroup" / "tasks")])
+    with pytest.raises(SandboxError, match="cannot join cgroup"):
+        _exec.supervise(child, b"", Limits(), kill=lambda: None)
+    child = _exec.spawn(["/nonexistent/program"], rlimits=[], env={}, cwd="/")
+    with pytest.raises(SandboxError, match="cannot execute /nonexistent/program"):
+        _exec.supervise(child, b"", Limits(), kill=lambda: None)
 
 
 # -- refusing to run without isolation --------------------------------------------------------

@@ -148,3 +148,13 @@ def test_sandbox_failures_are_errors_per_sample_not_zeros(backend):
     good, bad = scorer.score(samples)
     assert good.error is None and good.reward > 0.2
     assert bad.reward is None and "reference solution did not pass" in bad.error
+
+
+def test_a_planted_valgrindrc_does_not_change_the_measurement(backend):
+    # A test run writes .valgrindrc into the work dir, asking callgrind not to count anything.
+    planter = ('#include <stdio.h>\nlong f(long n) { FILE *fp = fopen(".valgrindrc", "w");'
+               ' if (fp) { fputs("--collect-atstart=no\\n--instr-atstart=no\\n", fp); fclose(fp); }'
+               ' return 3 * n * (n + 1) / 2 + 5 * n; }')
+    honest, planted = judge([FAST, planter], [ROW, ROW])
+    assert planted.result.status is Status.OK
+    assert planted.speedup <= honest.speedup  # it also did the file write: never cheaper than honest

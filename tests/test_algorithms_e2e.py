@@ -22,6 +22,8 @@ def test_algorithm_runs(make_config, algorithm):
                  "run.save_final_model=false"]
     if algorithm in ("dr_grpo", "dapo", "gspo"):  # KL-free by design; add a small KL term to check it is logged
         overrides.append("algorithm.kl_coef=0.001")
+    if algorithm == "reinforce_pp":  # the adaptive KL controller steers the coefficient towards the target
+        overrides += ["algorithm.kl_ctrl=adaptive", "algorithm.kl_target=0.0001", "algorithm.kl_horizon=1000"]
     if algorithm == "rloo":
         overrides.append("trainer.ref_offload=true")  # the reference engine with its weights offloaded (ZeRO-3)
     cfg = make_config(*overrides)
@@ -37,5 +39,8 @@ def test_algorithm_runs(make_config, algorithm):
     if algorithm == "ppo":
         assert all(math.isfinite(m["critic/value_loss"]) for m in metrics)
         assert metrics[-1]["critic/value_error"] < metrics[0]["critic/value_error"]  # the critic learns
+    if algorithm == "reinforce_pp":
+        coefs = [m["actor/kl_coef"] for m in metrics]
+        assert coefs[-1] != coefs[0] and all(c > 0 for c in coefs), coefs
     if algorithm == "dapo":
         assert all(m["dapo/sampling_rounds"] >= 1 for m in metrics)

@@ -19,6 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from rl.config import ConfigError, TrainConfig, validate
+from sandbox.backend import SandboxUnavailable
 
 BUILTIN_MODEL_PATH = os.path.normpath("artifacts/tiny/model")
 BUILTIN_CODE_MODEL_PATH = os.path.normpath("artifacts/tiny_code/model")
@@ -224,6 +225,12 @@ def load_inputs(cfg: DictConfig):
     from reward.scorer import RewardScorer
     from rl.data import PromptDataset
 
+    if cfg.sandbox.num_workers > 0 and cfg.sandbox.backend == "process" and not cfg.cluster.address:
+        # The sandbox workers will run on this machine: no isolation, no untrusted code.
+        from sandbox.detect import probe_host, require_isolation
+
+        require_isolation(probe_host())
+
     RewardScorer(reward_specs(cfg), base_dir=os.getcwd())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, tokenizer, cfg.run.seed,
@@ -362,7 +369,7 @@ def main(cfg: DictConfig) -> None:
         resolve_paths(cfg)
         resume_from = check_run_dir(cfg)
         inputs = load_inputs(cfg)
-    except (ConfigError, ValueError, FileNotFoundError) as err:  # RewardLoadError is a ValueError
+    except (ConfigError, ValueError, FileNotFoundError, SandboxUnavailable) as err:  # RewardLoadError: a ValueError
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     train(cfg, inputs, resume_from)

@@ -100,6 +100,11 @@ class SandboxPool:
                 f"sandbox workers did not start: no node{where} with {settings.num_cpus_per_worker} free CPU(s) "
                 "per worker; add such nodes (`ray start --resources='{\"benchmark\": 4}'`) or change "
                 "sandbox.resource / sandbox.num_workers") from exc
+        except ray.exceptions.RayActorError as exc:
+            self.close()
+            # A worker's backend refused to start (e.g. no isolation on its node): its own message.
+            cause = getattr(exc, "cause", None) or exc
+            raise RuntimeError(f"sandbox workers could not start: {cause}") from None
         except BaseException:
             self.close()
             raise

@@ -65,11 +65,18 @@ def test_bad_reward_or_data_fails_before_ray_starts(tiny_dir, override, expected
                 expected)
 
 
-def _fails_fast(overrides, expected):
+def test_code_task_refuses_to_start_without_isolation(tiny_dir, tmp_path):
+    # No bubblewrap on PATH: the host cannot isolate untrusted programs, so nothing starts.
+    (tmp_path / "bin").mkdir()
+    env = {**os.environ, "PATH": str(tmp_path / "bin")}
+    _fails_fast(["task=code_speedup", f"model.path={tiny_dir}/model"], "bubblewrap", env=env)
+
+
+def _fails_fast(overrides, expected, env=None):
     start = time.perf_counter()
     run_dir = f"run.dir={tempfile.mkdtemp()}"  # Hydra makes the run dir before our checks run
     proc = subprocess.run([sys.executable, "-m", "launch.train", *overrides, run_dir], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=60, env=env)
     elapsed = time.perf_counter() - start
     assert proc.returncode != 0
     assert expected in proc.stdout + proc.stderr

@@ -111,6 +111,19 @@ def init_single_process() -> None:
     )
 
 
+def zero3_load_config(config: dict[str, Any]):
+    """What transformers' `from_pretrained` must see while it loads the model of an engine with
+    this DeepSpeed config: under ZeRO-3 an `HfDeepSpeedConfig` (weights are partitioned as they
+    load instead of materialised whole; keep it alive with the engine), otherwise none.
+    transformers keeps a process-global (weak) reference to the last one: an earlier ZeRO-3
+    engine's is cleared first, or this model would load partitioned."""
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    return HfDeepSpeedConfig(config) if config["zero_optimization"]["stage"] == 3 else None
+
+
 def build_engine(
     load_model: Callable[[], torch.nn.Module],
     config: dict[str, Any],
@@ -120,22 +133,14 @@ def build_engine(
     lr_lambda: Callable[[int], float],
     gradient_checkpointing: bool = False,
 ):
-    """`deepspeed.initialize` on the model `load_model()` returns, with torch AdamW and a LambdaLR.
+    """`deepspeed.initialize` on the model `load_model()` returns, with torch AdamW and a LambdaLR,
+    in the process group the caller has joined (`init_single_process`, or a learner's ranks).
 
-    Under ZeRO-3 `load_model` runs while an `HfDeepSpeedConfig` is alive, so transformers'
-    `from_pretrained` partitions weights as they load instead of materialising them whole.
-    Returns the engine (its `.module` is the model).
+    `load_model` runs under `zero3_load_config(config)`. Returns the engine (`.module`: the model).
     """
-    init_single_process()
     import deepspeed
-    from transformers.integrations import HfDeepSpeedConfig
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    zero3 = config["zero_optimization"]["stage"] == 3
-    # transformers keeps a process-global (weak) reference to the last HfDeepSpeedConfig: clear
-    # one an earlier ZeRO-3 engine in this process left, or this model would load partitioned.
-    unset_hf_deepspeed_config()
-    keep_alive = HfDeepSpeedConfig(config) if zero3 else None
+    keep_alive = zero3_load_config(config)
     model = load_model()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()

@@ -19,7 +19,7 @@ from rl.kl import KL_ESTIMATORS
 from rl.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
 from rl.types import TrainBatch
 from trainer import weight_sync
-from trainer.engine import ds_config
+from trainer.engine import build_engine, ds_config, zero3_load_config
 from trainer.logprobs import token_logprobs
 
 
@@ -81,17 +81,6 @@ def deepspeed_config(spec: LearnerSpec, world_size: int, with_optimizer: bool = 
     )
 
 
-def _hf_zero3_config(ds_config: dict[str, Any]):
-    """What transformers' `from_pretrained` must see while it loads a model for this engine: under
-    ZeRO-3 an `HfDeepSpeedConfig` kept alive with the engine (weights are partitioned as they
-    load); otherwise none (an earlier ZeRO-3 engine's global config is cleared)."""
-    from transformers.integrations import HfDeepSpeedConfig
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
-    return HfDeepSpeedConfig(ds_config) if ds_config["zero_optimization"]["stage"] == 3 else None
-
-
 class LearnerWorker:
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int):
         self.spec, self.rank, self.world_size = spec, rank, world_size
@@ -143,20 +132,10 @@ class LearnerWorker:
     def _trainable(self, load_model, ds_config: dict[str, Any], lr: float):
         """A DeepSpeed engine with torch AdamW and linear lr warm-up: Adam's first updates are
         sign-like steps of size lr on every weight, which can knock a small policy off its warm-up."""
-        import deepspeed
-
-        spec = self.spec
-        keep_alive = _hf_zero3_config(ds_config)
-        model = load_model()
-        if spec.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                      weight_decay=spec.weight_decay)
-        warmup = max(spec.lr_warmup_steps, 1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda updates: min(1.0, (updates + 1) / warmup))
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
-        engine._rlpost_hf_ds_config = keep_alive
-        return engine
+        warmup = max(self.spec.lr_warmup_steps, 1)
+        return build_engine(load_model, ds_config, lr=lr, weight_decay=self.spec.weight_decay,
+                            lr_lambda=lambda updates: min(1.0, (updates + 1) / warmup),
+                            gradient_checkpointing=self.spec.gradient_checkpointing)
 
     def _reference(self, dtype: torch.dtype):
         """The frozen reference policy in its own DeepSpeed engine (no optimizer); with
@@ -171,7 +150,7 @@ class LearnerWorker:
                                            "offload_param": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}
         elif spec.zero_stage != 3:
             config["zero_optimization"] = {"stage": 0}  # a frozen model: nothing to shard but weights
-        keep_alive = _hf_zero3_config(config)
+        keep_alive = zero3_load_config(config)
         model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype).eval()
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=config)

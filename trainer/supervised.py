@@ -301,7 +301,7 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
          loss_fn: LossFn, evaluate: Callable[[Any], dict[str, float]] | None, summary: dict[str, Any] | None):
     from omegaconf import OmegaConf
 
-    from trainer.engine import build_engine, ds_config
+    from trainer.engine import build_engine, ds_config, init_single_process
     from trainer.sft import lr_factor
 
     o = cfg.optim
@@ -317,6 +317,7 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
             offload_optimizer=cfg.trainer.offload_optimizer,
             zero3_persistence_threshold=cfg.trainer.zero3_persistence_threshold,
         )
+        init_single_process()
         engine = build_engine(load_model, config, lr=o.lr, weight_decay=o.weight_decay,
                               lr_lambda=lambda s: lr_factor(s, steps, o.warmup_steps),
                               gradient_checkpointing=cfg.model.gradient_checkpointing)

@@ -22,7 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from reward.code_speedup import make_job, speedup_to_reward
-from rl.code_tasks import all_code_problems
+from examples.code_speedup import all_code_problems
 from sandbox.backend import Backend
 from sandbox.job import Job, Method, Status
 from sandbox.pool import SandboxSettings, make_backend

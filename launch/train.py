@@ -6,7 +6,6 @@ Bad config fails here, before Ray or any model starts: Hydra checks keys and typ
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import os
@@ -15,54 +14,35 @@ import sys
 from typing import Any
 
 import hydra
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
+from examples import ensure_builtin
+from launch.cli import INPUT_ERRORS, fail, require_model
+from launch.console import quiet_driver
 from rl.config import ConfigError, TrainConfig, validate
-from sandbox.backend import SandboxUnavailable
-
-BUILTIN_MODEL_PATH = os.path.normpath("artifacts/tiny/model")
-BUILTIN_CODE_MODEL_PATH = os.path.normpath("artifacts/tiny_code/model")
-
-ConfigStore.instance().store(name="train_schema", node=TrainConfig)
 
 
 def _abs(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
-# Default model paths that `launch.train` builds itself on first use, with their builders.
-BUILTIN_MODELS = {
-    BUILTIN_MODEL_PATH: ("tiny model and arithmetic task", "launch.prepare_tiny", "prepare_tiny"),
-    BUILTIN_CODE_MODEL_PATH: ("tiny code model and code speed-up task", "launch.prepare_tiny_code", "build_tiny_code"),
-    os.path.normpath("artifacts/tiny_rm/model"): ("tiny reward model and preference task", "launch.prepare_tiny_rm", "build_tiny_rm"),
-}
+def _reward_model_paths(cfg: DictConfig) -> list[str]:
+    return [f.kwargs.path for f in cfg.reward.functions if f.kwargs and isinstance(f.kwargs.get("path"), str)]
 
 
-def ensure_model(cfg: DictConfig) -> None:
-    """Build a built-in tiny model and its task data when its default path is used and missing
-    (the policy's, and a built-in reward model named by a reward function's `path`), before Ray
-    starts."""
-    for f in cfg.reward.functions:
-        path = f.kwargs.get("path") if f.kwargs else None
-        if isinstance(path, str) and os.path.normpath(path) in BUILTIN_MODELS and not os.path.isdir(path):
-            _build_builtin(os.path.normpath(path), cfg.run.seed)
-    if os.path.isdir(cfg.model.path):
-        return
-    path = os.path.normpath(cfg.model.path)
-    if path not in BUILTIN_MODELS:
-        raise ConfigError(
-            f"model.path={cfg.model.path!r} does not exist; give a local Hugging Face model folder "
-            f"(config.json + weights + tokenizer), or leave the default {BUILTIN_MODEL_PATH!r} to use "
-            "the built-in tiny model"
-        )
-    _build_builtin(path, cfg.run.seed)
+def check_host(cfg: DictConfig) -> None:
+    """Sandbox workers that will run on this machine need isolation: no isolation, no untrusted code."""
+    if cfg.sandbox.num_workers > 0 and cfg.sandbox.backend == "process" and not cfg.cluster.address:
+        from sandbox.detect import probe_host, require_isolation
+
+        require_isolation(probe_host())
 
 
-def _build_builtin(path: str, seed: int) -> None:
-    what, module, function = BUILTIN_MODELS[path]
-    print(f"Building the built-in {what} in {os.path.dirname(path)}/ (first run only)")
-    getattr(importlib.import_module(module), function)(os.path.dirname(path), seed=seed)
+def ensure_inputs(cfg: DictConfig) -> None:
+    """Build the built-in tasks the config names and that are missing (the tiny policy and its
+    data, a built-in reward model named by a reward function's `path`), before Ray starts."""
+    ensure_builtin([cfg.model.path, *cfg.task.train_files, *_reward_model_paths(cfg)], cfg.run.seed)
+    require_model(cfg.model.path)
 
 
 def resolve_paths(cfg: DictConfig) -> None:
@@ -105,98 +85,37 @@ def start_sandbox_pool(cfg: DictConfig):
     return pool
 
 
-def reward_specs(cfg: DictConfig):
+def reward_specs(cfg: DictConfig | TrainConfig):
+    """The reward functions of the config (Hydra's or its typed form), as plain data."""
     from reward.scorer import RewardFunctionSpec
 
-    return [RewardFunctionSpec(f.fn, f.weight, f.name, OmegaConf.to_container(f.kwargs, resolve=True))
-            for f in cfg.reward.functions]
+    def plain(kwargs: Any) -> dict[str, Any]:
+        return OmegaConf.to_container(kwargs, resolve=True) if OmegaConf.is_config(kwargs) else dict(kwargs)
+
+    return [RewardFunctionSpec(f.fn, f.weight, f.name, plain(f.kwargs)) for f in cfg.reward.functions]
 
 
-def build_components(cfg: DictConfig):
+def build_components(cfg: TrainConfig):
+    """The rollout fleet, reward service and learner group the run's typed config describes."""
+    from launch.console import actor_env, rollout_env
     from reward.service import RewardService
     from rollout.fleet import RolloutFleet
-    from rollout.protocol import SamplingConfig
+    from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env
     from trainer.group import LearnerGroup
     from trainer.learner import LearnerSpec
 
-    threads = worker_threads(cfg)
-    gpu = cfg.cluster.gpus_per_rollout_worker > 0
-    # vLLM warns at every in-place reload that RotaryEmbedding got no weights (its cos/sin cache
-    # is derived, not trained, and is kept): keep the console for the per-step summary.
-    quiet = {"PYTHONWARNINGS": "ignore::FutureWarning"}
-    rollout_env = {"OMP_NUM_THREADS": str(threads), "VLLM_LOGGING_LEVEL": "ERROR", **quiet}
+    threads, c = worker_threads(cfg), cfg.cluster
+    env = rollout_env(threads, c.gpus_per_rollout_worker > 0)
     if cfg.rollout.backend == "vllm":
-        rollout_env.update(vllm_env(cfg.rollout.kv_cache_gib, threads))
-    fleet = RolloutFleet(
-        cfg.rollout.backend,
-        cfg.model.path,
-        cfg.rollout.num_workers,
-        engine_kwargs=dict(
-            dtype=cfg.model.dtype,
-            max_model_len=cfg.rollout.max_model_len,
-            seed=cfg.run.seed,
-            enforce_eager=cfg.rollout.enforce_eager,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            kv_cache_gib=cfg.rollout.kv_cache_gib,
-            threads=threads,
-            sleep_mode=cfg.rollout.sleep_between_steps and gpu,
-        ) if cfg.rollout.backend == "vllm" else dict(dtype=cfg.model.dtype, threads=threads),
-        sampling=SamplingConfig(cfg.rollout.temperature, cfg.rollout.top_p, cfg.rollout.max_new_tokens),
-        num_cpus=1,
-        num_gpus=cfg.cluster.gpus_per_rollout_worker,
-        env_vars=rollout_env,
-    )
-    rewards = RewardService(
-        reward_specs(cfg),
-        num_workers=cfg.reward.num_workers,
-        timeout_s=cfg.reward.timeout_s,
-        base_dir=os.getcwd(),
-    )
-    a = cfg.algorithm
-    spec = LearnerSpec(
-        model_path=cfg.model.path,
-        dtype=cfg.model.dtype,
-        zero_stage=cfg.trainer.zero_stage,
-        micro_batch_size=cfg.trainer.micro_batch_size,
-        samples_per_step=cfg.task.prompts_per_step * cfg.rollout.n,
-        mini_batches=a.mini_batches,
-        ppo_epochs=a.ppo_epochs,
-        lr=a.lr,
-        lr_warmup_steps=a.lr_warmup_steps,
-        weight_decay=a.weight_decay,
-        max_grad_norm=a.max_grad_norm,
-        policy_loss=a.policy_loss,
-        loss_agg=a.loss_agg,
-        clip_eps_low=a.clip_eps_low,
-        clip_eps_high=a.clip_eps_high,
-        kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator,
-        clip_ratio_c=a.clip_ratio_c,
-        entropy_coef=a.entropy_coef,
-        max_response_len=cfg.rollout.max_new_tokens,
-        kl_in_reward=a.kl_in_reward,
-        ref_offload=cfg.trainer.ref_offload,
-        critic=a.critic,
-        critic_init=a.critic_init,
-        critic_lr=a.critic_lr,
-        critic_warmup_steps=a.critic_warmup_steps,
-        value_clip=a.value_clip,
-        temperature=cfg.rollout.temperature,
-        seed=cfg.run.seed,
-        offload_optimizer=cfg.trainer.offload_optimizer,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-        zero3_persistence_threshold=cfg.trainer.zero3_persistence_threshold,
-        threads=threads,
-    )
-    learner = LearnerGroup(
-        spec,
-        cfg.trainer.num_workers,
-        num_cpus=1,
-        num_gpus=cfg.cluster.gpus_per_learner,
-        env_vars={"OMP_NUM_THREADS": str(threads), **quiet},
-        weight_sync_method=cfg.trainer.weight_sync,
-    )
+        env.update(vllm_env(cfg.rollout.kv_cache_gib, threads))
+    fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
+                         env_vars=env)
+    rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                            base_dir=os.getcwd())
+    learner = LearnerGroup(LearnerSpec.from_config(cfg, threads), cfg.trainer.num_workers, num_cpus=1,
+                           num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
+                           weight_sync_method=cfg.trainer.weight_sync)
     learner.connect(fleet)
     return fleet, rewards, learner
 
@@ -224,12 +143,6 @@ def load_inputs(cfg: DictConfig):
 
     from reward.scorer import RewardScorer
     from rl.data import PromptDataset
-
-    if cfg.sandbox.num_workers > 0 and cfg.sandbox.backend == "process" and not cfg.cluster.address:
-        # The sandbox workers will run on this machine: no isolation, no untrusted code.
-        from sandbox.detect import probe_host, require_isolation
-
-        require_isolation(probe_host())
 
     RewardScorer(reward_specs(cfg), base_dir=os.getcwd())
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -287,63 +200,35 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
     """Run one experiment from a validated, path-resolved config; returns the run summary."""
     import ray
 
-    from rl.estimate import AdvantageSettings
-    from rl.loop import LoopSettings, run_loop
+    from rl.loop import run_loop
     from rl.run_log import RunLog, read_metrics
+    from trainer.sft import pad_id_of
 
     tokenizer, data = inputs or load_inputs(cfg)
-    os.makedirs(cfg.run.dir, exist_ok=True)
-    OmegaConf.save(cfg, os.path.join(cfg.run.dir, "config.yaml"), resolve=True)
-    start_step, kl_state = 0, None
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config: TrainConfig = OmegaConf.to_object(cfg)  # typed, plain data: what the actors are built from
+    start_step, kl_state = (resume_from[1].next_step, resume_from[1].kl_ctrl) if resume_from else (0, None)
+    log = RunLog(cfg.run.dir, cfg.run.steps, title=cfg.algorithm.name.upper(), progress=cfg.run.progress,
+                 start_step=start_step, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+                 resume=resume_from is not None)
     start_ray(cfg)
     fleet = rewards = learner = sandboxes = None
     try:
         sandboxes = start_sandbox_pool(cfg)
-        fleet, rewards, learner = build_components(cfg)
+        fleet, rewards, learner = build_components(config)
         if resume_from is not None:
             path, state = resume_from
             learner.load_checkpoint(os.path.join(path, "learner"))
             learner.sync_weights(fleet, state.policy_version)  # engines started from model.path
-            start_step, kl_state = state.next_step, state.kl_ctrl
-            print(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}")
-        log = RunLog(cfg.run.dir, cfg.run.steps, progress=cfg.run.progress, start_step=start_step)
-        a = cfg.algorithm
-        settings = LoopSettings(
-            steps=cfg.run.steps,
-            prompts_per_step=cfg.task.prompts_per_step,
-            n=cfg.rollout.n,
-            pad_id=pad_id,
-            advantage=AdvantageSettings(a.advantage, a.norm_by_std, a.gamma, a.lam, a.kl_in_reward,
-                                        a.kl_estimator, a.whiten_advantages),
-            kl_coef=a.kl_coef,
-            kl_ctrl=a.kl_ctrl,
-            kl_target=a.kl_target,
-            kl_horizon=a.kl_horizon,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            dynamic_sampling=a.dynamic_sampling,
-            max_sampling_rounds=a.max_sampling_rounds,
-            overlong_buffer=a.overlong_buffer,
-            overlong_penalty=a.overlong_penalty,
-            mask_truncated=a.mask_truncated,
-            log_samples_per_step=cfg.run.log_samples_per_step,
-            logprob_warn_threshold=cfg.trainer.logprob_warn_threshold,
-            sleep_between_steps=cfg.rollout.sleep_between_steps,
-            save_every=cfg.run.save_every,
-            keep_checkpoints=cfg.run.keep_checkpoints,
-        )
-        try:
-            run_loop(settings, data, fleet, rewards, learner, log, start_step=start_step, kl_state=kl_state)
-        finally:
-            log.close()
+            log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}")
+        run_loop(config, pad_id_of(tokenizer), data, fleet, rewards, learner, log, start_step=start_step,
+                 kl_state=kl_state)
         summary = reward_trend(read_metrics(cfg.run.dir))
         if cfg.run.save_final_model:
             final = os.path.join(cfg.run.dir, "final_model")
             learner.save_pretrained(final)
             tokenizer.save_pretrained(final)
             summary["final_model"] = final
-        with open(os.path.join(cfg.run.dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        summary = log.finish(summary)
         print(
             f"Reward mean: first {summary['steps_averaged']} steps {summary['first_steps_reward_mean']:.3f} -> "
             f"last {summary['steps_averaged']} steps {summary['last_steps_reward_mean']:.3f}. "
@@ -353,6 +238,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
             print(f"  {name}: first steps {trend['first_steps_mean']:.3f} -> last steps {trend['last_steps_mean']:.3f}")
         return summary
     finally:
+        log.close()
         for part in (learner, rewards, fleet):
             if part is not None:
                 part.shutdown()
@@ -363,15 +249,16 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
+    quiet_driver()
     try:
         validate(cfg)
-        ensure_model(cfg)
+        check_host(cfg)
+        ensure_inputs(cfg)
         resolve_paths(cfg)
         resume_from = check_run_dir(cfg)
         inputs = load_inputs(cfg)
-    except (ConfigError, ValueError, FileNotFoundError, SandboxUnavailable) as err:  # RewardLoadError: a ValueError
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    except INPUT_ERRORS as err:  # RewardLoadError and DataError are ValueErrors
+        fail(err)
     train(cfg, inputs, resume_from)
 
 

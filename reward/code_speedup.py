@@ -1,6 +1,6 @@
 """The code speed-up reward: compile, test and benchmark each completion in the sandbox.
 
-Dataset columns (one row per problem, see rl/code_tasks.py): `reference` (the slow correct
+Dataset columns (one row per problem, see examples/code_speedup.py): `reference` (the slow correct
 program), `harness` (trusted `main` built with the candidate, or None), `tests` and
 `hidden_tests` (lists of {stdin, expected_stdout}), `bench_stdin`, `language`, `compile_flags`.
 
@@ -138,7 +138,7 @@ def _rows(n: int, columns: dict[str, list[Any]]) -> list[dict[str, Any]]:
     missing = [c for c in ("reference", "tests") if columns.get(c) is None]
     if missing:
         raise ValueError(f"the dataset has no column(s) {missing}; the code speed-up reward needs "
-                         "reference, tests, hidden_tests, harness, bench_stdin (see rl/code_tasks.py)")
+                         "reference, tests, hidden_tests, harness, bench_stdin (see examples/code_speedup.py)")
     return [{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n} for i in range(n)]
 
 

@@ -12,10 +12,9 @@ training (`trainer.reward_model`): prompt ids, completion ids, EOS; the score is
 output at the last token. The model is loaded once per process (per path and dtype; a lock makes
 concurrent first calls load it once) and scored in batches of ``batch_size`` without gradients.
 
-The built-in RM (the default ``path``, ``artifacts/tiny_rm/model``) is built on first use when
-it is missing (``launch.prepare_tiny_rm``, about 1-2 minutes on a CPU; a file lock lets one
-process build it while the others wait), which is why ``configs/reward/model.yaml`` raises
-``reward.timeout_s``.
+The default ``path`` is the built-in tiny RM (``examples.preference``); `python -m launch.train`
+builds it before Ray starts when a reward function names it and it is missing. This function
+never builds a model: a missing folder is an error naming the path.
 """
 
 from __future__ import annotations
@@ -30,23 +29,6 @@ _models: dict[tuple[str, str], tuple[Any, Any]] = {}
 _lock = threading.Lock()
 
 
-def _ensure_builtin(path: str, given: str) -> None:
-    """Build the built-in tiny RM when `given` is its default path and it is missing."""
-    if os.path.isdir(path) or os.path.normpath(given) != BUILTIN_RM_PATH:
-        return
-    import fcntl
-
-    out_dir = os.path.dirname(path)
-    os.makedirs(os.path.dirname(out_dir) or ".", exist_ok=True)
-    with open(f"{out_dir}.lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)  # another process may be building it right now
-        if not os.path.isdir(path):
-            from launch.prepare_tiny_rm import build_tiny_rm
-
-            print(f"Building the built-in tiny reward model in {out_dir}/ (first use only)", flush=True)
-            build_tiny_rm(out_dir, seed=0)
-
-
 def load(path: str, dtype: str = "float32") -> tuple[Any, Any]:
     """(model, tokenizer) for `path`, loaded once per process and kept; thread-safe."""
     full = os.path.abspath(os.path.expanduser(path))
@@ -58,7 +40,6 @@ def load(path: str, dtype: str = "float32") -> tuple[Any, Any]:
 
             from trainer.reward_model import load_reward_model
 
-            _ensure_builtin(full, path)
             if not os.path.isdir(full):
                 raise FileNotFoundError(
                     f"reward model path={path!r} does not exist (resolved to {full}); give the folder "
@@ -93,7 +74,8 @@ def score(
     """
     import torch
 
-    from trainer.reward_model import collate, pad_id_of, rm_input_ids, sequence_scores
+    from trainer.reward_model import collate, rm_input_ids, sequence_scores
+    from trainer.sft import pad_id_of
 
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")

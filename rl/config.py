@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
@@ -156,6 +157,10 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
 
 
+# `configs/train.yaml` starts its defaults list with this schema.
+ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
 class ConfigError(ValueError):
     """A config value that is well-typed but unusable; the message names the field and the fix."""
 
@@ -196,7 +201,7 @@ def _get(cfg: Any, dotted: str) -> Any:
     return node
 
 
-def _unknown_keys(node: Any, schema: type, prefix: str) -> list[str]:
+def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
     import dataclasses
     import typing
 
@@ -212,21 +217,27 @@ def _unknown_keys(node: Any, schema: type, prefix: str) -> list[str]:
         child, kind = node._get_node(key), hints[key]
         item = typing.get_args(kind)[0] if typing.get_origin(kind) is list else None
         if dataclasses.is_dataclass(kind):
-            found += _unknown_keys(child, kind, path + ".")
+            found += unknown_keys(child, kind, path + ".")
         elif item is not None and dataclasses.is_dataclass(item) and isinstance(child, ListConfig):
             for i, element in enumerate(child):
-                found += _unknown_keys(element, item, f"{path}[{i}].")
+                found += unknown_keys(element, item, f"{path}[{i}].")
     return found
 
 
-def check_schema(cfg: Any) -> None:
+def check_schema(cfg: Any, schema: type = TrainConfig, app: str = "train", where: str = "rl/config.py") -> None:
     """Reject keys the schema does not know, also ones forced in with Hydra's `+key=value`."""
-    unknown = _unknown_keys(cfg, TrainConfig, "")
+    unknown = unknown_keys(cfg, schema)
     if unknown:
         raise ConfigError(
-            f"unknown config key(s): {', '.join(unknown)}; check the spelling against rl/config.py "
-            "(`python -m launch.train --cfg job` prints every key)"
+            f"unknown config key(s): {', '.join(unknown)}; check the spelling against {where} "
+            f"(`python -m launch.{app} --cfg job` prints every key)"
         )
+
+
+def raise_errors(errors: list[str]) -> None:
+    """One ConfigError listing every bad field with its fix (nothing when the list is empty)."""
+    if errors:
+        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(errors))
 
 
 def validate(cfg: Any) -> None:
@@ -284,5 +295,4 @@ def validate(cfg: Any) -> None:
                 f"reward.functions[{i}].fn={fn.fn!r}: expected 'package.module:function' or "
                 "'path/to/file.py:function'"
             )
-    if errors:
-        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(errors))
+    raise_errors(errors)

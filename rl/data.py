@@ -1,4 +1,5 @@
-"""Prompt data: a `datasets` table read from local files, visited in a seeded order.
+"""Training data: `datasets` tables read from local files and checked for their columns, and the
+RL prompts visited in a seeded order.
 
 The prompts of step s are a pure function of (seed, s), so a resumed run sees exactly the
 prompts an uninterrupted run would have seen.
@@ -7,7 +8,7 @@ prompts an uninterrupted run would have seen.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -39,15 +40,54 @@ def load_table(files: list[str], field_name: str = "task.train_files"):
     return datasets.load_dataset(kinds.pop(), data_files=list(files), split="train")
 
 
+class DataError(ValueError):
+    """Training data that cannot be used (missing file or column, no rows); names the config key."""
+
+
+class MissingDataFile(DataError, FileNotFoundError):
+    """A data file that does not exist (a DataError, and a FileNotFoundError like any other)."""
+
+
+def load_columns(files: list[str], columns: dict[str, str | None], field: str, *, optional: tuple[str, ...] = ()):
+    """A `datasets` table from local jsonl/json/parquet/csv files, checked for its columns.
+
+    `columns` maps config keys (e.g. "data.chosen_key") to the column each names; a missing one
+    is a DataError naming the column, the key to change and the columns that exist. Keys in
+    `optional` may name no column (None).
+    """
+    try:
+        table = load_table(list(files), field_name=field)
+    except FileNotFoundError as err:
+        raise MissingDataFile(str(err)) from None
+    except ValueError as err:
+        raise DataError(str(err)) from None
+    for key, column in columns.items():
+        if key in optional and column is None:
+            continue
+        if column not in table.column_names:
+            raise DataError(
+                f"{key}={column!r} is not a column of {field}={list(files)}; columns are "
+                f"{table.column_names}; set {key} to the right column"
+            )
+    if len(table) == 0:
+        raise DataError(f"{field}={list(files)} holds no rows")
+    return table
+
+
+def split_table(train, test_files: list[str], test_fraction: float, seed: int, load_test: Callable[[], Any]):
+    """The (train, test) tables: test from its own files, else `test_fraction` of train held out
+    (seeded), else no test set (None)."""
+    if test_files:
+        return train, load_test()
+    if test_fraction > 0:
+        parts = train.train_test_split(test_size=test_fraction, seed=seed, shuffle=True)
+        return parts["train"], parts["test"]
+    return train, None
+
+
 class PromptDataset:
     def __init__(self, files: list[str], prompt_key: str, tokenizer: Any, seed: int, max_prompt_tokens: int):
-        self.table = load_table(files)
-        if prompt_key not in self.table.column_names:
-            raise ValueError(
-                f"task.prompt_key={prompt_key!r} is not a column of {files}; columns are {self.table.column_names}"
-            )
-        if len(self.table) == 0:
-            raise ValueError(f"task.train_files={files} holds no rows")
+        self.table = load_columns(files, {"task.prompt_key": prompt_key}, "task.train_files")
         self.prompt_key, self.tokenizer, self.seed = prompt_key, tokenizer, seed
         self.max_prompt_tokens = max_prompt_tokens
         self._perm_epoch, self._perm = -1, np.arange(0)

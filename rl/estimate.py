@@ -12,21 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from rl.advantages import ADVANTAGES, token_level_rewards, whiten
+from rl.config import AlgorithmConfig
 from rl.kl import KL_ESTIMATORS
 
 OUTCOME_ESTIMATORS = ("grpo", "rloo")   # one advantage per sample, broadcast to its tokens
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
-
-
-@dataclass(frozen=True)
-class AdvantageSettings:
-    estimator: str = "grpo"
-    norm_by_std: bool = True        # grpo only (False: Dr.GRPO)
-    gamma: float = 1.0
-    lam: float = 0.95               # gae only
-    kl_in_reward: bool = False      # KL as a per-token reward penalty (else, if kl_coef > 0, in the loss)
-    kl_estimator: str = "k1"
-    whiten_advantages: bool = True  # gae only (PPO's advantage normalisation)
 
 
 @dataclass
@@ -37,7 +27,7 @@ class Estimate:
 
 
 def estimate_advantages(
-    settings: AdvantageSettings,
+    settings: AlgorithmConfig,     # advantage, norm_by_std, gamma, lam, kl_in_reward, kl_estimator, whiten_advantages
     outcome: torch.Tensor,          # [B] reward per sample (anything where invalid)
     valid: torch.Tensor,            # [B] bool: the reward could be computed
     group_ids: torch.Tensor,        # [B]
@@ -58,7 +48,7 @@ def estimate_advantages(
         metrics["actor/kl_in_reward_nats"] = float(kl.sum() / mask.sum().clamp(min=1))
         metrics["actor/kl_coef"] = float(kl_coef)
 
-    name = settings.estimator
+    name = settings.advantage
     if name in OUTCOME_ESTIMATORS:
         seq_reward = outcome if kl is None else outcome - kl_coef * kl.sum(dim=1).to(torch.float64)
         extra = {"norm_by_std": settings.norm_by_std} if name == "grpo" else {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -19,7 +18,8 @@ from rl.advantages import group_success_stats
 from rl.batch import build_train_batch
 from rl.dapo import informative_groups, overlong_penalty
 from rl.data import PromptDataset
-from rl.estimate import AdvantageSettings, estimate_advantages
+from rl.config import AlgorithmConfig, TrainConfig
+from rl.estimate import estimate_advantages
 from rl.kl_control import KL_CONTROLLERS, kl_controller_from_dict
 from rl.run_log import RunLog
 from rl.types import GenerationRequest, Sample, ScoredSample, TrainBatch
@@ -37,62 +37,38 @@ class Rewards(Protocol):
 
 class Learner(Protocol):
     def score(self, batch: TrainBatch) -> TrainBatch: ...
-    def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]: ...
+    def train_step(self, batch: TrainBatch, step: int, kl_coef: float) -> dict[str, float]: ...
     def sync_weights(self, fleet: Fleet, version: int) -> float: ...
     def save_checkpoint(self, path: str) -> None: ...
 
 
-@dataclass
-class LoopSettings:
-    steps: int
-    prompts_per_step: int
-    n: int
-    pad_id: int
-    advantage: AdvantageSettings = field(default_factory=AdvantageSettings)
-    kl_coef: float = 0.0
-    kl_ctrl: str = "fixed"
-    kl_target: float = 0.01
-    kl_horizon: int = 10000
-    max_new_tokens: int = 0       # the generation budget (for the overlong penalty)
-    dynamic_sampling: bool = False
-    max_sampling_rounds: int = 1
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
-    mask_truncated: bool = False
-    log_samples_per_step: int = 4
-    logprob_warn_threshold: float = 0.05
-    sleep_between_steps: bool = False
-    save_every: int = 0
-    keep_checkpoints: int = 2
+def make_kl_controller(a: AlgorithmConfig):
+    if a.kl_ctrl == "adaptive":
+        return KL_CONTROLLERS.get("adaptive")(a.kl_coef, a.kl_target, a.kl_horizon)
+    return KL_CONTROLLERS.get("fixed")(a.kl_coef)
 
 
-def make_kl_controller(settings: LoopSettings):
-    if settings.kl_ctrl == "adaptive":
-        return KL_CONTROLLERS.get("adaptive")(settings.kl_coef, settings.kl_target, settings.kl_horizon)
-    return KL_CONTROLLERS.get("fixed")(settings.kl_coef)
-
-
-def collect(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards: Rewards,
+def collect(cfg: TrainConfig, data: PromptDataset, fleet: Fleet, rewards: Rewards,
             step: int) -> tuple[list[ScoredSample], list[Sample], dict[str, float]]:
     """Generate and score one step's groups. With DAPO's dynamic sampling, groups whose rewards
     are all equal are set aside and more prompts are drawn (up to max_sampling_rounds); the
     batch is filled up with set-aside groups only if the rounds run out (its size is fixed)."""
-    P, n = settings.prompts_per_step, settings.n
+    P, n, a = cfg.task.prompts_per_step, cfg.rollout.n, cfg.algorithm
     kept: list[list[ScoredSample]] = []
     flat: list[list[ScoredSample]] = []
     generated: list[Sample] = []
     timing = {"time/rollout_s": 0.0, "time/reward_s": 0.0}
-    rounds = settings.max_sampling_rounds if settings.dynamic_sampling else 1
+    rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
     for rnd in range(rounds):
         t0 = time.perf_counter()
         samples = fleet.generate(data.requests(step, P, n, round=rnd))
         t1 = time.perf_counter()
-        scored = _shape_rewards(settings, rewards.score(samples))
+        scored = _shape_rewards(cfg, rewards.score(samples))
         timing["time/rollout_s"] += t1 - t0
         timing["time/reward_s"] += time.perf_counter() - t1
         generated += samples
         groups = _by_group(scored)
-        if not settings.dynamic_sampling:
+        if not a.dynamic_sampling:
             return scored, generated, timing
         reward, valid, ids = _reward_tensors(scored)
         informative = set(informative_groups(reward, ids, valid))
@@ -106,12 +82,13 @@ def collect(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards: 
     return [s for g in chosen for s in g], generated, metrics
 
 
-def _shape_rewards(settings: LoopSettings, scored: list[ScoredSample]) -> list[ScoredSample]:
+def _shape_rewards(cfg: TrainConfig, scored: list[ScoredSample]) -> list[ScoredSample]:
     """DAPO's overlong penalty, added to every scored sample's reward."""
-    if settings.overlong_buffer <= 0:
+    a = cfg.algorithm
+    if a.overlong_buffer <= 0:
         return scored
     lengths = torch.tensor([len(s.sample.completion_ids) for s in scored])
-    penalty = overlong_penalty(lengths, settings.max_new_tokens, settings.overlong_buffer, settings.overlong_penalty)
+    penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
     for s, p in zip(scored, penalty.tolist()):
         if s.error is None:
             s.components["overlong_penalty"] = p
@@ -157,32 +134,34 @@ def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | 
     )
 
 
-def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
+def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
              log: RunLog, start_step: int = 0, kl_state: dict | None = None) -> list[dict[str, float]]:
-    """Run steps [start_step, settings.steps); returns each step's metrics.
+    """Run steps [start_step, run.steps) of the run `cfg` describes; returns each step's metrics.
 
     The policy version equals the number of updates so far, i.e. the step index, also on resume.
     """
+    a, run = cfg.algorithm, cfg.run
     history = []
-    kl_ctrl = kl_controller_from_dict(kl_state) if kl_state else make_kl_controller(settings)
+    kl_ctrl = kl_controller_from_dict(kl_state) if kl_state else make_kl_controller(a)
     version = start_step
-    for step in range(start_step, settings.steps):
+    for step in range(start_step, run.steps):
         t0 = time.perf_counter()
-        scored, samples, collect_metrics = collect(settings, data, fleet, rewards, step)
+        scored, samples, collect_metrics = collect(cfg, data, fleet, rewards, step)
         t_rew = time.perf_counter()
 
         reward, valid, groups = _reward_tensors(scored)
-        batch = build_train_batch(scored, settings.pad_id, version, mask_truncated=settings.mask_truncated)
-        if settings.sleep_between_steps:
+        batch = build_train_batch(scored, pad_id, version, mask_truncated=a.mask_truncated)
+        if cfg.rollout.sleep_between_steps:
             fleet.sleep()
         batch = learner.score(batch)
-        est = estimate_advantages(settings.advantage, reward, valid, groups, batch.loss_mask, kl_ctrl.value,
+        est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_ctrl.value,
                                   batch.old_logprobs, batch.ref_logprobs, batch.values)
         batch.advantages, batch.returns = est.advantages, est.returns
-        train_metrics = learner.train_step(batch, step)
+        kl_coef = kl_ctrl.value  # this step's: the controller adapts it after the update
+        train_metrics = learner.train_step(batch, step, kl_coef)
         t_train = time.perf_counter()
         version += 1
-        if settings.sleep_between_steps:
+        if cfg.rollout.sleep_between_steps:
             fleet.wake()
         sent = learner.sync_weights(fleet, version)
         t_sync = time.perf_counter()
@@ -195,6 +174,7 @@ def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards:
             **reward_metrics(scored),
             **group_success_stats(reward, groups, valid),
             **collect_metrics,
+            **({"actor/kl_coef": kl_coef} if a.kl_coef > 0 else {}),
             **est.metrics,
             **train_metrics,
             "rollout/tokens_per_s": gen_tokens / max(collect_metrics["time/rollout_s"], 1e-9),
@@ -204,17 +184,17 @@ def run_loop(settings: LoopSettings, data: PromptDataset, fleet: Fleet, rewards:
             "time/train_s": t_train - t_rew,
             "time/sync_s": t_sync - t_train,
             "time/step_s": t_sync - t0,
-            "policy/version": float(version),
+            "policy/version_count": float(version),
         }
         warning = logprob_mismatch_warning(step, metrics.get("sync/logprob_abs_diff", 0.0),
-                                           settings.logprob_warn_threshold)
+                                           cfg.trainer.logprob_warn_threshold)
         if warning:
             log.write(warning)
-        log.samples(step, scored, settings.log_samples_per_step)
+        log.samples(step, scored, run.log_samples_per_step)
         log.metrics(step, metrics)
         history.append(metrics)
         done = step + 1
-        if settings.save_every and (done % settings.save_every == 0 or done == settings.steps):
+        if run.save_every and (done % run.save_every == 0 or done == run.steps):
             checkpoint.save(log.run_dir, checkpoint.LoopState(done, version, kl_ctrl.to_dict()), learner.save_checkpoint,
-                            settings.keep_checkpoints)
+                            run.keep_checkpoints)
     return history

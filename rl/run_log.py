@@ -1,13 +1,22 @@
-"""The run directory's writers: metrics (JSONL + TensorBoard), sample generations, progress."""
+"""The run directory's writer, shared by RL, SFT and reward-model runs: config.yaml, metrics
+(JSONL + TensorBoard), sample generations, summary.json, and the console.
+
+On a terminal the console shows a progress bar with one line per step above it; anywhere else
+(CI logs, `ray job submit` logs, a file) it prints the plain lines only, since a bar's carriage
+returns would be glued to every line there.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from typing import Any
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Callable
 
-from rl.types import ScoredSample
+if TYPE_CHECKING:
+    from rl.types import ScoredSample
 
 SUMMARY_KEYS = (("reward/mean", "reward {:.3f}"), ("actor/kl_nats", "kl {:.4f}"),
                 ("actor/kl_in_reward_nats", "kl {:.4f}"), ("rollout/tokens_per_s", "{:.0f} tok/s"),
@@ -15,6 +24,7 @@ SUMMARY_KEYS = (("reward/mean", "reward {:.3f}"), ("actor/kl_nats", "kl {:.4f}")
 
 
 def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
+    """The RL step line: reward, KL, throughput and time, e.g. `step 3/60 | reward 0.412 | ...`."""
     parts = [f"step {step + 1}/{total}"]
     parts += [fmt.format(metrics[k]) for k, fmt in SUMMARY_KEYS if k in metrics]
     if metrics.get("reward/errors_count"):
@@ -22,46 +32,100 @@ def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
     return " | ".join(parts)
 
 
-class RunLog:
-    """Appends to <run>/metrics.jsonl, <run>/samples.jsonl and TensorBoard events in <run>/tb."""
+def row_line(title: str) -> Callable[[int, int, dict[str, float]], str]:
+    """A step line that shows every finite value of the row, e.g. `sft step 20: train/loss 0.41 | ...`."""
 
-    def __init__(self, run_dir: str, total_steps: int, progress: bool = True, start_step: int = 0):
+    def line(step: int, _total: int, values: dict[str, float]) -> str:
+        shown = " | ".join(f"{k} {v:.4g}" for k, v in values.items() if math.isfinite(v))
+        return f"{title} step {step}: {shown}"
+
+    return line
+
+
+def refuse_existing_run(run_dir: str) -> None:
+    """A run directory that already holds a run (metrics.jsonl) is never written over."""
+    if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
+        raise FileExistsError(
+            f"run.dir={run_dir} already holds a run; choose another run.dir (RL runs: or continue it "
+            "with run.resume=true)"
+        )
+
+
+def _on_terminal() -> bool:
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+class RunLog:
+    """Appends to <run>/metrics.jsonl, <run>/samples.jsonl and TensorBoard events in <run>/tb.
+
+    `config_yaml` (when given) is written to <run>/config.yaml; a new run (`resume=False`) refuses
+    a directory that already holds one. `line(step, total, values)` formats a step's console line.
+    """
+
+    def __init__(self, run_dir: str, total_steps: int, *, title: str = "GRPO", progress: bool = True,
+                 start_step: int = 0, config_yaml: str | None = None, resume: bool = False,
+                 line: Callable[[int, int, dict[str, float]], str] = summary_line):
         from torch.utils.tensorboard import SummaryWriter
         from tqdm import tqdm
 
+        if not resume:
+            refuse_existing_run(run_dir)
         os.makedirs(run_dir, exist_ok=True)
-        self.run_dir = run_dir
+        self.run_dir, self.total_steps, self._line = run_dir, total_steps, line
+        if config_yaml is not None:
+            with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+                f.write(config_yaml)
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
-        self._samples = open(os.path.join(run_dir, "samples.jsonl"), "a", buffering=1)
+        self._samples: Any = None
         self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-        self._bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", disable=not progress,
-                         dynamic_ncols=True)
-        self.total_steps = total_steps
+        self._bar = tqdm(total=total_steps, initial=start_step, desc=title, unit="step",
+                         disable=not (progress and _on_terminal()), dynamic_ncols=True)
+        self.started = time.perf_counter()
 
-    def metrics(self, step: int, values: dict[str, float]) -> None:
+    def metrics(self, step: int, values: dict[str, float], *, advance: bool = True, echo: bool = True) -> None:
+        """Append one row (non-finite values as null); `advance` moves the progress bar one
+        step, `echo` prints the row's one-line summary."""
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in values.items()}
         self._metrics.write(json.dumps({"step": step, **clean}) + "\n")
         for k, v in clean.items():
             if v is not None:
                 self._tb.add_scalar(k, v, step)
         self._tb.flush()
-        self._bar.update(1)
-        self._bar.write(summary_line(step, self.total_steps, values))
+        if advance:
+            self._bar.update(1)
+        if echo:
+            self.write(self._line(step, self.total_steps, values))
 
     def samples(self, step: int, scored: list[ScoredSample], keep: int) -> None:
         """The first `keep` samples of the step, plus every sample whose reward failed."""
+        if self._samples is None:
+            self._samples = open(os.path.join(self.run_dir, "samples.jsonl"), "a", buffering=1)
         for i, s in enumerate(scored):
             if i < keep or s.error is not None:
                 self._samples.write(json.dumps({"step": step, **s.to_log()}, default=str) + "\n")
 
     def write(self, message: str) -> None:
-        self._bar.write(message)
+        """A line on the console (above the bar on a terminal)."""
+        if self._bar.disable:
+            print(message, flush=True)
+        else:
+            self._bar.write(message)
+
+    def finish(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Write <run>/summary.json (with the run's wall time) and close; returns the summary."""
+        summary = {**summary, "time/total_s": round(time.perf_counter() - self.started, 2)}
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        self.close()
+        return summary
 
     def close(self) -> None:
+        """Flush and close everything (again: a no-op)."""
         self._bar.close()
         self._tb.close()
         self._metrics.close()
-        self._samples.close()
+        if self._samples is not None:
+            self._samples.close()
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:

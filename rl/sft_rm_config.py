@@ -11,14 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rl.config import ConfigError, _unknown_keys
+from hydra.core.config_store import ConfigStore
 
-
-@dataclass
-class SupervisedModelConfig:
-    path: str = "artifacts/tiny/model"  # a local HF causal LM folder (built when this default is missing)
-    dtype: str = "float32"  # float32 | bfloat16
-    gradient_checkpointing: bool = False
+from rl.config import ModelConfig, check_schema, raise_errors
 
 
 @dataclass
@@ -69,13 +64,19 @@ class PreferenceLossConfig:
 
 
 @dataclass
-class TrainRMConfig:
-    model: SupervisedModelConfig = field(default_factory=SupervisedModelConfig)
-    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
-    loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
+class SupervisedConfig:
+    """The sections every supervised run has (`trainer.supervised.fit` reads them)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     trainer: DeepSpeedTrainerConfig = field(default_factory=DeepSpeedTrainerConfig)
     run: SupervisedRunConfig = field(default_factory=SupervisedRunConfig)
+
+
+@dataclass
+class TrainRMConfig(SupervisedConfig):
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    loss: PreferenceLossConfig = field(default_factory=PreferenceLossConfig)
 
 
 @dataclass
@@ -91,12 +92,13 @@ class SFTDataConfig:
 
 
 @dataclass
-class TrainSFTConfig:
-    model: SupervisedModelConfig = field(default_factory=SupervisedModelConfig)
+class TrainSFTConfig(SupervisedConfig):
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: DeepSpeedTrainerConfig = field(default_factory=DeepSpeedTrainerConfig)
-    run: SupervisedRunConfig = field(default_factory=SupervisedRunConfig)
+
+
+# `configs/train_rm.yaml` and `configs/train_sft.yaml` start their defaults lists with these.
+ConfigStore.instance().store(name="train_rm_schema", node=TrainRMConfig)
+ConfigStore.instance().store(name="train_sft_schema", node=TrainSFTConfig)
 
 
 def _common_errors(cfg: Any) -> list[str]:
@@ -136,26 +138,16 @@ def _divisor(batch: int, micro: int) -> int:
     return max(d for d in range(1, min(batch, micro) + 1) if batch % d == 0)
 
 
-def _check(cfg: Any, schema: type, errors: list[str], app: str) -> None:
-    """Unknown keys first (also ones forced in with Hydra's `+key=value`), then range errors."""
-    unknown = _unknown_keys(cfg, schema, "")
-    if unknown:
-        raise ConfigError(
-            f"unknown config key(s): {', '.join(unknown)}; check the spelling against rl/sft_rm_config.py "
-            f"(`python -m launch.{app} --cfg job` prints every key)"
-        )
-    if errors:
-        raise ConfigError("Invalid config:\n  - " + "\n  - ".join(errors))
-
-
 def validate_rm(cfg: Any) -> None:
     """Raise ConfigError naming every bad field of a merged TrainRMConfig, with the fix."""
-    _check(cfg, TrainRMConfig, _common_errors(cfg), "train_rm")
+    check_schema(cfg, TrainRMConfig, "train_rm", "rl/sft_rm_config.py")
+    raise_errors(_common_errors(cfg))
 
 
 def validate_sft(cfg: Any) -> None:
     """Raise ConfigError naming every bad field of a merged TrainSFTConfig, with the fix."""
+    check_schema(cfg, TrainSFTConfig, "train_sft", "rl/sft_rm_config.py")
     errors = _common_errors(cfg)
     if cfg.data.format not in ("completion", "chat"):
         errors.append(f"data.format={cfg.data.format!r}: choose one of completion, chat")
-    _check(cfg, TrainSFTConfig, errors, "train_sft")
+    raise_errors(errors)

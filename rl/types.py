@@ -1,4 +1,4 @@
-"""Typed data passed between the stages of one RL step (see DESIGN.md, 'One GRPO/PPO step').
+"""Typed data passed between the stages of one RL step (generate, reward, score, train: `rl/loop.py`).
 
 Plain dataclasses of Python lists and floats so they cross Ray process boundaries cheaply and
 can be written to the run's sample log as JSON. Tensors appear only in `TrainBatch`.

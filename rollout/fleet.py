@@ -7,7 +7,7 @@ from typing import Any
 import ray
 
 from rl.types import GenerationRequest, Sample
-from rollout.protocol import SamplingConfig
+from rollout.protocol import RolloutSpec
 from rollout.worker import RolloutWorker
 
 
@@ -30,30 +30,23 @@ def split_by_group(requests: list[GenerationRequest], parts: int) -> list[list[G
 class RolloutFleet:
     def __init__(
         self,
-        backend: str,
-        model_path: str,
-        num_workers: int,
-        engine_kwargs: dict[str, Any],
-        sampling: SamplingConfig,
+        spec: RolloutSpec,
         *,
         num_cpus: float = 1.0,
         num_gpus: float = 0.0,
         env_vars: dict[str, str] | None = None,
     ):
+        """`spec.rollout.num_workers` RolloutWorker actors, worker i seeded with run.seed + i."""
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         if env_vars:
             options["runtime_env"] = {"env_vars": env_vars}
         remote_cls = ray.remote(RolloutWorker)
-        self.sampling = sampling
-        self.workers = [
-            remote_cls.options(**options).remote(backend, model_path, dict(engine_kwargs, seed=engine_kwargs.get("seed", 0) + i))
-            for i in range(num_workers)
-        ]
+        self.workers = [remote_cls.options(**options).remote(spec, i) for i in range(spec.rollout.num_workers)]
         ray.get([w.version.remote() for w in self.workers])  # surface start-up errors here
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         chunks = split_by_group(requests, len(self.workers))
-        futures = [w.generate.remote(c, self.sampling) for w, c in zip(self.workers, chunks) if c]
+        futures = [w.generate.remote(c) for w, c in zip(self.workers, chunks) if c]
         samples = [s for part in ray.get(futures) for s in part]
         order = {(r.group_id, r.sample_index): i for i, r in enumerate(requests)}
         return sorted(samples, key=lambda s: order[(s.group_id, s.sample_index)])

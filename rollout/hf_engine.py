@@ -8,18 +8,21 @@ from typing import Iterable
 import torch
 
 from rl.types import GenerationRequest, Sample
-from rollout.protocol import SamplingConfig, finish_reason
+from rollout.protocol import RolloutSpec, finish_reason
 
 
 class HFEngine:
-    def __init__(self, model_path: str, *, dtype: str = "float32", threads: int = 0, batch_size: int = 64, **_: object):
+    def __init__(self, spec: RolloutSpec, seed: int = 0, batch_size: int = 64):
+        """`seed` is unused: HF generate seeds each batch from its requests' seeds."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if threads:
-            torch.set_num_threads(threads)
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        self.rollout = spec.rollout
+        path = spec.model.path
         self.device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, spec.model.dtype)).to(self.device).eval()
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos if eos is not None else self.tokenizer.eos_token_id])
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
@@ -27,13 +30,14 @@ class HFEngine:
         self.version = 0
 
     @torch.no_grad()
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Sample]:
+    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         samples: list[Sample] = []
         for start in range(0, len(requests), self.batch_size):
-            samples.extend(self._generate_batch(requests[start : start + self.batch_size], sampling))
+            samples.extend(self._generate_batch(requests[start : start + self.batch_size]))
         return samples
 
-    def _generate_batch(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Sample]:
+    def _generate_batch(self, requests: list[GenerationRequest]) -> list[Sample]:
+        sampling = self.rollout
         width = max(len(r.prompt_ids) for r in requests)
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros_like(ids)

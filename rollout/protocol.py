@@ -1,4 +1,4 @@
-"""The one interface every generation backend implements (DESIGN.md, `rollout/`)."""
+"""The one interface every generation backend implements, and the spec an engine is built from."""
 
 from __future__ import annotations
 
@@ -7,24 +7,34 @@ from typing import Iterable, Protocol
 
 import torch
 
+from rl.config import ModelConfig, RolloutConfig, TrainConfig
 from rl.types import GenerationRequest, Sample
 
 
 @dataclass
-class SamplingConfig:
-    """How to sample; per-request seeds come with each `GenerationRequest`."""
+class RolloutSpec:
+    """What an engine is built from: the run's typed `model` and `rollout` sections as they are
+    (sampling: temperature, top_p, max_new_tokens; engine settings), plus what the driver
+    resolves. Plain data: it crosses a Ray boundary. Per-request seeds come with each request."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 64
+    model: ModelConfig
+    rollout: RolloutConfig
+    seed: int  # run.seed; worker i seeds its engine with seed + i
+    threads: int = 0  # torch/OMP threads of the engine (0: all cores)
+    gpu: bool = False  # the workers have a GPU each (sleep mode needs one)
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, threads: int = 0) -> RolloutSpec:
+        return cls(cfg.model, cfg.rollout, seed=cfg.run.seed, threads=threads,
+                   gpu=cfg.cluster.gpus_per_rollout_worker > 0)
 
 
 class RolloutEngine(Protocol):
     version: int  # policy version of the weights currently loaded
 
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Sample]:
+    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         """One Sample per request, in request order, with per-token log-probs of the sampled
-        tokens under the engine's policy at `sampling.temperature`."""
+        tokens under the engine's policy at `rollout.temperature`."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights in place (HF parameter names) and tag later samples with `version`."""

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Iterable
 
 import torch
 
 from rl.types import GenerationRequest, Sample
-from rollout.protocol import SamplingConfig
+from rollout.protocol import RolloutSpec
 
 
 def vllm_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
@@ -61,46 +62,40 @@ def _cpu_scheduler_kwargs(max_model_len: int) -> dict[str, Any]:
 
 
 class VLLMEngine:
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        dtype: str = "float32",
-        max_model_len: int = 512,
-        seed: int = 0,
-        enforce_eager: bool = True,
-        gpu_memory_utilization: float = 0.5,
-        kv_cache_gib: int = 1,
-        threads: int = 0,
-        sleep_mode: bool = False,
-    ):
-        for key, value in vllm_env(kv_cache_gib, threads).items():
+    def __init__(self, spec: RolloutSpec, seed: int):
+        r = spec.rollout
+        for key, value in vllm_env(r.kv_cache_gib, spec.threads).items():
             os.environ.setdefault(key, value)
+        # torch warns on import that Triton is missing: expected (and harmless) on a CPU build
+        logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
         from vllm import LLM
 
+        self.rollout = r
         self.llm = LLM(
-            model=model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
+            model=spec.model.path,
+            dtype=spec.model.dtype,
+            max_model_len=r.max_model_len,
             seed=seed,
-            enforce_eager=enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=r.enforce_eager,
+            gpu_memory_utilization=r.gpu_memory_utilization,
             # Log-probs after temperature, i.e. of the distribution the tokens were drawn from;
             # the learner divides its logits by the same temperature.
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
-            enable_sleep_mode=sleep_mode and torch.cuda.is_available(),  # sleep is a no-op on CPU
-            **_cpu_scheduler_kwargs(max_model_len),
+            use_tqdm_on_load=False,  # a progress bar for loading a few files is noise
+            enable_sleep_mode=r.sleep_between_steps and spec.gpu,  # sleep is a no-op on CPU
+            **_cpu_scheduler_kwargs(r.max_model_len),
         )
         self.tokenizer = self.llm.get_tokenizer()
         self._has_tied = any(self.llm.collective_rpc(_record_tied_parameters))
         self.version = 0
-        self._sleep_mode = sleep_mode and torch.cuda.is_available()
+        self._sleep_mode = r.sleep_between_steps and spec.gpu and torch.cuda.is_available()
         self._sleeping = False
 
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Sample]:
+    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         from vllm import SamplingParams
 
+        sampling = self.rollout
         params = [
             SamplingParams(
                 n=1,  # one request per sample, each with its own seed: reproducible whatever the split

@@ -2,35 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from rl import weight_sync
 from rl.types import GenerationRequest, Sample
-from rollout.protocol import SamplingConfig
-from trainer import weight_sync
+from rollout.protocol import RolloutSpec
 
 
-def make_engine(backend: str, model_path: str, **kwargs: Any):
-    if backend == "vllm":
+def make_engine(spec: RolloutSpec, seed: int):
+    if spec.rollout.backend == "vllm":
         from rollout.vllm_engine import VLLMEngine
 
-        return VLLMEngine(model_path, **kwargs)
-    if backend == "hf":
+        return VLLMEngine(spec, seed)
+    if spec.rollout.backend == "hf":
         from rollout.hf_engine import HFEngine
 
-        return HFEngine(model_path, **kwargs)
-    raise ValueError(f"rollout.backend={backend!r}: choose vllm or hf")
+        return HFEngine(spec, seed)
+    raise ValueError(f"rollout.backend={spec.rollout.backend!r}: choose vllm or hf")
 
 
 class RolloutWorker:
-    def __init__(self, backend: str, model_path: str, engine_kwargs: dict[str, Any]):
-        self.engine = make_engine(backend, model_path, **engine_kwargs)
+    def __init__(self, spec: RolloutSpec, index: int = 0):
+        self.engine = make_engine(spec, seed=spec.seed + index)
         self._group = None
         self._metas: list[weight_sync.WeightMeta] = []
 
-    def generate(self, requests: list[GenerationRequest], sampling: SamplingConfig) -> list[Sample]:
-        return self.engine.generate(requests, sampling)
+    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        return self.engine.generate(requests)
 
     def version(self) -> int:
         return self.engine.version

@@ -14,6 +14,7 @@ import os
 import resource
 import select
 import selectors
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from typing import Callable, Sequence
 
 from sandbox import _helper
 from sandbox.backend import SandboxError
-from sandbox.job import Limits
+from sandbox.job import ExecOutcome, Limits
 
 Rlimit = tuple[int, int, int]   # (resource, soft, hard)
 
@@ -340,3 +341,28 @@ def file_limit_hit(workdir: str, file_bytes: int, since: float) -> bool:
                     if s.st_size >= file_bytes and s.st_mtime >= since - 1:
                         return True
     return False
+
+
+def outcome(cap: Captured, exit_code: int | None, sig: int | None, cpu_s: float, limits: Limits,
+            workdir: str, started: float, *, memory_exceeded: bool = False,
+            process_limit_hit: bool = False, violation: str = "") -> ExecOutcome:
+    """The ExecOutcome of a supervised command, judged the same way by both backends: timed out
+    when a deadline fired or the kernel ended it for CPU time (SIGXCPU at the soft limit, SIGKILL
+    at the hard one, told from other kills by the CPU time used); output exceeded when the pipes
+    were over the cap, on SIGXFSZ, or when file_limit_hit. The keyword fields are the ones only
+    the backend can tell."""
+    return ExecOutcome(
+        exit_code=exit_code,
+        signal=sig,
+        stdout=cap.stdout,
+        stderr=cap.stderr,
+        wall_s=cap.wall_s,
+        cpu_s=cpu_s,
+        timed_out=(cap.wall_timeout or cap.cpu_timeout or sig == signal.SIGXCPU
+                   or (sig == signal.SIGKILL and cpu_s >= limits.cpu_s)),
+        memory_exceeded=memory_exceeded,
+        output_exceeded=(cap.output_exceeded or sig == signal.SIGXFSZ
+                         or file_limit_hit(workdir, limits.file_bytes, started)),
+        process_limit_hit=process_limit_hit,
+        violation=violation,
+    )

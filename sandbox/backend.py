@@ -7,9 +7,12 @@ and the explicitly unsafe local backend.
 
 from __future__ import annotations
 
-from typing import Protocol
+import abc
+from typing import Protocol, TypeVar
 
 from sandbox.job import ExecOutcome, Limits
+
+_Self = TypeVar("_Self", bound="Closing")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -49,3 +52,17 @@ class Backend(Protocol):
 class SandboxError(RuntimeError):
     """The sandbox machinery itself failed while running a command (not the program): the
     runner reports it as `sandbox_error`."""
+
+
+class Closing(abc.ABC):
+    """Base of the backends and boxes: leaving a `with` block closes them."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what this holds; closing twice does nothing."""
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

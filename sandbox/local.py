@@ -22,7 +22,7 @@ import threading
 import time
 
 from sandbox import _exec, _helper
-from sandbox.backend import SandboxError, SandboxUnavailable
+from sandbox.backend import Closing, SandboxError, SandboxUnavailable
 from sandbox.job import ExecOutcome, Limits
 
 _ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
@@ -49,7 +49,7 @@ class LocalBackend:
         """Nothing long-lived to release."""
 
 
-class LocalBox:
+class LocalBox(Closing):
     """A temp dir on the host; commands run as this user with the dir as cwd, one at a time."""
 
     def __init__(self) -> None:
@@ -102,31 +102,13 @@ class LocalBox:
                 child.wait()
         rc = cap.returncode
         sig = -rc if rc < 0 else None
-        return ExecOutcome(
-            exit_code=None if sig else rc,
-            signal=sig,
-            stdout=cap.stdout,
-            stderr=cap.stderr,
-            wall_s=cap.wall_s,
-            cpu_s=cap.cpu_s,
-            timed_out=(cap.wall_timeout or cap.cpu_timeout or sig == signal.SIGXCPU
-                       or (sig == signal.SIGKILL and cap.cpu_s >= limits.cpu_s)),
-            output_exceeded=(cap.output_exceeded or sig == signal.SIGXFSZ
-                             or _exec.file_limit_hit(self.path, limits.file_bytes, started)),
-            violation="",
-        )
+        return _exec.outcome(cap, None if sig else rc, sig, cap.cpu_s, limits, self.path, started)
 
     def close(self) -> None:
         with self._lock:
             if not self._closed:
                 self._closed = True
                 shutil.rmtree(self.path)
-
-    def __enter__(self) -> "LocalBox":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _killpg(pgid: int) -> None:

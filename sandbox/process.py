@@ -48,7 +48,7 @@ import threading
 import time
 
 from sandbox import _bwrap, _cgroup, _exec, _helper, _linux, _seccomp, _session
-from sandbox.backend import SandboxError
+from sandbox.backend import Closing, SandboxError
 from sandbox.detect import probe_host, require_isolation
 from sandbox.job import ExecOutcome, Limits
 
@@ -157,7 +157,7 @@ class _Subreaper:
                 _linux.set_child_subreaper(False)
 
 
-class ProcessBackend:
+class ProcessBackend(Closing):
     """Boxes isolated by bubblewrap, cgroups, rlimits and seccomp; `slots` boxes at a time (one
     slot uid each). Refuses to start (SandboxUnavailable) when the host lacks any of these.
 
@@ -221,17 +221,11 @@ class ProcessBackend:
         self._closed = True
         self._maybe_release_all()
 
-    def __enter__(self) -> "ProcessBackend":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 _seq = itertools.count()
 
 
-class ProcessBox:
+class ProcessBox(Closing):
     """One job's tmpfs work dir on the host, run by one slot uid; commands run one at a time."""
 
     def __init__(self, backend: ProcessBackend, uid: int, workdir_mb: int = Limits().workdir_mb) -> None:
@@ -470,21 +464,11 @@ class ProcessBox:
                 raise SandboxError(f"bubblewrap failed to set up the sandbox: {line}")
             exit_code = 127               # command not found, as a shell reports it
         failed = exit_code != 0
-        return ExecOutcome(
-            exit_code=exit_code,
-            signal=sig,
-            stdout=cap.stdout,
-            stderr=cap.stderr,
-            wall_s=cap.wall_s,
-            cpu_s=usage.cpu_s,
-            timed_out=(cap.wall_timeout or cap.cpu_timeout or sig == signal.SIGXCPU
-                       or (sig == signal.SIGKILL and usage.cpu_s >= limits.cpu_s)),
+        return _exec.outcome(
+            cap, exit_code, sig, usage.cpu_s, limits, self.path, started,
             memory_exceeded=usage.oom_kills > 0 or (failed and usage.memory_failcnt > 0),
-            output_exceeded=(cap.output_exceeded or sig == signal.SIGXFSZ
-                             or _exec.file_limit_hit(self.path, limits.file_bytes, started)),
             process_limit_hit=cap.tasks_exceeded or usage.pids_max_hits > 0,
-            violation="seccomp" if sig == signal.SIGSYS else "",
-        )
+            violation="seccomp" if sig == signal.SIGSYS else "")
 
     # -- lifetime -------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -504,9 +488,3 @@ class ProcessBox:
                     self._unmount()
             finally:
                 self._backend._release(self.uid)
-
-    def __enter__(self) -> "ProcessBox":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()

@@ -12,7 +12,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     """The built-in tiny model and arithmetic task, built from scratch into a temp dir."""
-    from launch.prepare_tiny import prepare_tiny
+    from examples.arith import build as prepare_tiny
 
     out = tmp_path_factory.mktemp("tiny")
     prepare_tiny(str(out), seed=0)
@@ -32,7 +32,7 @@ def ray_local():
 @pytest.fixture(scope="session")
 def tiny_code(tmp_path_factory) -> tuple[str, dict]:
     """The built-in tiny code model and code speed-up task (dir, build summary), built once."""
-    from launch.prepare_tiny_code import build_tiny_code
+    from examples.code_speedup import build as build_tiny_code
 
     out = tmp_path_factory.mktemp("tiny_code")
     summary = build_tiny_code(str(out), seed=0, threads=0, log_every=0)

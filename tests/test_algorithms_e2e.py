@@ -22,7 +22,8 @@ def test_algorithm_runs(make_config, algorithm):
                  "run.save_final_model=false"]
     if algorithm in ("dr_grpo", "dapo", "gspo"):  # KL-free by design; add a small KL term to check it is logged
         overrides.append("algorithm.kl_coef=0.001")
-    if algorithm == "reinforce_pp":  # the adaptive KL controller steers the coefficient towards the target
+    if algorithm in ("reinforce_pp", "grpo"):  # the adaptive KL controller steers the coefficient towards the
+        # target, with the KL in the reward (reinforce_pp) and in the loss (grpo)
         overrides += ["algorithm.kl_ctrl=adaptive", "algorithm.kl_target=0.0001", "algorithm.kl_horizon=1000"]
     if algorithm == "rloo":
         overrides.append("trainer.ref_offload=true")  # the reference engine with its weights offloaded (ZeRO-3)
@@ -30,8 +31,8 @@ def test_algorithm_runs(make_config, algorithm):
     train(cfg)
     metrics = read_metrics(cfg.run.dir)
     assert len(metrics) == 6
-    trained = [m for m in metrics if "actor/loss" in m]
-    assert trained and all(math.isfinite(m["actor/loss"]) and math.isfinite(m["actor/grad_norm"]) for m in trained)
+    trained = [m for m in metrics if "actor/loss_nats" in m]
+    assert trained and all(math.isfinite(m["actor/loss_nats"]) and math.isfinite(m["actor/grad_norm"]) for m in trained)
     kl_key = "actor/kl_in_reward_nats" if cfg.algorithm.kl_in_reward else "actor/kl_nats"
     assert all(math.isfinite(m[kl_key]) for m in trained), kl_key  # k1 can be negative per batch
     rewards = [m["reward/mean"] for m in metrics]
@@ -39,8 +40,12 @@ def test_algorithm_runs(make_config, algorithm):
     if algorithm == "ppo":
         assert all(math.isfinite(m["critic/value_loss"]) for m in metrics)
         assert metrics[-1]["critic/value_error"] < metrics[0]["critic/value_error"]  # the critic learns
-    if algorithm == "reinforce_pp":
+    if algorithm in ("reinforce_pp", "grpo"):
         coefs = [m["actor/kl_coef"] for m in metrics]
         assert coefs[-1] != coefs[0] and all(c > 0 for c in coefs), coefs
+    if algorithm == "grpo":  # the learner's loss used each step's adapted coefficient (token-mean, no entropy)
+        for m in trained:
+            expected = m["actor/pg_loss_nats"] + m["actor/kl_coef"] * m["actor/kl_nats"]
+            assert m["actor/loss_nats"] == pytest.approx(expected, rel=1e-4, abs=1e-7), m
     if algorithm == "dapo":
         assert all(m["dapo/sampling_rounds"] >= 1 for m in metrics)

@@ -9,7 +9,7 @@ from rl.batch import build_train_batch
 from rl.data import PromptDataset, derive_seed
 from rl.types import Sample, ScoredSample
 from trainer.group import reduce_metrics, shard_rows
-from trainer.weight_sync import WeightMeta, buckets
+from rl.weight_sync import WeightMeta, buckets
 
 
 def _scored(prompt, completion, logprobs, reward=1.0, error=None, group=0, version=0):
@@ -83,14 +83,14 @@ def test_prompt_dataset_errors_name_the_field(prompt_file, tmp_path):
 
 def test_reduce_metrics_means_over_tokens_and_updates():
     ranks = [
-        {"_tokens": 10, "_loss_tokens": 10, "_updates": 2, "sync/logprob_abs_diff": 1.0, "actor/loss": 0.4,
+        {"_tokens": 10, "_loss_tokens": 10, "_updates": 2, "sync/logprob_abs_diff": 1.0, "actor/loss_nats": 0.4,
          "actor/grad_norm": 6.0, "_max/sync/logprob_max_abs_diff": 0.3},
-        {"_tokens": 30, "_loss_tokens": 30, "_updates": 2, "sync/logprob_abs_diff": 3.0, "actor/loss": 0.6,
+        {"_tokens": 30, "_loss_tokens": 30, "_updates": 2, "sync/logprob_abs_diff": 3.0, "actor/loss_nats": 0.6,
          "actor/grad_norm": 6.0, "_max/sync/logprob_max_abs_diff": 0.5},
     ]
     out = reduce_metrics(ranks)
     assert out["sync/logprob_abs_diff"] == pytest.approx(0.1)
-    assert out["actor/loss"] == pytest.approx(0.5)  # (0.4 + 0.6) over 2 updates
+    assert out["actor/loss_nats"] == pytest.approx(0.5)  # (0.4 + 0.6) over 2 updates
     assert out["actor/grad_norm"] == pytest.approx(3.0)
     assert out["sync/logprob_max_abs_diff"] == 0.5
     assert [r.tolist() for r in shard_rows(5, 2)] == [[0, 2, 4], [1, 3]]

@@ -1,4 +1,4 @@
-"""Tests of the built-in code speed-up task (`rl.code_tasks`) and its tiny model (`launch.prepare_tiny_code`).
+"""Tests of the built-in code speed-up task and its tiny model (`examples.code_speedup`).
 
 The fast tests compile every variant of every train/test problem with the real gcc, harness and
 flags (trusted code: plain subprocesses in a temp dir) and run the visible and hidden tests.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.code_tasks import (
+from examples.code_speedup import (
     COMPILE_FLAGS,
     CORRECT_KINDS,
     DEFAULT_MIX,
@@ -89,7 +89,7 @@ def test_sft_examples_follow_the_mix_and_seed(splits) -> None:
 def test_tokenizer_covers_the_corpus_and_round_trips(tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 
-    from launch.prepare_tiny import word_tokenizer
+    from examples.tiny import word_tokenizer
 
     tok = word_tokenizer(code_corpus())
     assert len(tok) < 60
@@ -199,7 +199,7 @@ def test_references_and_rewrites_build_alone(splits, harness_obj: Path, tmp_path
 
 @needs_gcc
 def test_decoded_token_ids_compile(splits, harness_obj: Path, tmp_path: Path) -> None:
-    from launch.prepare_tiny import word_tokenizer
+    from examples.tiny import word_tokenizer
 
     tok = word_tokenizer(code_corpus())
     problem = splits[0][7]
@@ -219,7 +219,7 @@ def test_build_tiny_code_samples_correct_and_fast_programs(tiny_code) -> None:
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from launch.prepare_tiny_code import sampled_kinds
+    from examples.code_speedup import sampled_kinds
 
     out, summary = tiny_code
     tmp_path = Path(out)

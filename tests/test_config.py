@@ -9,7 +9,6 @@ import time
 import pytest
 from hydra import compose, initialize_config_dir
 
-import launch.train  # noqa: F401  (registers the schema)
 from rl.config import ConfigError, validate
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -26,6 +25,9 @@ def test_default_config_is_valid():
     validate(cfg)
     assert cfg.rollout.backend == "vllm" and cfg.algorithm.name == "grpo"
     assert _compose("rollout=hf").rollout.backend == "hf"
+    ray_gpu = _compose("cluster=ray_gpu").cluster  # cluster=ray_gpu places roles on GPUs; cluster=ray does not
+    assert ray_gpu.address == "auto" and ray_gpu.gpus_per_rollout_worker == 1 and ray_gpu.gpus_per_learner == 1
+    assert _compose("cluster=ray").cluster.gpus_per_learner == 0
 
 
 def test_config_choices_match_the_registries():

@@ -34,7 +34,7 @@ def test_default_run_improves_reward_and_saves_a_loadable_model(make_config):
     assert gain > 2 * noise and gain > 0.03, rewards
     # after the first sync, learner and vLLM agree on the log-probs of the sampled tokens
     assert all(m["sync/logprob_abs_diff"] < 1e-3 for m in metrics[1:])
-    assert all(m["policy/version"] == i + 1 for i, m in enumerate(metrics))
+    assert all(m["policy/version_count"] == i + 1 for i, m in enumerate(metrics))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -149,8 +149,8 @@ def test_resume_reproduces_an_uninterrupted_run(make_config, tmp_path):
     train(second, resume_from=found)
     a, b = read_metrics(straight.run.dir), read_metrics(resumed_dir)
     assert [m["step"] for m in b] == [0, 1, 2, 3]
-    for key in ("reward/mean", "rollout/completion_len_tokens", "policy/version"):
+    for key in ("reward/mean", "rollout/completion_len_tokens", "policy/version_count"):
         assert [m[key] for m in a] == [m[key] for m in b], key
-    assert [m["actor/loss"] for m in a] == pytest.approx([m["actor/loss"] for m in b], abs=1e-6)
+    assert [m["actor/loss_nats"] for m in a] == pytest.approx([m["actor/loss_nats"] for m in b], abs=1e-6)
     assert latest(resumed_dir)[1].next_step == 4
     assert sorted(os.listdir(os.path.join(resumed_dir, "checkpoints"))) == ["latest", "step_000002", "step_000004"]

@@ -3,13 +3,14 @@
 import pytest
 import torch
 
-from rl.estimate import AdvantageSettings, estimate_advantages
+from rl.config import AlgorithmConfig
+from rl.estimate import estimate_advantages
 
 MASK = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]])  # prompt position, then completions, padding
 
 
 def test_outcome_estimators_broadcast_to_completion_tokens():
-    out = estimate_advantages(AdvantageSettings("rloo"), torch.tensor([1.0, 0.0]), torch.tensor([True, True]),
+    out = estimate_advantages(AlgorithmConfig(advantage="rloo"), torch.tensor([1.0, 0.0]), torch.tensor([True, True]),
                               torch.tensor([0, 0]), MASK)
     # rloo: 1 - 0 = 1 and 0 - 1 = -1
     assert out.advantages.tolist() == [[0, 1, 1, 0], [0, -1, -1, -1]] and out.returns is None
@@ -18,7 +19,7 @@ def test_outcome_estimators_broadcast_to_completion_tokens():
 def test_kl_in_reward_lowers_the_sequence_reward_of_outcome_estimators():
     old = torch.tensor([[0.0, -1.0, -1.0, 0.0], [0.0, -1.0, -1.0, -1.0]])
     ref = torch.tensor([[0.0, -1.5, -1.0, 0.0], [0.0, -1.0, -1.0, -1.0]])  # k1 = old - ref: 0.5 on one token
-    s = AdvantageSettings("rloo", kl_in_reward=True, kl_estimator="k1")
+    s = AlgorithmConfig(advantage="rloo", kl_in_reward=True, kl_estimator="k1")
     out = estimate_advantages(s, torch.tensor([1.0, 1.0]), torch.tensor([True, True]), torch.tensor([0, 0]), MASK,
                               kl_coef=0.2, old_logprobs=old, ref_logprobs=ref)
     # rewards 1 - 0.2 * 0.5 = 0.9 and 1: rloo -0.1 and +0.1; mean k1 per token = 0.5 / 5
@@ -28,13 +29,13 @@ def test_kl_in_reward_lowers_the_sequence_reward_of_outcome_estimators():
 
 def test_gae_with_whitening_and_returns():
     values = torch.tensor([[9.0, 0.5, 0.5, 9.0], [9.0, 0.0, 0.0, 0.0]])
-    s = AdvantageSettings("gae", gamma=1.0, lam=1.0, whiten_advantages=False)
+    s = AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False)
     out = estimate_advantages(s, torch.tensor([1.0, 0.0]), torch.tensor([True, True]), torch.tensor([0, 1]), MASK,
                               values=values)
     # lam = gamma = 1: A_t = G_t - V_t; row 0: G = 1 at both tokens -> 0.5, 0.5; row 1: all 0
     assert out.advantages.tolist() == [[0, 0.5, 0.5, 0], [0, 0, 0, 0]]
     assert out.returns.tolist() == [[0, 1, 1, 0], [0, 0, 0, 0]]
-    whitened = estimate_advantages(AdvantageSettings("gae", lam=1.0), torch.tensor([1.0, 0.0]),
+    whitened = estimate_advantages(AlgorithmConfig(advantage="gae", lam=1.0), torch.tensor([1.0, 0.0]),
                                    torch.tensor([True, True]), torch.tensor([0, 1]), MASK, values=values)
     a = whitened.advantages[MASK.bool()]
     assert a.mean().item() == pytest.approx(0.0, abs=1e-6) and a.std().item() == pytest.approx(1.0, abs=1e-4)
@@ -43,6 +44,6 @@ def test_gae_with_whitening_and_returns():
 
 
 def test_invalid_samples_get_nothing():
-    out = estimate_advantages(AdvantageSettings("reinforce_pp"), torch.tensor([5.0, float("nan")]),
+    out = estimate_advantages(AlgorithmConfig(advantage="reinforce_pp"), torch.tensor([5.0, float("nan")]),
                               torch.tensor([True, False]), torch.tensor([0, 1]), torch.tensor([[0.0, 1, 1, 0], [0, 0, 0, 0]]))
     assert torch.isfinite(out.advantages).all() and out.advantages[1].abs().sum() == 0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rl.batch import build_train_batch
+from rl.config import AlgorithmConfig, ModelConfig, TrainerConfig
 from rl.types import Sample, ScoredSample
 from trainer.group import LearnerGroup
 from trainer.learner import LearnerSpec
@@ -16,12 +17,12 @@ pytestmark = pytest.mark.slow
 
 
 def _spec(model_path: str, stage: int, rows: int) -> LearnerSpec:
-    return LearnerSpec(
-        model_path=model_path, dtype="float32", zero_stage=stage, micro_batch_size=2, samples_per_step=rows,
-        mini_batches=1, ppo_epochs=1, lr=1e-3, lr_warmup_steps=1, weight_decay=0.0, max_grad_norm=1.0, policy_loss="ppo_clip",
-        loss_agg="token_mean", clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3",
-        temperature=1.0, seed=0, threads=1,
-    )
+    algorithm = AlgorithmConfig(mini_batches=1, ppo_epochs=1, lr=1e-3, lr_warmup_steps=1, weight_decay=0.0,
+                                max_grad_norm=1.0, policy_loss="ppo_clip", loss_agg="token_mean", clip_eps_low=0.2,
+                                clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k3")
+    return LearnerSpec(ModelConfig(path=model_path, dtype="float32"), algorithm,
+                       TrainerConfig(zero_stage=stage, micro_batch_size=2), samples_per_step=rows,
+                       max_response_len=8, temperature=1.0, seed=0, threads=1)
 
 
 def _batch(tok, model):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rl.preference import bradley_terry_loss, pairwise_accuracy, preference_metrics
-from rl.preference_tasks import WRONG_KINDS, answer_distance, preference_splits
+from examples.preference import WRONG_KINDS, answer_distance, preference_splits
 
 
 def _nll(x: float) -> float:

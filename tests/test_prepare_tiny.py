@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch.prepare_tiny import build_model, build_tokenizer, expected_accuracy, prepare_tiny
-from rl.tasks import addition_corpus, addition_splits
+from examples.arith import build as prepare_tiny
+from examples.arith import expected_accuracy
+from examples.tiny import build_model, build_tokenizer
+from examples.arith import addition_corpus, addition_splits
 from trainer.sft import (
     IGNORE_INDEX,
     build_example,

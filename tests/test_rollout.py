@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl.config import ModelConfig, RolloutConfig
 from rl.data import PromptDataset
 from rollout.fleet import RolloutFleet, split_by_group
-from rollout.protocol import SamplingConfig
+from rollout.protocol import RolloutSpec
 from rollout.vllm_engine import vllm_env
 
 pytestmark = pytest.mark.slow
@@ -31,13 +32,13 @@ def test_split_keeps_groups_whole(tiny_dir):
 @pytest.mark.parametrize("backend", ["vllm", "hf"])
 def test_fleet_generates_groups_with_logprobs(ray_local, tiny_dir, backend):
     tok, reqs = _requests(tiny_dir)
-    kwargs = dict(dtype="float32", threads=1)
     env = {"OMP_NUM_THREADS": "1"}
     if backend == "vllm":
-        kwargs.update(max_model_len=64, enforce_eager=True, kv_cache_gib=1)
         env.update(vllm_env(1, 1))
-    fleet = RolloutFleet(backend, f"{tiny_dir}/model", 2, kwargs, SamplingConfig(1.0, 1.0, 6),
-                         num_cpus=1, env_vars=env)
+    rollout = RolloutConfig(backend=backend, num_workers=2, temperature=1.0, top_p=1.0, max_new_tokens=6,
+                            max_model_len=64, enforce_eager=True, kv_cache_gib=1)
+    spec = RolloutSpec(ModelConfig(path=f"{tiny_dir}/model", dtype="float32"), rollout, seed=0, threads=1)
+    fleet = RolloutFleet(spec, num_cpus=1, env_vars=env)
     try:
         samples = fleet.generate(reqs)
         again = fleet.generate(reqs)

@@ -19,7 +19,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 @pytest.fixture(scope="module")
 def built_rm(tiny_dir, tmp_path_factory):
     """The built-in tiny RM, built from the tiny policy by the real builder (2 epochs, ZeRO-2)."""
-    from launch.prepare_tiny_rm import build_tiny_rm
+    from examples.preference import build as build_tiny_rm
 
     out = tmp_path_factory.mktemp("tiny_rm")
     t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def test_served_reward_through_the_scorer_and_the_cache(built_rm) -> None:
 def test_reward_model_config_composes_for_grpo() -> None:
     from hydra import compose, initialize_config_dir
 
-    import launch.train  # noqa: F401  registers the schema
+    from examples import builtin_dir
     from rl.config import validate
 
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base=None):
@@ -112,7 +112,7 @@ def test_reward_model_config_composes_for_grpo() -> None:
     validate(cfg)
     rm, check = cfg.reward.functions
     assert rm.fn == "reward.model_reward:score" and rm.kwargs.path == "artifacts/tiny_rm/model" and rm.weight == 1
-    assert os.path.normpath(rm.kwargs.path) in launch.train.BUILTIN_MODELS
+    assert builtin_dir(rm.kwargs.path) == os.path.normpath("artifacts/tiny_rm")  # launch.train builds it when missing
     assert check.fn == "reward.builtin:exact_answer" and check.weight == 0  # logged, not trained on
 
 
@@ -146,7 +146,7 @@ def test_pooling_reads_the_last_real_token_with_right_padding() -> None:
 
 def test_missing_chosen_column_fails_naming_it(tiny_dir, tmp_path) -> None:
     from launch.train_rm import run
-    from trainer.supervised import DataError
+    from rl.data import DataError
 
     bad = tmp_path / "prefs.jsonl"
     bad.write_text("".join(json.dumps({"prompt": "1+2=", "better": "3", "rejected": "4"}) + "\n" for _ in range(4)))

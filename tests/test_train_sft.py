@@ -52,7 +52,8 @@ def _labels_of(ids: list[int], labels: list[int]) -> list[int]:
 
 
 def test_completion_rows_mask_the_prompt(tiny_dir, tokenizer) -> None:
-    from launch.train_sft import compose_config, load_examples
+    from launch.train_sft import compose_config
+    from trainer.sft import load_examples
 
     cfg = compose_config([f"data.train_files=[{tiny_dir}/data/train.jsonl]", "data.test_files=[]",
                           "data.test_fraction=0.1", f"model.path={tiny_dir}/model"])
@@ -152,7 +153,7 @@ def test_sft_cli_rejects_bad_config_fast_naming_the_field(tmp_path) -> None:
 
 def test_sft_missing_messages_column_fails_naming_it(tiny_dir, tmp_path) -> None:
     from launch.train_sft import run
-    from trainer.supervised import DataError
+    from rl.data import DataError
 
     with pytest.raises(DataError, match="data.messages_key='messages'"):
         run([f"model.path={tiny_dir}/model", "data.format=chat", f"data.train_files=[{tiny_dir}/data/train.jsonl]",

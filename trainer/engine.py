@@ -5,7 +5,8 @@
   plain process rather than as Ray actors;
 - `build_engine`: model + torch AdamW + lr schedule wrapped by `deepspeed.initialize`, with the
   ZeRO-3 detail that the model must be *loaded* while the DeepSpeed config is registered;
-- `full_state_dict`: whole weights on CPU (gathered under ZeRO-3), for `save_pretrained`.
+- `full_state_dict`: whole weights on CPU (gathered under ZeRO-3), for `save_pretrained`;
+- `save_pretrained_atomic`: a transformers model folder that is either complete or absent.
 
 DeepSpeed is imported inside the functions, so importing this module stays cheap.
 """
@@ -97,7 +98,7 @@ def init_single_process() -> None:
             f"WORLD_SIZE={world}: the supervised trainers run as a single process (one DeepSpeed "
             "rank); unset WORLD_SIZE and launch with python"
         )
-    from trainer.weight_sync import free_port
+    from rl.weight_sync import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -163,3 +164,18 @@ def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch
         with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
             out[name] = p.data.detach().cpu().clone()
     return out
+
+
+def save_pretrained_atomic(model: Any, tokenizer: Any, path: str | os.PathLike,
+                           state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """`save_pretrained` of `model` (with `state_dict`, e.g. gathered from ZeRO-3 shards) and
+    `tokenizer`, written to a temporary folder and renamed, so `path` is either complete or absent."""
+    import shutil
+
+    path = os.fspath(path)
+    tmp = f"{path}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)

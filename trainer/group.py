@@ -12,7 +12,7 @@ import ray
 import torch
 
 from rl.types import TrainBatch
-from trainer import weight_sync
+from rl import weight_sync
 from trainer.learner import LearnerSpec, LearnerWorker
 
 
@@ -61,11 +61,11 @@ class LearnerGroup:
             setattr(batch, name, full)
         return batch
 
-    def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, step: int, kl_coef: float | None = None) -> dict[str, float]:
         if len(batch) != self.spec.samples_per_step:
             raise ValueError(f"expected {self.spec.samples_per_step} rows per step, got {len(batch)}")
         shards = [batch.select(rows) for rows in shard_rows(len(batch), self.world_size)]
-        results = ray.get([w.train_step.remote(s, step) for w, s in zip(self.workers, shards)])
+        results = ray.get([w.train_step.remote(s, step, kl_coef) for w, s in zip(self.workers, shards)])
         return reduce_metrics(results)
 
     def connect(self, fleet) -> None:
@@ -132,9 +132,9 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
             out[k] = v / critic_updates
         elif k in ("actor/kl_nats", "actor/pg_loss_nats", "actor/clip_frac"):
             out[k] = v / loss_tokens
-        elif k in ("actor/grad_norm", "actor/lr"):  # every rank reports the same value
+        elif k in ("actor/grad_norm", "actor/lr_per_update"):  # every rank reports the same value
             out[k] = v / updates / len(results)
-        else:  # actor/loss: the ranks' parts add up to each update's loss
+        else:  # actor/loss_nats: the ranks' parts add up to each update's loss
             out[k] = v / updates
     out["actor/updates_count"] = updates
     return out

@@ -15,69 +15,52 @@ from typing import Any, Iterator
 
 import torch
 
+from rl.config import AlgorithmConfig, ModelConfig, TrainConfig, TrainerConfig
 from rl.kl import KL_ESTIMATORS
 from rl.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
 from rl.types import TrainBatch
-from trainer import weight_sync
+from rl import weight_sync
 from trainer.engine import build_engine, ds_config, zero3_load_config
 from trainer.logprobs import token_logprobs
 
 
 @dataclass
 class LearnerSpec:
-    """Everything a rank needs to build its engine (plain data: it crosses a Ray boundary)."""
+    """What a rank builds its engines from: the run's typed config sections as they are, plus the
+    few numbers derived from other sections (plain data: it crosses a Ray boundary)."""
 
-    model_path: str
-    dtype: str  # float32 | bfloat16
-    zero_stage: int
-    micro_batch_size: int
-    samples_per_step: int  # rows of every TrainBatch (fixed, so gradient accumulation is fixed)
-    mini_batches: int
-    ppo_epochs: int
-    lr: float
-    lr_warmup_steps: int
-    weight_decay: float
-    max_grad_norm: float
-    policy_loss: str
-    loss_agg: str
-    clip_eps_low: float
-    clip_eps_high: float
-    kl_coef: float
-    kl_estimator: str
-    temperature: float
-    seed: int
-    offload_optimizer: bool = False
-    gradient_checkpointing: bool = False
-    zero3_persistence_threshold: int = 0
-    threads: int = 0
-    clip_ratio_c: float = 3.0  # ppo_dual_clip
-    entropy_coef: float = 0.0
-    max_response_len: int = 0  # generation budget, for the seq_mean_token_sum_norm normaliser
-    kl_in_reward: bool = False  # the driver puts the KL into the rewards; the loss then has none
-    ref_offload: bool = False
-    critic: bool = False
-    critic_init: str | None = None  # None: the policy's weights
-    critic_lr: float = 1e-3
-    critic_warmup_steps: int = 0
-    value_clip: float = 0.2
+    model: ModelConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    samples_per_step: int  # task.prompts_per_step * rollout.n: rows of every TrainBatch (fixes accumulation)
+    max_response_len: int  # rollout.max_new_tokens: the generation budget (seq_mean_token_sum_norm)
+    temperature: float  # rollout.temperature: log-probs are those of the distribution sampled from
+    seed: int  # run.seed
+    threads: int = 0  # torch threads per rank (cluster.threads_per_worker, resolved on the driver)
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig, threads: int = 0) -> LearnerSpec:
+        return cls(cfg.model, cfg.algorithm, cfg.trainer, samples_per_step=cfg.task.prompts_per_step * cfg.rollout.n,
+                   max_response_len=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                   seed=cfg.run.seed, threads=threads)
 
 
 def gradient_accumulation_steps(spec: LearnerSpec, world_size: int) -> int:
-    rows_per_rank = spec.samples_per_step // (spec.mini_batches * world_size)
-    return max(1, -(-rows_per_rank // spec.micro_batch_size))
+    rows_per_rank = spec.samples_per_step // (spec.algorithm.mini_batches * world_size)
+    return max(1, -(-rows_per_rank // spec.trainer.micro_batch_size))
 
 
 def deepspeed_config(spec: LearnerSpec, world_size: int, with_optimizer: bool = True) -> dict[str, Any]:
     gas = gradient_accumulation_steps(spec, world_size)
-    rows_per_rank = spec.samples_per_step // (spec.mini_batches * world_size)
+    rows_per_rank = spec.samples_per_step // (spec.algorithm.mini_batches * world_size)
     return ds_config(
         micro_batch_size=-(-rows_per_rank // gas),
         gradient_accumulation_steps=gas,
-        zero_stage=spec.zero_stage,
-        dtype=spec.dtype,
-        max_grad_norm=spec.max_grad_norm if with_optimizer else None,
-        offload_optimizer=spec.offload_optimizer and with_optimizer,
-        zero3_persistence_threshold=spec.zero3_persistence_threshold,
+        zero_stage=spec.trainer.zero_stage,
+        dtype=spec.model.dtype,
+        max_grad_norm=spec.algorithm.max_grad_norm if with_optimizer else None,
+        offload_optimizer=spec.trainer.offload_optimizer and with_optimizer,
+        zero3_persistence_threshold=spec.trainer.zero3_persistence_threshold,
     )
 
 
@@ -87,7 +70,9 @@ class LearnerWorker:
 
     def node_address(self) -> tuple[str, int]:
         """An address on this actor's node with a free port (rank 0 hosts the rendezvous)."""
-        return weight_sync.node_ip(), weight_sync.free_port()
+        import ray
+
+        return ray.util.get_node_ip_address(), weight_sync.free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the data-parallel group and build the engines (all ranks at once)."""
@@ -110,21 +95,21 @@ class LearnerWorker:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
         torch.manual_seed(spec.seed)
         ds_config = deepspeed_config(spec, world_size)
-        dtype = getattr(torch, spec.dtype)
-        self.engine = self._trainable(lambda: AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype),
-                                      ds_config, spec.lr)
-        self.ref = self._reference(dtype) if spec.kl_coef > 0 else None
+        dtype = getattr(torch, spec.model.dtype)
+        self.engine = self._trainable(lambda: AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype),
+                                      ds_config, spec.algorithm.lr)
+        self.ref = self._reference(dtype) if spec.algorithm.kl_coef > 0 else None
         self.critic = None
-        if spec.critic:
+        if spec.algorithm.critic:
             from transformers import AutoModelForTokenClassification
 
             def value_model() -> torch.nn.Module:
                 # A token-classification head with one label is a per-token value head; from a
                 # reward model (sequence classification, same `score` layer) it keeps that head.
                 return AutoModelForTokenClassification.from_pretrained(
-                    spec.critic_init or spec.model_path, num_labels=1, dtype=dtype)
+                    spec.algorithm.critic_init or spec.model.path, num_labels=1, dtype=dtype)
 
-            self.critic = self._trainable(value_model, deepspeed_config(spec, world_size), spec.critic_lr)
+            self.critic = self._trainable(value_model, deepspeed_config(spec, world_size), spec.algorithm.critic_lr)
         self._named_params = [(n, p) for n, p in self.engine.module.named_parameters()]
         self._sync_group = None
         self._scored_sums: dict[str, float] = {}
@@ -132,10 +117,10 @@ class LearnerWorker:
     def _trainable(self, load_model, ds_config: dict[str, Any], lr: float):
         """A DeepSpeed engine with torch AdamW and linear lr warm-up: Adam's first updates are
         sign-like steps of size lr on every weight, which can knock a small policy off its warm-up."""
-        warmup = max(self.spec.lr_warmup_steps, 1)
-        return build_engine(load_model, ds_config, lr=lr, weight_decay=self.spec.weight_decay,
+        warmup = max(self.spec.algorithm.lr_warmup_steps, 1)
+        return build_engine(load_model, ds_config, lr=lr, weight_decay=self.spec.algorithm.weight_decay,
                             lr_lambda=lambda updates: min(1.0, (updates + 1) / warmup),
-                            gradient_checkpointing=self.spec.gradient_checkpointing)
+                            gradient_checkpointing=self.spec.model.gradient_checkpointing)
 
     def _reference(self, dtype: torch.dtype):
         """The frozen reference policy in its own DeepSpeed engine (no optimizer); with
@@ -145,13 +130,13 @@ class LearnerWorker:
 
         spec = self.spec
         config = deepspeed_config(spec, self.world_size, with_optimizer=False)
-        if spec.ref_offload:
+        if spec.trainer.ref_offload:
             config["zero_optimization"] = {**config["zero_optimization"], "stage": 3,
                                            "offload_param": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}
-        elif spec.zero_stage != 3:
+        elif spec.trainer.zero_stage != 3:
             config["zero_optimization"] = {"stage": 0}  # a frozen model: nothing to shard but weights
         keep_alive = zero3_load_config(config)
-        model = AutoModelForCausalLM.from_pretrained(spec.model_path, dtype=dtype).eval()
+        model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).eval()
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=config)
         engine._rlpost_hf_ds_config = keep_alive
@@ -174,7 +159,7 @@ class LearnerWorker:
             return torch.nn.functional.pad(t.float().cpu(), (0, width - t.shape[1]))
 
         self.engine.eval()
-        for chunk in torch.split(torch.arange(len(batch)), self.spec.micro_batch_size):
+        for chunk in torch.split(torch.arange(len(batch)), self.spec.trainer.micro_batch_size):
             mb = batch.select(chunk)
             ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
             lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True)
@@ -207,14 +192,18 @@ class LearnerWorker:
         return LossNormalizer(tokens=float(counts[0]), sequences=float(counts[1]),
                               max_response_len=float(self.spec.max_response_len))
 
-    def train_step(self, batch: TrainBatch, step: int) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, step: int, kl_coef: float | None = None) -> dict[str, float]:
         """PPO-style update on this rank's shard; returns metric *sums* (the group reduces them).
+
+        `kl_coef` weighs the KL term of the loss (the driver's KL controller, which may adapt it;
+        default: algorithm.kl_coef).
 
         Every mini-batch is split into exactly `gradient_accumulation_steps` micro-batches on
         every rank, so DeepSpeed's accumulation boundary is the mini-batch boundary. The critic
         (PPO) trains on the same mini-batches; during its warm-up steps the policy stays put.
         """
         spec = self.spec
+        kl_coef = spec.algorithm.kl_coef if kl_coef is None else kl_coef
         if batch.old_logprobs is None:  # called without the driver's score phase (tests, tools)
             batch = self.score(batch)
         mask = batch.loss_mask
@@ -224,11 +213,11 @@ class LearnerWorker:
         sums["sync/logprob_abs_diff"] = float(diff.sum())
         sums["_max/sync/logprob_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
         gas = gradient_accumulation_steps(spec, self.world_size)
-        train_policy = step >= spec.critic_warmup_steps or self.critic is None
+        train_policy = step >= spec.algorithm.critic_warmup_steps or self.critic is None
         generator = torch.Generator().manual_seed((spec.seed * 1_000_003 + step * 7919 + self.rank) % 2**31)
-        for _epoch in range(spec.ppo_epochs):
+        for _epoch in range(spec.algorithm.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
-            for mb_rows in torch.tensor_split(order, spec.mini_batches):
+            for mb_rows in torch.tensor_split(order, spec.algorithm.mini_batches):
                 norm = self._global_normalizer(mask[mb_rows])
                 if self.critic is not None:
                     for rows in torch.tensor_split(mb_rows, gas):
@@ -238,35 +227,35 @@ class LearnerWorker:
                 if not train_policy:
                     continue
                 for rows in torch.tensor_split(mb_rows, gas):
-                    self._backward(batch.select(rows), norm, sums)
+                    self._backward(batch.select(rows), norm, kl_coef, sums)
                     self.engine.step()
                 grad_norm = self.engine.get_global_grad_norm()
                 sums["_updates"] += 1
-                sums["actor/lr"] += float(self.engine.get_lr()[0])
+                sums["actor/lr_per_update"] += float(self.engine.get_lr()[0])
                 sums["actor/grad_norm"] += float(grad_norm) if grad_norm is not None else 0.0
         return dict(sums)
 
-    def _backward(self, mb: TrainBatch, norm: LossNormalizer, sums: dict[str, float]) -> None:
+    def _backward(self, mb: TrainBatch, norm: LossNormalizer, kl_coef: float, sums: dict[str, float]) -> None:
         spec = self.spec
         ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
         mask, adv, old = (self._to_device(t) for t in (mb.loss_mask, mb.advantages, mb.old_logprobs))
-        logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature, with_entropy=spec.entropy_coef > 0)
-        extra = {"clip_ratio_c": spec.clip_ratio_c} if spec.policy_loss == "ppo_dual_clip" else {}
-        pg_loss, clipped = POLICY_LOSSES.get(spec.policy_loss)(
-            logp, old, adv, clip_eps_low=spec.clip_eps_low, clip_eps_high=spec.clip_eps_high, mask=mask, **extra
+        logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature, with_entropy=spec.algorithm.entropy_coef > 0)
+        extra = {"clip_ratio_c": spec.algorithm.clip_ratio_c} if spec.algorithm.policy_loss == "ppo_dual_clip" else {}
+        pg_loss, clipped = POLICY_LOSSES.get(spec.algorithm.policy_loss)(
+            logp, old, adv, clip_eps_low=spec.algorithm.clip_eps_low, clip_eps_high=spec.algorithm.clip_eps_high, mask=mask, **extra
         )
         per_token = pg_loss
-        if mb.ref_logprobs is not None and not spec.kl_in_reward:
-            kl = KL_ESTIMATORS.get(spec.kl_estimator)(logp, self._to_device(mb.ref_logprobs))
-            per_token = per_token + spec.kl_coef * kl
+        if mb.ref_logprobs is not None and not spec.algorithm.kl_in_reward:
+            kl = KL_ESTIMATORS.get(spec.algorithm.kl_estimator)(logp, self._to_device(mb.ref_logprobs))
+            per_token = per_token + kl_coef * kl
             sums["actor/kl_nats"] += float((kl.detach() * mask).sum())
         if entropy is not None:
-            per_token = with_entropy_bonus(per_token, entropy, spec.entropy_coef)
-        loss = aggregate(per_token, mask, spec.loss_agg, norm)
+            per_token = with_entropy_bonus(per_token, entropy, spec.algorithm.entropy_coef)
+        loss = aggregate(per_token, mask, spec.algorithm.loss_agg, norm)
         # DeepSpeed averages gradients over data-parallel ranks; the normalizer is already global,
         # so undo that average, and do not let it divide by the accumulation steps again.
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-        sums["actor/loss"] += float(loss.detach())
+        sums["actor/loss_nats"] += float(loss.detach())
         sums["actor/pg_loss_nats"] += float((pg_loss.detach() * mask).sum())
         sums["actor/clip_frac"] += float((clipped * mask).sum())
         sums["_loss_tokens"] += float(mask.sum())
@@ -275,7 +264,7 @@ class LearnerWorker:
         ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
         mask, old, returns = (self._to_device(t) for t in (mb.loss_mask, mb.values, mb.returns))
         values = self._values(self.critic, ids, am)
-        per_token, clipped = value_loss(values, old, returns, self.spec.value_clip or None)
+        per_token, clipped = value_loss(values, old, returns, self.spec.algorithm.value_clip or None)
         loss = aggregate(per_token, mask, "token_mean", norm)
         self.critic.backward(loss * self.world_size, scale_wrt_gas=False)
         sums["critic/value_loss"] += float(loss.detach())
@@ -287,7 +276,7 @@ class LearnerWorker:
 
     def _gathered(self, names: list[int]):
         """Context in which the listed parameters are whole (ZeRO-3 gathers them; others: no-op)."""
-        if self.spec.zero_stage != 3:
+        if self.spec.trainer.zero_stage != 3:
             return nullcontext()
         import deepspeed
 

@@ -1,4 +1,5 @@
-"""Reward-model pieces shared by training (`launch.train_rm`) and serving (`reward.model_reward`).
+"""Reward models: the pieces shared by training (`train_rm`, `python -m launch.train_rm`) and
+serving (`reward.model_reward`), and the Bradley-Terry training itself.
 
 One tokenisation and one pooling, used on both sides, so a served RM scores exactly what it was
 trained on:
@@ -17,20 +18,16 @@ from typing import Any
 
 import torch
 
-from trainer.sft import collate_right_padded, tokenize_pair
+from rl.data import DataError, load_columns, split_table
+from rl.preference import bradley_terry_loss, pairwise_accuracy
+from trainer.sft import collate_right_padded, pad_id_of, tokenize_pair
+from trainer.supervised import fit, torch_threads
 
 
 def rm_input_ids(tokenizer: Any, prompt: str, completion: str) -> list[int]:
     """Token ids of one scored text: prompt ids, completion ids, EOS."""
     prompt_ids, completion_ids = tokenize_pair(tokenizer, prompt, completion)
     return prompt_ids + completion_ids
-
-
-def pad_id_of(tokenizer: Any) -> int:
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError("the tokenizer has neither a pad nor an EOS token; give it a pad_token")
-    return int(pad)
 
 
 def collate(rows: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -83,3 +80,115 @@ def load_reward_model(path: str, dtype: str, tokenizer: Any) -> torch.nn.Module:
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_id_of(tokenizer)
     return model
+
+
+# ---- Bradley-Terry training (`python -m launch.train_rm`) -------------------------------------
+
+def load_pairs(cfg: Any, tokenizer: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, int]:
+    """Tokenised train and test pairs (test None when there is no test set) and how many were
+    dropped for exceeding data.max_length. A missing column is a DataError naming it."""
+    d = cfg.data
+    columns = {"data.prompt_key": d.prompt_key, "data.chosen_key": d.chosen_key, "data.rejected_key": d.rejected_key,
+               "data.margin_key": d.margin_key, "data.group_key": d.group_key}
+    optional = ("data.margin_key", "data.group_key")
+    train = load_columns(d.train_files, columns, "data.train_files", optional=optional)
+    train, test = split_table(train, list(d.test_files), d.test_fraction, cfg.run.seed,
+                              lambda: load_columns(d.test_files, columns, "data.test_files", optional=optional))
+    dropped = 0
+
+    def encode(table) -> list[dict[str, Any]]:
+        nonlocal dropped
+        out = []
+        for row in table:
+            pair = {
+                "chosen": rm_input_ids(tokenizer, row[d.prompt_key], row[d.chosen_key]),
+                "rejected": rm_input_ids(tokenizer, row[d.prompt_key], row[d.rejected_key]),
+                "margin": float(row[d.margin_key]) if d.margin_key else 0.0,
+                "group": str(row[d.group_key]) if d.group_key else None,
+            }
+            if max(len(pair["chosen"]), len(pair["rejected"])) > d.max_length:
+                dropped += 1
+                continue
+            out.append(pair)
+        return out
+
+    train_pairs = encode(train)
+    if not train_pairs:
+        raise DataError(f"every training pair is longer than data.max_length={d.max_length} tokens; raise it")
+    return train_pairs, encode(test) if test is not None else None, dropped
+
+
+def pair_scores(model: Any, pairs: list[dict[str, Any]], pad_id: int) -> tuple[Any, Any]:
+    """Rewards of chosen and rejected texts of `pairs`, in one forward pass of 2 x len(pairs) rows."""
+    batch = collate([p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], pad_id)
+    device = model.device
+    scores = sequence_scores(model, batch["input_ids"].to(device), batch["attention_mask"].to(device))
+    return scores[: len(pairs)], scores[len(pairs) :]
+
+
+def bt_batch_loss(pairs: list[dict[str, Any]], pad_id: int, margin: float):
+    """`fn(model, indices)` for `trainer.supervised.train_loop`: the BT loss of those pairs."""
+    def loss_fn(model: Any, indices: list[int]):
+        chosen, rejected = pair_scores(model, [pairs[i] for i in indices], pad_id)
+        margins = torch.tensor([margin + pairs[i]["margin"] for i in indices], device=chosen.device)
+        loss = bradley_terry_loss(chosen, rejected, margins)
+        return loss, {"pairwise_accuracy": pairwise_accuracy(chosen.detach(), rejected.detach())}
+
+    return loss_fn
+
+
+def evaluate(model: Any, pairs: list[dict[str, Any]], pad_id: int, margin: float, micro_batch_size: int) -> dict[str, float]:
+    """Held-out loss and pairwise accuracy (overall and per group, when the data has groups)."""
+    was_training = model.training
+    model.eval()
+    chosen, rejected = [], []
+    with torch.no_grad():
+        for start in range(0, len(pairs), micro_batch_size):
+            c, r = pair_scores(model, pairs[start : start + micro_batch_size], pad_id)
+            chosen.append(c.cpu())
+            rejected.append(r.cpu())
+    model.train(was_training)
+    chosen_t, rejected_t = torch.cat(chosen), torch.cat(rejected)
+    margins = torch.tensor([margin + p["margin"] for p in pairs])
+    out = {
+        "eval/loss": float(bradley_terry_loss(chosen_t, rejected_t, margins)),
+        "eval/pairwise_accuracy": pairwise_accuracy(chosen_t, rejected_t),
+        "eval/reward_gap_mean": float((chosen_t - rejected_t).mean()),
+    }
+    groups = sorted({p["group"] for p in pairs if p["group"] is not None})
+    for g in groups:
+        rows = torch.tensor([p["group"] == g for p in pairs])
+        out[f"eval/pairwise_accuracy/{g}"] = pairwise_accuracy(chosen_t[rows], rejected_t[rows])
+    return out
+
+
+def train_rm(cfg: Any) -> dict[str, Any]:
+    """Train from a validated config (paths relative to the working directory); returns the summary."""
+    from transformers import AutoTokenizer
+
+    with torch_threads(cfg.trainer.threads):
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        pad_id = pad_id_of(tokenizer)
+        train_pairs, test_pairs, dropped = load_pairs(cfg, tokenizer)
+
+        def load_model():
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(cfg.run.seed)  # the new score head's init derives from the run seed
+                return load_reward_model(cfg.model.path, cfg.model.dtype, tokenizer)
+
+        summary = fit(
+            cfg,
+            title="rm",
+            tokenizer=tokenizer,
+            load_model=load_model,
+            n_train=len(train_pairs),
+            loss_fn=bt_batch_loss(train_pairs, pad_id, cfg.loss.margin),
+            evaluate=(lambda engine: evaluate(engine, test_pairs, pad_id, cfg.loss.margin, cfg.optim.micro_batch_size))
+            if test_pairs else None,
+            summary={"train_pairs": len(train_pairs), "test_pairs": len(test_pairs or []), "dropped_pairs": dropped},
+        )
+    acc = summary.get("eval/pairwise_accuracy")
+    print(f"Reward model trained in {summary['time/train_s']:.1f} s ({summary['steps']} steps)"
+          + (f"; held-out pairwise accuracy {acc:.3f}" if acc is not None else "")
+          + f". Run directory: {cfg.run.dir}", flush=True)
+    return summary

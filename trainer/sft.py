@@ -8,19 +8,29 @@ stop, not to predict prompts it will always be given. Two data shapes:
 
 `sft_train` is the plain-torch trainer that warms up the built-in tiny models (no DeepSpeed, no
 Ray, seconds on a CPU). It runs the same loop (`trainer.supervised.train_loop`) and the same
-batch loss (`completion_batch_loss`) as `python -m launch.train_sft`, which drives them with a
-DeepSpeed engine instead of a torch optimizer.
+batch loss (`completion_batch_loss`) as `train_sft` (`python -m launch.train_sft`), which drives
+them with a DeepSpeed engine instead of a torch optimizer.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from rl.data import DataError, load_columns, split_table
+from trainer.supervised import TorchStepper, fit, lr_factor, torch_threads, train_loop
+
 IGNORE_INDEX = -100
+
+
+def pad_id_of(tokenizer: Any) -> int:
+    """The id that pads batches: the tokenizer's pad token, else its EOS."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("the tokenizer has neither a pad nor an EOS token; give it a pad_token")
+    return int(pad)
 
 
 def tokenize_pair(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:
@@ -183,7 +193,7 @@ def sequence_logprobs(
     exp() of it is the exact chance that sampling at temperature 1.0 returns that completion:
     a noise-free stand-in for sampled accuracy.
     """
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_id_of(tokenizer)
     was_training = model.training
     model.eval()
     out: list[torch.Tensor] = []
@@ -198,17 +208,6 @@ def sequence_logprobs(
         out.append((token_logp * mask).sum(-1))
     model.train(was_training)
     return torch.cat(out) if out else torch.zeros(0)
-
-
-def lr_factor(step: int, steps: int, warmup: int) -> float:
-    """Linear warm-up then cosine decay to 10%: stable for tiny models at high learning rates."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-_lr_factor = lr_factor  # the old private name
 
 
 def sft_train(
@@ -235,13 +234,11 @@ def sft_train(
     accuracy is reached); the learning-rate schedule still spans `steps`. Same loop and loss as
     `python -m launch.train_sft` (`trainer.supervised.train_loop` + `completion_batch_loss`).
     """
-    from trainer.supervised import TorchStepper, train_loop
-
     if len(prompts) != len(completions) or not prompts:
         raise ValueError(
             f"need equally many prompts and completions (> 0), got {len(prompts)} and {len(completions)}"
         )
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad_id = pad_id_of(tokenizer)
     examples = [build_example(*tokenize_pair(tokenizer, p, c)) for p, c in zip(prompts, completions)]
     stepper = TorchStepper(
         model, lr=lr, weight_decay=weight_decay, lr_lambda=lambda s: lr_factor(s, steps, warmup_steps), max_grad_norm=1.0
@@ -260,3 +257,80 @@ def sft_train(
     )
     model.eval()
     return losses
+
+
+# ---- `python -m launch.train_sft`: data from files, a DeepSpeed engine, a run directory -----------
+
+def load_examples(cfg: Any, tokenizer: Any):
+    """(train, test or None, dropped): (input_ids, labels) rows with the prompt masked (-100)."""
+    d = cfg.data
+    if d.format == "chat":
+        columns = {"data.messages_key": d.messages_key}
+    else:
+        columns = {"data.prompt_key": d.prompt_key, "data.completion_key": d.completion_key}
+    train = load_columns(d.train_files, columns, "data.train_files")
+    train, test = split_table(train, list(d.test_files), d.test_fraction, cfg.run.seed,
+                              lambda: load_columns(d.test_files, columns, "data.test_files"))
+    dropped = 0
+
+    def encode(table) -> list[tuple[list[int], list[int]]]:
+        nonlocal dropped
+        out = []
+        for i, row in enumerate(table):
+            try:
+                if d.format == "chat":
+                    example = chat_example(tokenizer, row[d.messages_key])
+                else:
+                    example = build_example(*tokenize_pair(tokenizer, row[d.prompt_key], row[d.completion_key]))
+            except (ValueError, TypeError) as err:
+                raise DataError(f"row {i} of {list(d.train_files if table is train else d.test_files)}: {err}") from None
+            if len(example[0]) > d.max_length:
+                dropped += 1
+                continue
+            out.append(example)
+        return out
+
+    train_examples = encode(train)
+    if not train_examples:
+        raise DataError(f"every training row is longer than data.max_length={d.max_length} tokens; raise it")
+    return train_examples, encode(test) if test is not None else None, dropped
+
+
+def evaluate(model: Any, examples: list[tuple[list[int], list[int]]], pad_id: int, micro_batch_size: int) -> dict[str, float]:
+    """Held-out loss: mean cross-entropy per trained (completion / assistant) token."""
+    loss_fn = completion_batch_loss(examples, pad_id)
+    was_training = model.training
+    model.eval()
+    total = tokens = 0.0
+    with torch.no_grad():
+        for start in range(0, len(examples), micro_batch_size):
+            loss, extra = loss_fn(model, list(range(start, min(start + micro_batch_size, len(examples)))))
+            total += float(loss) * extra["tokens"]
+            tokens += extra["tokens"]
+    model.train(was_training)
+    return {"eval/loss": total / max(tokens, 1.0), "eval/tokens": tokens}
+
+
+def train_sft(cfg: Any) -> dict[str, Any]:
+    """Train from a validated config (paths relative to the working directory); returns the summary."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with torch_threads(cfg.trainer.threads):
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        pad_id = pad_id_of(tokenizer)
+        train, test, dropped = load_examples(cfg, tokenizer)
+        summary = fit(
+            cfg,
+            title="sft",
+            tokenizer=tokenizer,
+            load_model=lambda: AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype)),
+            n_train=len(train),
+            loss_fn=completion_batch_loss(train, pad_id),
+            evaluate=(lambda engine: evaluate(engine, test, pad_id, cfg.optim.micro_batch_size)) if test else None,
+            summary={"format": cfg.data.format, "train_rows": len(train), "test_rows": len(test or []),
+                     "dropped_rows": dropped},
+        )
+    shown = f"; held-out loss {summary['eval/loss_before_training']:.4f} -> {summary['eval/loss']:.4f}" if test else ""
+    print(f"SFT done in {summary['time/train_s']:.1f} s ({summary['steps']} steps){shown}. Run directory: {cfg.run.dir}",
+          flush=True)
+    return summary

@@ -8,16 +8,17 @@ optimizer; what it steps is a `Stepper`:
 
 So the SFT warm-up of the built-in tiny model and `python -m launch.train_sft` run the same loop
 with the same loss (`trainer.sft.completion_batch_loss`); only the optimizer wrapper differs.
-`RunWriter` writes the run directory (config, metrics.jsonl, TensorBoard, summary, final model).
+`fit` is that loop on a one-process DeepSpeed engine writing a run directory (`rl.run_log.RunLog`)
+and the final model: what `trainer.sft.train_sft` and `trainer.reward_model.train_rm` call.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
@@ -163,112 +164,25 @@ def schedule(epochs: float, n_examples: int, batch_size: int) -> tuple[int, int]
     return max(1, math.ceil(epochs * n_examples / batch_size)), per_epoch
 
 
-def set_threads(threads: int) -> int:
-    """Set torch's CPU threads when `threads` > 0; returns the previous setting (to restore)."""
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with torch's CPU threads set to `threads` (None or 0: leave them), then
+    restore the caller's setting: tiny models run fastest on one thread on shared cores."""
     before = torch.get_num_threads()
-    if threads > 0:
+    if threads:
         torch.set_num_threads(threads)
-    return before
-
-
-class DataError(ValueError):
-    """Training data that cannot be used (missing file or column, no rows); names the config key."""
-
-
-def load_columns(
-    files: list[str], columns: dict[str, str], field: str, *, optional: tuple[str, ...] = ()
-):
-    """A `datasets` table from local jsonl/json/parquet/csv files, checked for its columns.
-
-    `columns` maps config keys (e.g. "data.chosen_key") to the column each names; a missing one
-    is a DataError naming the column, the key to change and the columns that exist. Keys in
-    `optional` may name no column (None).
-    """
-    from rl.data import load_table
-
     try:
-        table = load_table(list(files), field_name=field)
-    except (ValueError, FileNotFoundError) as err:
-        raise DataError(str(err)) from None
-    for key, column in columns.items():
-        if key in optional and column is None:
-            continue
-        if column not in table.column_names:
-            raise DataError(
-                f"{key}={column!r} is not a column of {field}={list(files)}; columns are "
-                f"{table.column_names}; set {key} to the right column"
-            )
-    if len(table) == 0:
-        raise DataError(f"{field}={list(files)} holds no rows")
-    return table
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
-def split_table(train, test_files: list[str], test_fraction: float, seed: int, load_test: Callable[[], Any]):
-    """The (train, test) tables: test from its own files, else `test_fraction` of train held out
-    (seeded), else no test set (None)."""
-    if test_files:
-        return train, load_test()
-    if test_fraction > 0:
-        parts = train.train_test_split(test_size=test_fraction, seed=seed, shuffle=True)
-        return parts["train"], parts["test"]
-    return train, None
-
-
-class RunWriter:
-    """One run directory: config.yaml, metrics.jsonl + tb/, summary.json; rows logged with
-    `echo` (and `progress` on) are also printed as one line.
-
-    Refuses a directory that already holds a finished or running run (metrics.jsonl exists).
-    """
-
-    def __init__(self, run_dir: str, config_yaml: str, title: str, progress: bool = True) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        if os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
-            raise FileExistsError(f"run.dir={run_dir} already holds a run; choose another run.dir")
-        os.makedirs(run_dir, exist_ok=True)
-        self.run_dir, self.title, self.progress = run_dir, title, progress
-        with open(os.path.join(run_dir, "config.yaml"), "w") as f:
-            f.write(config_yaml)
-        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
-        self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-        self.started = time.perf_counter()
-
-    def log(self, step: int, values: dict[str, float], echo: bool = True) -> None:
-        clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in values.items()}
-        self._metrics.write(json.dumps({"step": step, **clean}) + "\n")
-        for k, v in clean.items():
-            if v is not None:
-                self._tb.add_scalar(k, v, step)
-        if echo and self.progress:
-            shown = " | ".join(f"{k} {v:.4g}" for k, v in clean.items() if v is not None)
-            print(f"{self.title} step {step}: {shown}", flush=True)
-
-    def finish(self, summary: dict[str, Any]) -> None:
-        summary = {**summary, "time/total_s": round(time.perf_counter() - self.started, 2)}
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        self.close()
-
-    def close(self) -> None:
-        self._tb.close()
-        self._metrics.close()
-
-
-def save_model(engine: Any, zero_stage: int, tokenizer: Any, path: str) -> None:
-    """`save_pretrained` of the engine's model (weights gathered under ZeRO-3) and tokenizer,
-    written to a temporary folder and renamed, so `path` is either complete or absent."""
-    import shutil
-
-    from trainer.engine import full_state_dict
-
-    tmp = f"{path}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    state = full_state_dict(engine.module, zero_stage)
-    engine.module.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+def lr_factor(step: int, steps: int, warmup: int) -> float:
+    """Linear warm-up then cosine decay to 10%: stable for tiny models at high learning rates."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def fit(
@@ -301,12 +215,13 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
          loss_fn: LossFn, evaluate: Callable[[Any], dict[str, float]] | None, summary: dict[str, Any] | None):
     from omegaconf import OmegaConf
 
-    from trainer.engine import build_engine, ds_config, init_single_process
-    from trainer.sft import lr_factor
+    from rl.run_log import RunLog, row_line
+    from trainer.engine import build_engine, ds_config, full_state_dict, init_single_process, save_pretrained_atomic
 
     o = cfg.optim
     steps, per_epoch = schedule(o.epochs, n_train, o.batch_size)
-    writer = RunWriter(cfg.run.dir, OmegaConf.to_yaml(cfg, resolve=True), title, progress=cfg.run.progress)
+    writer = RunLog(cfg.run.dir, steps, title=title, progress=cfg.run.progress,
+                    config_yaml=OmegaConf.to_yaml(cfg, resolve=True), line=row_line(title))
     try:
         config = ds_config(
             micro_batch_size=o.micro_batch_size,
@@ -330,7 +245,7 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
                 t0 = time.perf_counter()
                 row = {"epoch": done / per_epoch, **evaluate(engine), "time/eval_s": time.perf_counter() - t0}
                 history.append(row)
-                writer.log(done, row)
+                writer.metrics(done, row, advance=False, echo=cfg.run.progress)
 
         last_echo = [time.perf_counter()]
 
@@ -341,7 +256,7 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
                 now = time.perf_counter()
                 row["time/step_s"] = (now - last_echo[0]) / cfg.run.log_every
                 last_echo[0] = now
-            writer.log(done, row, echo=echo)
+            writer.metrics(done, row, echo=echo and cfg.run.progress)
             if done % per_epoch == 0 or done == steps or (cfg.run.eval_every and done % cfg.run.eval_every == 0):
                 run_eval(done)
 
@@ -361,44 +276,9 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
             out.update({f"{k}_before_training": v for k, v in history[0].items() if k in ("eval/loss", "eval/pairwise_accuracy")})
         if cfg.run.save_final_model:
             out["final_model"] = os.path.join(cfg.run.dir, "final_model")
-            save_model(engine, cfg.trainer.zero_stage, tokenizer, out["final_model"])
-        writer.finish(out)
+            save_pretrained_atomic(engine.module, tokenizer, out["final_model"],
+                                   state_dict=full_state_dict(engine.module, cfg.trainer.zero_stage))
     except BaseException:
         writer.close()
         raise
-    return out
-
-
-def compose(app: str, schema_validate: Callable[[Any], None], overrides: list[str] | tuple[str, ...] = ()):
-    """The merged, validated config of `configs/<app>.yaml` with `overrides`, as its CLI builds it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    config_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs")
-    with initialize_config_dir(config_dir=os.path.abspath(config_dir), version_base=None):
-        cfg = hydra_compose(app, overrides=list(overrides))
-    schema_validate(cfg)
-    return cfg
-
-
-def cli_main(cfg: Any, validate: Callable[[Any], None], ensure_inputs: Callable[[Any], None],
-             train: Callable[[Any], Any]) -> None:
-    """The body of every supervised CLI: a bad config, missing inputs, a used run dir or a data
-    problem found while loading end with one `error: ...` line naming the fix (exit 2), not a traceback."""
-    import sys
-
-    from rl.config import ConfigError
-
-    try:
-        validate(cfg)
-        ensure_inputs(cfg)
-        if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
-            raise ConfigError(f"run.dir={cfg.run.dir} already holds a run; choose another run.dir")
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    try:
-        train(cfg)
-    except DataError as err:  # a data file, column or row problem, found while loading (before training)
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    return writer.finish(out)

@@ -10,6 +10,7 @@
 # Debian mirror in /etc/apt/sources.list*, else http://deb.debian.org/debian).
 # With a registry, `docker build -t rlpost-sandbox:bookworm sandbox/image` gives the same image.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/install_missing.sh"
 
 IMAGE="${SANDBOX_IMAGE:-rlpost-sandbox:bookworm}"
 SUITE=bookworm
@@ -35,13 +36,7 @@ if ! docker info >/dev/null 2>&1; then
     exit 1
 fi
 
-if ! command -v debootstrap >/dev/null 2>&1; then
-    echo "build_rootfs: installing debootstrap from apt"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    apt-get install -y -qq --no-install-recommends debootstrap >/dev/null 2>&1 \
-        || apt-get install -y --no-install-recommends debootstrap
-fi
+install_missing debootstrap debootstrap build_rootfs
 
 find_mirror() {
     # deb822 (URIs: ...) or one-line (deb URL SUITE ...) sources; skip security/updates repos.

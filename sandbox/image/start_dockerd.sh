@@ -8,6 +8,7 @@
 # containers use network_mode=none) on overlay2 (vfs costs seconds per container).
 # Env: DOCKERD_LOG (default /var/log/rlpost-dockerd.log), DOCKERD_WAIT_S (default 60).
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/install_missing.sh"
 
 LOG="${DOCKERD_LOG:-/var/log/rlpost-dockerd.log}"
 WAIT_S="${DOCKERD_WAIT_S:-60}"
@@ -22,14 +23,8 @@ if [ "$(id -u)" != 0 ]; then
     exit 1
 fi
 
-if ! command -v dockerd >/dev/null 2>&1; then
-    echo "start_dockerd: installing docker.io from apt"
-    export DEBIAN_FRONTEND=noninteractive
-    apt-get update -qq
-    # --no-install-recommends: skip apparmor/cgroupfs-mount/git etc.; dockerd needs containerd+runc.
-    apt-get install -y -qq --no-install-recommends docker.io >/dev/null 2>&1 \
-        || apt-get install -y --no-install-recommends docker.io
-fi
+# Without recommends: no apparmor/cgroupfs-mount/git etc.; dockerd needs only containerd+runc.
+install_missing dockerd docker.io start_dockerd
 
 if ! command -v docker >/dev/null 2>&1; then
     echo "start_dockerd: the docker CLI is missing after installing docker.io" >&2

@@ -13,14 +13,37 @@ SFT: the slow reference itself, "medium" O(n) rewrites that do less work per n (
 instead of testing `i % a`, hoisting a multiply or an inner loop out), a "fast" O(1) closed form
 and "wrong" near-misses (off-by-one bound, wrong constant).
 
-Pure Python (no torch) so the reward side and data tools can import it cheaply.
+- data: `code_speedup_splits` (one row per problem: prompt, reference, harness, tests, hidden
+  tests, benchmark input...), written to OUT/data/{train,test}.jsonl;
+- model: a word-level tokenizer over C tokens and a small Llama (OUT/model), warmed up by SFT on a
+  mix of rewrites of each training problem's slow function (copies of it, faster O(n) ones, O(1)
+  closed forms and near-miss wrong ones; `DEFAULT_MIX`) and stopped once a sample at temperature
+  1.0 is an exactly correct rewrite about half of the time, a medium and a fast one each now and
+  then (`build`; `python -m examples.code_speedup`, ~1-2 minutes on one CPU thread). GRPO then
+  starts from a policy that is right about half the time, mostly with the slow copy (speed-up 1),
+  sometimes with a medium (1.6-22x fewer instructions) or a fast (~70x) program;
+- reward: `configs/task/code_speedup.yaml` (`task=code_speedup`): `reward.code_speedup`, which
+  sends each completion with the row's reference, harness and tests to the sandbox pool.
 """
 
 from __future__ import annotations
 
 import random
+import time
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable
+
+import torch
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+from examples.tiny import build_model, main, word_tokenizer, write_jsonl, write_summary
+from trainer.engine import save_pretrained_atomic
+from trainer.sft import sequence_logprobs, sft_train
+from trainer.supervised import torch_threads
+
+DEFAULT_DIR = "artifacts/tiny_code"
 
 LANGUAGE = "c"
 SEPARATOR = "=>"  # ends every prompt: "<slow reference> =>"
@@ -375,3 +398,227 @@ def code_corpus(problems: Iterable[CodeProblem] | None = None) -> list[str]:
     """Texts holding every word the task uses (prompts and all variants): the tokenizer corpus."""
     problems = all_code_problems() if problems is None else problems
     return [text for p in problems for text in (p.prompt, *(s for k in KINDS for s in p.variants[k]))]
+
+
+def write_data(out_dir: str = DEFAULT_DIR, seed: int = 0) -> list[str]:
+    """OUT/data/train.jsonl and OUT/data/test.jsonl: one row per problem (`CodeProblem.to_row`)."""
+    train, test = code_speedup_splits(seed)
+    return [write_jsonl(Path(out_dir) / "data" / f"{name}.jsonl", (p.to_row() for p in problems))
+            for name, problems in (("train", train), ("test", test))]
+
+
+# ---- the tiny code model ----------------------------------------------------------------------
+
+MAX_POSITIONS = 256
+MAX_NEW_TOKENS = 64  # the longest variant has 48 tokens (+ EOS)
+
+
+def kind_probabilities(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, problems: list[CodeProblem]
+) -> dict[str, float]:
+    """Mean chance, over `problems`, that one T=1.0 sample is exactly a known variant of each kind.
+
+    Teacher-forced (no sampling noise); `correct` sums the slow, medium and fast kinds.
+    """
+    pairs = [(p.prompt, src, kind) for p in problems for kind in KINDS for src in p.variants.get(kind, ())]
+    if not pairs:
+        return {k: 0.0 for k in (*KINDS, "correct")}
+    probs = sequence_logprobs(model, tokenizer, [p for p, _, _ in pairs], [c for _, c, _ in pairs]).exp()
+    out = {k: 0.0 for k in KINDS}
+    for (_, _, kind), prob in zip(pairs, probs.tolist()):
+        out[kind] += prob / len(problems)
+    out["correct"] = sum(out[k] for k in CORRECT_KINDS)
+    return out
+
+
+@torch.no_grad()
+def sample_completions(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    prompts: list[str],
+    *,
+    n: int,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_new_tokens: int = MAX_NEW_TOKENS,
+    batch_size: int = 256,
+) -> list[list[str]]:
+    """`n` completions per prompt (text up to EOS, special tokens dropped), in prompt order.
+
+    Prompts are batched by token length so no batch needs padding (positions then match what the
+    model saw in training and what vLLM does). Sampling uses a forked RNG seeded with `seed`.
+    """
+    eos = tokenizer.eos_token_id
+    encoded = [tokenizer(p).input_ids for p in prompts]
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, ids in enumerate(encoded):
+        by_len[len(ids)] += [i] * n
+    out: list[list[str]] = [[] for _ in prompts]
+    sampling: dict[str, Any] = (
+        {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+        if temperature > 0
+        else {"do_sample": False}
+    )
+    was_training = model.training
+    model.eval()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for length in sorted(by_len):
+            idx = by_len[length]
+            for start in range(0, len(idx), batch_size):
+                chunk = idx[start : start + batch_size]
+                ids = torch.tensor([encoded[i] for i in chunk])
+                gen = model.generate(
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=max_new_tokens,
+                    eos_token_id=eos,
+                    pad_token_id=tokenizer.pad_token_id,
+                    **sampling,
+                )
+                for i, row in zip(chunk, gen[:, length:].tolist()):
+                    row = row[: row.index(eos)] if eos in row else row
+                    out[i].append(tokenizer.decode(row, skip_special_tokens=True).strip())
+    model.train(was_training)
+    return out
+
+
+def sampled_kinds(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: list[CodeProblem],
+    *,
+    n: int,
+    seed: int,
+    temperature: float = 1.0,
+) -> dict[str, Any]:
+    """Share of `n` samples per problem that are exactly a slow/medium/fast/wrong variant or none
+    (`other`), `correct` (slow + medium + fast), and per problem the share of correct samples."""
+    samples = sample_completions(model, tokenizer, [p.prompt for p in problems], n=n, seed=seed,
+                                 temperature=temperature)
+    counts: Counter[str] = Counter()
+    per_problem: dict[str, float] = {}
+    for problem, texts in zip(problems, samples):
+        kinds = [problem.kind_of(t) for t in texts]
+        counts.update(kinds)
+        per_problem[problem.problem_id] = sum(k in CORRECT_KINDS for k in kinds) / max(1, len(kinds))
+    total = max(1, sum(counts.values()))
+    shares = {k: counts[k] / total for k in (*KINDS, "other")}
+    shares["correct"] = sum(shares[k] for k in CORRECT_KINDS)
+    return {
+        "n_samples": sum(counts.values()),
+        "shares": shares,
+        "problems_with_a_correct_sample": sum(v > 0 for v in per_problem.values()) / max(1, len(per_problem)),
+        "per_problem_correct": per_problem,
+    }
+
+
+def build(
+    out_dir: str = DEFAULT_DIR,
+    seed: int = 0,
+    *,
+    per_problem: int = 40,
+    mix: dict[str, float] | None = None,
+    steps: int = 1000,
+    target_correct: float = 0.5,
+    target_faster: float = 0.07,
+    probe_every: int = 25,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    n_samples: int = 8,
+    threads: int | None = 1,
+    log_every: int = 100,
+) -> dict[str, Any]:
+    """Write the data, train tokenizer and model, warm up, evaluate, save; returns the summary.
+
+    The warm-up runs at most `steps` SFT steps on `per_problem` (prompt, variant) pairs per
+    training problem mixed by `mix` (kind -> weight, default `DEFAULT_MIX`) and stops
+    once the teacher-forced chance that a T=1.0 sample is an exactly correct variant, averaged
+    over the training problems and checked every `probe_every` steps, reaches `target_correct`
+    and the chances that it is a medium and a fast variant each reach `target_faster`
+    (target_correct 0 or above 1: never stop early). Stopping on the probe rather than a step
+    count keeps the result similar across seeds, which learn to copy the prompt at different
+    steps. The final model is then sampled `n_samples` times per problem at T=1.0 to report the
+    share of each variant kind (0 skips it). `threads` sets torch's CPU threads while it runs
+    (None or 0: leave them); the caller's setting is restored.
+    """
+    with torch_threads(threads):
+        t0 = time.perf_counter()
+        out = Path(out_dir)
+        train, test = code_speedup_splits(seed)
+        write_data(out_dir, seed)
+
+        # The vocabulary covers every problem of every family, so it does not depend on the split.
+        tokenizer = word_tokenizer(code_corpus(all_code_problems()), model_max_length=MAX_POSITIONS)
+        model = build_model(tokenizer, seed, hidden=hidden, layers=layers, heads=heads, max_positions=MAX_POSITIONS)
+        examples = sft_examples(train, seed=seed, per_problem=per_problem, mix=mix)
+        probes: list[dict[str, float]] = []
+
+        def reached_target(done: int) -> bool:
+            if not 0 < target_correct <= 1 or done % probe_every:
+                return False
+            probs = kind_probabilities(model, tokenizer, train)
+            probes.append({"step": done, **{k: round(v, 4) for k, v in probs.items()}})
+            if log_every:
+                print(f"probe step {done}: " + " ".join(f"{k} {v:.3f}" for k, v in probs.items()), flush=True)
+            return probs["correct"] >= target_correct and min(probs["medium"], probs["fast"]) >= target_faster
+
+        t_sft = time.perf_counter()
+        losses = sft_train(
+            model,
+            tokenizer,
+            [p for p, _ in examples],
+            [c for _, c in examples],
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            log_every=log_every,
+            warmup_steps=min(50, steps // 10),
+            stop_fn=reached_target,
+        )
+        sft_s = time.perf_counter() - t_sft
+
+        model_dir = out / "model"
+        save_pretrained_atomic(model, tokenizer, model_dir)
+
+        summary: dict[str, Any] = {
+            "seed": seed,
+            "model_dir": str(model_dir),
+            "train_file": str(out / "data" / "train.jsonl"),
+            "test_file": str(out / "data" / "test.jsonl"),
+            "n_train": len(train),
+            "n_test": len(test),
+            "families": dict(Counter(p.family for p in train + test)),
+            "n_sft_examples": len(examples),
+            "params": sum(p.numel() for p in model.parameters()),
+            "config": {"hidden": hidden, "layers": layers, "heads": heads, "vocab": len(tokenizer),
+                       "max_positions": MAX_POSITIONS},
+            "sft_steps": len(losses),
+            "sft_max_steps": steps,
+            "sft_target_correct": target_correct,
+            "sft_target_faster": target_faster,
+            "sft_probes": probes,
+            "sft_batch_size": batch_size,
+            "sft_lr": lr,
+            "sft_first_loss": losses[0] if losses else None,
+            "sft_final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])) if losses else None,
+            "expected_kinds_train": kind_probabilities(model, tokenizer, train),
+            "expected_kinds_test": kind_probabilities(model, tokenizer, test),
+            "sft_s": round(sft_s, 2),
+        }
+        if n_samples:
+            t_eval = time.perf_counter()
+            for name, problems, offset in (("train", train, 1), ("test", test, 2)):
+                res = sampled_kinds(model, tokenizer, problems, n=n_samples, seed=seed + offset)
+                summary[f"sampled_{name}"] = {k: v for k, v in res.items() if k != "per_problem_correct"}
+            summary["eval_s"] = round(time.perf_counter() - t_eval, 2)
+        summary["total_s"] = round(time.perf_counter() - t0, 2)
+        return write_summary(out, summary)
+
+
+if __name__ == "__main__":
+    main(build, DEFAULT_DIR, __doc__)

@@ -1,16 +1,18 @@
-"""Moving the learner's full weights to the rollout engines.
+"""The weight-sync wire protocol between the learner and the rollout engines (both sides import it).
 
 A dedicated process group (gloo on CPU, NCCL on GPU) joins learner rank 0 (group rank 0) and
-every rollout worker (ranks 1..N). It is made with vLLM's *stateless* initializer so it does not
-touch the default torch.distributed group that DeepSpeed and vLLM each use in their own
-process. Rank 0 broadcasts tensors one bucket at a time, in the order of a `WeightMeta` list that
-both sides agreed on when the group was made, so receivers can preallocate.
+every rollout worker (ranks 1..N). It is made from a TCP store of its own, without
+`torch.distributed.init_process_group`, so it does not touch the default group that DeepSpeed
+and vLLM each use in their own process. Rank 0 broadcasts tensors one bucket at a time, in the
+order of a `WeightMeta` list that both sides agreed on when the group was made, so receivers can
+preallocate. Plain torch: no Ray, DeepSpeed or vLLM here.
 """
 
 from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Iterable, Iterator
 
 import torch
@@ -62,22 +64,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def node_ip() -> str:
-    try:
-        import ray
+def init_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0):
+    """Join the weight-sync group; every member calls this with the same host/port/size. Rank 0
+    hosts the TCP store. A peer that is gone or stuck fails a collective after `timeout_s`."""
+    import torch.distributed as dist
 
-        if ray.is_initialized():
-            return ray.util.get_node_ip_address()
-    except ImportError:  # pragma: no cover - ray is a hard dependency, but keep this module usable alone
-        pass
-    return "127.0.0.1"
-
-
-def init_group(host: str, port: int, rank: int, world_size: int, backend: str):
-    """Join the weight-sync group; every member must call this with the same host/port/size."""
-    from vllm.distributed.utils import stateless_init_torch_distributed_process_group
-
-    return stateless_init_torch_distributed_process_group(host, port, rank, world_size, backend=backend)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(f"rlpost-weight-sync-{port}", store)
+    if backend == "gloo":
+        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    else:
+        raise ValueError(f"weight-sync backend {backend!r}: choose gloo or nccl")
+    return group
 
 
 def send(group, tensors_by_bucket: Iterable[list[torch.Tensor]]) -> None:

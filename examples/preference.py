@@ -1,4 +1,4 @@
-"""The built-in tiny preference task: which of two answers to `a+b=` is better (torch-free).
+"""The built-in tiny preference task: which of two answers to `a+b=` is better, and its reward model.
 
 Pairs live in the tiny arithmetic policy's own space (prompt `a+b=`, completion a digit string),
 so a reward model trained on them scores exactly what that policy generates, and the policy can
@@ -28,14 +28,29 @@ normalised advantages amplify the RM's small, arbitrary preferences among answer
 (e.g. round numbers), and the policy drifts there. A larger KL coefficient slows this
 (kl_coef=0.05 without std normalisation: 0.29 -> 0.19). It makes the built-in RM a faithful
 demonstration of reward-model training, serving and reward hacking, not a way to teach addition.
+
+- data: `preference_splits` (columns prompt, chosen, rejected, kind; test prompts never occur in
+  training), written to OUT/data/{train,test}.jsonl;
+- model: a reward model trained on them by `trainer.reward_model.train_rm` (the same code as
+  `python -m launch.train_rm`) from the tiny arithmetic policy, in OUT/model (`build`;
+  `python -m examples.preference`, 1-2 minutes on a CPU); the training run stays in OUT/run;
+- reward: `configs/reward/model.yaml` (`reward=model`): `reward.model_reward:score` serving OUT/model.
 """
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from rl.tasks import addition_prompt, addition_splits
+from examples import arith
+from examples.arith import addition_prompt, addition_splits
+from examples.tiny import main, write_jsonl, write_summary
+
+DEFAULT_DIR = "artifacts/tiny_rm"
 
 # How a wrong answer is made from the true sum s (kind -> weight when sampling one).
 WRONG_KINDS: dict[str, float] = {
@@ -129,3 +144,54 @@ def preference_splits(
         return out[:n]
 
     return pairs(train_problems, n_train), pairs(test_problems, n_test)
+
+
+def write_data(out_dir: str = DEFAULT_DIR, seed: int = 0, *, n_train: int = 8000, n_test: int = 1000) -> list[str]:
+    """OUT/data/train.jsonl and OUT/data/test.jsonl; returns their paths."""
+    train, test = preference_splits(n_train, n_test, seed=seed)
+    return [write_jsonl(Path(out_dir) / "data" / f"{name}.jsonl", (p.to_row() for p in pairs))
+            for name, pairs in (("train", train), ("test", test))]
+
+
+def build(
+    out_dir: str = DEFAULT_DIR,
+    seed: int = 0,
+    *,
+    policy_path: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """Data, then a trained RM in OUT/model; returns the training summary.
+
+    `policy_path` is the causal LM the RM starts from (default: the built-in tiny policy, built
+    when missing). `overrides` are extra `launch.train_rm` config overrides (e.g. "optim.epochs=2").
+    """
+    from rl.compose import compose
+    from trainer.reward_model import train_rm
+
+    out = Path(out_dir)
+    if policy_path is None:
+        policy_path = os.path.join(arith.DEFAULT_DIR, "model")
+        if not os.path.isdir(policy_path):
+            arith.build(arith.DEFAULT_DIR, seed=seed)
+    train_file, test_file = write_data(str(out), seed=seed)
+    run_dir = out / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a half-finished earlier build
+    summary = train_rm(compose("train_rm", [
+        f"model.path={os.path.abspath(policy_path)}",
+        f"data.train_files=[{os.path.abspath(train_file)}]",
+        f"data.test_files=[{os.path.abspath(test_file)}]",
+        f"run.dir={os.path.abspath(run_dir)}",
+        f"run.seed={seed}",
+        "data.group_key=kind",  # eval accuracy per kind of pair, too
+        "run.progress=false",
+        *overrides,
+    ]))
+    model_dir = out / "model"
+    shutil.rmtree(model_dir, ignore_errors=True)
+    os.replace(summary["final_model"], model_dir)  # same filesystem: atomic
+    return write_summary(out, {**summary, "final_model": str(model_dir), "policy_path": policy_path,
+                               "train_file": train_file, "test_file": test_file})
+
+
+if __name__ == "__main__":
+    main(build, DEFAULT_DIR, __doc__)

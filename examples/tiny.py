@@ -1,0 +1,149 @@
+"""Pieces every built-in task's tiny model is built from: a word-level tokenizer trained on the
+task's own text, a small random-init Llama, and the `python -m examples.<task>` command line.
+
+No network: the tokenizer is trained with `tokenizers` and wrapped as a `PreTrainedTokenizerFast`,
+the model is a transformers `LlamaForCausalLM`, both saved with `save_pretrained`, so the real
+Hugging Face loading code (and vLLM) reads them like any downloaded model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+
+
+def build_tokenizer(
+    corpus: list[str],
+    *,
+    pre_tokenizer: Any = None,
+    decoder: Any = None,
+    model_max_length: int = 64,
+) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer trained on `corpus`: one token per digit and per symbol.
+
+    Special ids are fixed (pad 0, bos 1, eos 2, unk 3). Encoding a text prepends BOS and never
+    appends EOS, so `tokenizer(prompt).input_ids` is exactly what the model saw in training.
+    By default words are split at punctuation and into single digits and decoded by joining the
+    pieces without spaces (the arithmetic task); other tasks pass their own `pre_tokenizer` and
+    `decoder` (e.g. `word_tokenizer` below: whitespace-separated words, joined with spaces).
+    """
+    tok = Tokenizer(models.WordLevel(unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizer if pre_tokenizer is not None else pre_tokenizers.Sequence(
+        [pre_tokenizers.Punctuation(), pre_tokenizers.Digits(individual_digits=True)]
+    )
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=[PAD, BOS, EOS, UNK]))
+    # default: join pieces without spaces: ["6", "2"] -> "62"
+    tok.decoder = decoder if decoder is not None else decoders.Fuse()
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        unk_token=UNK,
+        padding_side="left",  # for batched generation; the SFT collator pads on its own
+        model_max_length=model_max_length,
+    )
+
+
+def word_tokenizer(corpus: list[str], model_max_length: int = 256) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer for texts whose words are separated by single spaces (e.g. C tokens).
+
+    Each whitespace-separated word of `corpus` is one token; decoding joins tokens with one space,
+    so decoded text re-encodes to the same ids. Special tokens as in `build_tokenizer`.
+    """
+    return build_tokenizer(
+        corpus,
+        pre_tokenizer=pre_tokenizers.WhitespaceSplit(),
+        decoder=decoders.WordPiece(prefix="##", cleanup=False),  # no word starts with "##": joins with " "
+        model_max_length=model_max_length,
+    )
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 4,
+    max_positions: int = 64,
+) -> LlamaForCausalLM:
+    """A random-init Llama (head_dim 32, which vLLM's CPU attention supports), fixed by `seed`."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return model.float().eval()
+
+
+
+
+def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> str:
+    """Write rows as JSON lines through a temporary file and a rename: complete or absent."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+    return str(path)
+
+
+def write_summary(out_dir: str | Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """OUT/prepare_summary.json: what was built, how well it does, how long it took."""
+    (Path(out_dir) / "prepare_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def main(build: Callable[..., dict[str, Any]], default_dir: str, doc: str, argv: list[str] | None = None) -> None:
+    """`python -m examples.<task> [--out DIR] [--seed N] [name=value ...]`: run a task's `build`
+    with keyword arguments given as `name=value` (values are Python literals, e.g. steps=500,
+    target_accuracy=0.4, overrides='["optim.epochs=2"]'), and print its summary."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", default=default_dir, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("kwargs", nargs="*", metavar="name=value", help="keyword arguments of build()")
+    args = parser.parse_args(argv)
+    kwargs: dict[str, Any] = {}
+    for item in args.kwargs:
+        name, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"{item!r}: expected name=value")
+        try:
+            kwargs[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[name] = value  # a bare word: a string
+    print(json.dumps(build(args.out, args.seed, **kwargs), indent=2))

@@ -1,0 +1,29 @@
+"""Compose a run's config from `configs/` in Python, exactly as its command line would.
+
+`compose("train_rm", ["optim.epochs=2"])` is what `python -m launch.train_rm optim.epochs=2`
+validates before it trains: the built-in tasks (which train their own reward model) and the tests
+use it, and so do the `run(overrides)` entry points of the supervised trainers.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from rl.config import validate
+from rl.sft_rm_config import validate_rm, validate_sft
+
+CONFIG_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+VALIDATORS = {"train": validate, "train_rm": validate_rm, "train_sft": validate_sft}
+
+
+def compose(app: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """The merged, validated config of `configs/<app>.yaml` with `overrides` (a ConfigError names
+    any bad field)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        cfg = hydra_compose(app, overrides=list(overrides))
+    VALIDATORS[app](cfg)
+    return cfg

@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import build_model, build_tokenizer, main, write_jsonl, write_summary
-from trainer.engine import save_pretrained_atomic
-from trainer.sft import sequence_logprobs, sft_train
+from examples.tiny import Recipe, build_model, build_tokenizer, main, save_model, warm_up, write_jsonl, write_summary
+from trainer.sft import sequence_logprobs
 from trainer.supervised import torch_threads
 
 DEFAULT_DIR = "artifacts/tiny"
@@ -137,24 +136,19 @@ def expected_accuracy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFas
     return float(logp.exp().mean()) if len(problems) else 0.0
 
 
+RECIPE = Recipe()  # size and warm-up of the tiny policy (examples.tiny.Recipe)
+
+
 def build(
-    out_dir: str = "artifacts/tiny",
+    out_dir: str = DEFAULT_DIR,
     seed: int = 0,
     *,
     n_train: int = 5000,
     n_test: int = 500,
     n_eval: int = 300,
-    steps: int = 1000,
     target_accuracy: float = 0.3,
-    probe_every: int = 10,
     n_probe: int = 256,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-    hidden: int = 128,
-    layers: int = 2,
-    heads: int = 4,
-    threads: int | None = 1,
-    log_every: int = 100,
+    **recipe: Any,
 ) -> dict[str, Any]:
     """Generate data, train tokenizer and model, warm up, evaluate, save; returns the summary.
 
@@ -163,73 +157,46 @@ def build(
     steps, reaches `target_accuracy`.
     Stopping on accuracy rather than a step count matters: when the model picks up the carry
     differs a lot between seeds, and GRPO needs a policy that is right only some of the time.
-    Set `target_accuracy` to 0 or above 1 to disable it. `threads` sets torch's CPU threads
-    while it runs (None or 0: leave them); the caller's setting is restored afterwards.
+    Set `target_accuracy` to 0 or above 1 to disable it. `recipe`: any field of `Recipe`
+    (steps, batch_size, lr, probe_every, hidden, layers, heads, threads, log_every).
     """
-    with torch_threads(threads):
+    r = RECIPE.with_(**recipe)
+    with torch_threads(r.threads):
         t0 = time.perf_counter()
         out = Path(out_dir)
         train, test = addition_splits(n_train, n_test, seed=seed)
         write_data(out_dir, seed, n_train=n_train, n_test=n_test)
 
         tokenizer = build_tokenizer(addition_corpus())
-        model = build_model(tokenizer, seed, hidden=hidden, layers=layers, heads=heads)
+        model = build_model(tokenizer, seed, hidden=r.hidden, layers=r.layers, heads=r.heads)
         probe_set = train[-n_probe:]
         probes: list[tuple[int, float]] = []
 
         def reached_target(done: int) -> bool:
-            if not 0 < target_accuracy <= 1 or done % probe_every:
+            if not 0 < target_accuracy <= 1 or done % r.probe_every:
                 return False
             acc = expected_accuracy(model, tokenizer, probe_set)
             probes.append((done, acc))
             return acc >= target_accuracy
 
-        t_sft = time.perf_counter()
-        losses = sft_train(
-            model,
-            tokenizer,
-            [p.prompt for p in train],
-            [p.answer for p in train],
-            steps=steps,
-            batch_size=batch_size,
-            lr=lr,
-            seed=seed,
-            log_every=log_every,
-            warmup_steps=min(50, steps // 10),
-            stop_fn=reached_target,
-        )
-        sft_s = time.perf_counter() - t_sft
+        _, sft_summary = warm_up(model, tokenizer, [p.prompt for p in train], [p.answer for p in train], r, seed,
+                                 stop_fn=reached_target)
 
         eval_set = test[:n_eval]
         sampled = sample_accuracy(model, tokenizer, eval_set, temperature=1.0, seed=seed)
         greedy = sample_accuracy(model, tokenizer, eval_set, temperature=0.0, seed=seed)
-
-        model_dir = out / "model"
-        save_pretrained_atomic(model, tokenizer, model_dir)
+        saved = save_model(out, model, tokenizer, seed, train, test)
         summary: dict[str, Any] = {
-            "seed": seed,
-            "model_dir": str(model_dir),
-            "train_file": str(out / "data" / "train.jsonl"),
-            "test_file": str(out / "data" / "test.jsonl"),
-            "n_train": len(train),
-            "n_test": len(test),
-            "params": sum(p.numel() for p in model.parameters()),
-            "config": {"hidden": hidden, "layers": layers, "heads": heads, "vocab": len(tokenizer)},
-            "sft_steps": len(losses),
-            "sft_max_steps": steps,
+            **saved,
             "sft_target_probe_accuracy": target_accuracy,
             "sft_probe_accuracy": probes[-1][1] if probes else None,
-            "sft_batch_size": batch_size,
-            "sft_lr": lr,
-            "sft_first_loss": losses[0] if losses else None,
-            "sft_final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])) if losses else None,
             "eval_n": len(eval_set),
             "expected_accuracy_t1": expected_accuracy(model, tokenizer, eval_set),
             "sampled_accuracy_t1": sampled["accuracy"],
             "sampled_well_formed_t1": sampled["well_formed"],
             "greedy_accuracy": greedy["accuracy"],
             "greedy_well_formed": greedy["well_formed"],
-            "sft_s": round(sft_s, 2),
+            **sft_summary,
             "total_s": round(time.perf_counter() - t0, 2),
         }
         return write_summary(out, summary)

@@ -38,9 +38,8 @@ from typing import Any, Callable, Iterable
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import build_model, main, word_tokenizer, write_jsonl, write_summary
-from trainer.engine import save_pretrained_atomic
-from trainer.sft import sequence_logprobs, sft_train
+from examples.tiny import Recipe, build_model, main, save_model, warm_up, word_tokenizer, write_jsonl, write_summary
+from trainer.sft import sequence_logprobs
 from trainer.supervised import torch_threads
 
 DEFAULT_DIR = "artifacts/tiny_code"
@@ -175,37 +174,30 @@ Variants = dict[str, list[str]]
 Family = Callable[..., tuple[Variants, Callable[[int], int], int]]
 
 
+def _count_loops(test: str, first: Any, a: int, bound: str = "<=") -> tuple[str, str]:
+    """(slow, medium) functions counting the i in 1..n that pass `test`, the passing i being
+    first, first + a, ...: slow tests every i, medium steps by a. `bound="<"` is the off-by-one."""
+    return (_src("long c = 0 ;", _loop("i", 1, bound, "i ++", f"if ( {test} ) c ++ ;"), "return c ;"),
+            _src("long c = 0 ;", _loop("i", first, bound, f"i += {a}", "c ++ ;"), "return c ;"))
+
+
 def count_mult(a: int) -> tuple[Variants, Callable[[int], int], int]:
     """How many i in 1..n are multiples of a."""
-    o = _other(a)
-    v = {
-        "slow": [_src("long c = 0 ;", _loop("i", 1, "<=", "i ++", f"if ( i % {a} == 0 ) c ++ ;"), "return c ;")],
-        "medium": [_src("long c = 0 ;", _loop("i", a, "<=", f"i += {a}", "c ++ ;"), "return c ;")],
-        "fast": [_src(f"return n / {a} ;")],
-        "wrong": [
-            _src("long c = 0 ;", _loop("i", 1, "<", "i ++", f"if ( i % {a} == 0 ) c ++ ;"), "return c ;"),
-            _src("long c = 0 ;", _loop("i", a, "<", f"i += {a}", "c ++ ;"), "return c ;"),
-            _src(f"return n / {o} ;"),
-            _src(f"return ( n + 1 ) / {a} ;"),
-        ],
-    }
+    slow, medium = _count_loops(f"i % {a} == 0", a, a)
+    slow_off, medium_off = _count_loops(f"i % {a} == 0", a, a, "<")
+    v = {"slow": [slow], "medium": [medium], "fast": [_src(f"return n / {a} ;")],
+         "wrong": [slow_off, medium_off, _src(f"return n / {_other(a)} ;"), _src(f"return ( n + 1 ) / {a} ;")]}
     return v, lambda n: n // a, _mod_cost(a)  # ~instructions per n of the slow loop at -O0
 
 
 def count_mod(a: int, b: int) -> tuple[Variants, Callable[[int], int], int]:
     """How many i in 1..n leave remainder b (1 <= b < a) when divided by a."""
     ob = b + 1 if b + 1 < a else b - 1
-    v = {
-        "slow": [_src("long c = 0 ;", _loop("i", 1, "<=", "i ++", f"if ( i % {a} == {b} ) c ++ ;"), "return c ;")],
-        "medium": [_src("long c = 0 ;", _loop("i", b, "<=", f"i += {a}", "c ++ ;"), "return c ;")],
-        "fast": [_src(f"return ( n + {a} - {b} ) / {a} ;")],
-        "wrong": [
-            _src("long c = 0 ;", _loop("i", 1, "<", "i ++", f"if ( i % {a} == {b} ) c ++ ;"), "return c ;"),
-            _src("long c = 0 ;", _loop("i", 1, "<=", "i ++", f"if ( i % {a} == {ob} ) c ++ ;"), "return c ;"),
-            _src(f"return ( n - {b} ) / {a} ;"),
-            _src("long c = 0 ;", _loop("i", b, "<", f"i += {a}", "c ++ ;"), "return c ;"),
-        ],
-    }
+    slow, medium = _count_loops(f"i % {a} == {b}", b, a)
+    slow_off, medium_off = _count_loops(f"i % {a} == {b}", b, a, "<")
+    wrong_remainder, _ = _count_loops(f"i % {a} == {ob}", b, a)
+    v = {"slow": [slow], "medium": [medium], "fast": [_src(f"return ( n + {a} - {b} ) / {a} ;")],
+         "wrong": [slow_off, wrong_remainder, _src(f"return ( n - {b} ) / {a} ;"), medium_off]}
     return v, lambda n: (n + a - b) // a, _mod_cost(a, b)
 
 
@@ -513,24 +505,19 @@ def sampled_kinds(
     }
 
 
+RECIPE = Recipe(probe_every=25, batch_size=32)  # size and warm-up of the tiny code model (examples.tiny.Recipe)
+
+
 def build(
     out_dir: str = DEFAULT_DIR,
     seed: int = 0,
     *,
     per_problem: int = 40,
     mix: dict[str, float] | None = None,
-    steps: int = 1000,
     target_correct: float = 0.5,
     target_faster: float = 0.07,
-    probe_every: int = 25,
-    batch_size: int = 32,
-    lr: float = 3e-3,
-    hidden: int = 128,
-    layers: int = 2,
-    heads: int = 4,
     n_samples: int = 8,
-    threads: int | None = 1,
-    log_every: int = 100,
+    **recipe: Any,
 ) -> dict[str, Any]:
     """Write the data, train tokenizer and model, warm up, evaluate, save; returns the summary.
 
@@ -542,10 +529,11 @@ def build(
     (target_correct 0 or above 1: never stop early). Stopping on the probe rather than a step
     count keeps the result similar across seeds, which learn to copy the prompt at different
     steps. The final model is then sampled `n_samples` times per problem at T=1.0 to report the
-    share of each variant kind (0 skips it). `threads` sets torch's CPU threads while it runs
-    (None or 0: leave them); the caller's setting is restored.
+    share of each variant kind (0 skips it). `recipe`: any field of `Recipe` (steps, batch_size,
+    lr, probe_every, hidden, layers, heads, threads, log_every).
     """
-    with torch_threads(threads):
+    r = RECIPE.with_(**recipe)
+    with torch_threads(r.threads):
         t0 = time.perf_counter()
         out = Path(out_dir)
         train, test = code_speedup_splits(seed)
@@ -553,62 +541,34 @@ def build(
 
         # The vocabulary covers every problem of every family, so it does not depend on the split.
         tokenizer = word_tokenizer(code_corpus(all_code_problems()), model_max_length=MAX_POSITIONS)
-        model = build_model(tokenizer, seed, hidden=hidden, layers=layers, heads=heads, max_positions=MAX_POSITIONS)
+        model = build_model(tokenizer, seed, hidden=r.hidden, layers=r.layers, heads=r.heads, max_positions=MAX_POSITIONS)
         examples = sft_examples(train, seed=seed, per_problem=per_problem, mix=mix)
         probes: list[dict[str, float]] = []
 
         def reached_target(done: int) -> bool:
-            if not 0 < target_correct <= 1 or done % probe_every:
+            if not 0 < target_correct <= 1 or done % r.probe_every:
                 return False
             probs = kind_probabilities(model, tokenizer, train)
             probes.append({"step": done, **{k: round(v, 4) for k, v in probs.items()}})
-            if log_every:
+            if r.log_every:
                 print(f"probe step {done}: " + " ".join(f"{k} {v:.3f}" for k, v in probs.items()), flush=True)
             return probs["correct"] >= target_correct and min(probs["medium"], probs["fast"]) >= target_faster
 
-        t_sft = time.perf_counter()
-        losses = sft_train(
-            model,
-            tokenizer,
-            [p for p, _ in examples],
-            [c for _, c in examples],
-            steps=steps,
-            batch_size=batch_size,
-            lr=lr,
-            seed=seed,
-            log_every=log_every,
-            warmup_steps=min(50, steps // 10),
-            stop_fn=reached_target,
-        )
-        sft_s = time.perf_counter() - t_sft
-
-        model_dir = out / "model"
-        save_pretrained_atomic(model, tokenizer, model_dir)
+        _, sft_summary = warm_up(model, tokenizer, [p for p, _ in examples], [c for _, c in examples], r, seed,
+                                 stop_fn=reached_target)
+        saved = save_model(out, model, tokenizer, seed, train, test)
 
         summary: dict[str, Any] = {
-            "seed": seed,
-            "model_dir": str(model_dir),
-            "train_file": str(out / "data" / "train.jsonl"),
-            "test_file": str(out / "data" / "test.jsonl"),
-            "n_train": len(train),
-            "n_test": len(test),
+            **saved,
             "families": dict(Counter(p.family for p in train + test)),
             "n_sft_examples": len(examples),
-            "params": sum(p.numel() for p in model.parameters()),
-            "config": {"hidden": hidden, "layers": layers, "heads": heads, "vocab": len(tokenizer),
-                       "max_positions": MAX_POSITIONS},
-            "sft_steps": len(losses),
-            "sft_max_steps": steps,
+            "max_positions": MAX_POSITIONS,
             "sft_target_correct": target_correct,
             "sft_target_faster": target_faster,
             "sft_probes": probes,
-            "sft_batch_size": batch_size,
-            "sft_lr": lr,
-            "sft_first_loss": losses[0] if losses else None,
-            "sft_final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])) if losses else None,
             "expected_kinds_train": kind_probabilities(model, tokenizer, train),
             "expected_kinds_test": kind_probabilities(model, tokenizer, test),
-            "sft_s": round(sft_s, 2),
+            **sft_summary,
         }
         if n_samples:
             t_eval = time.perf_counter()

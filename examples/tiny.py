@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import json
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from trainer.sft import sft_train
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
@@ -107,6 +112,58 @@ def build_model(
     return model.float().eval()
 
 
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a task's tiny model is made: its size and its SFT warm-up. Each task keeps its own
+    defaults (`RECIPE`); its `build()` takes any field as a keyword argument (`Recipe.with_`)."""
+
+    steps: int = 1000  # most SFT steps (the task's probe usually stops the warm-up earlier)
+    batch_size: int = 64
+    lr: float = 3e-3
+    probe_every: int = 10  # steps between checks of the task's stopping probe
+    hidden: int = 128
+    layers: int = 2
+    heads: int = 4
+    threads: int | None = 1  # torch CPU threads while building (None or 0: leave them); restored after
+    log_every: int = 100  # print the SFT loss every N steps (0: never)
+
+    def with_(self, **changes: Any) -> Recipe:
+        """A copy with `changes`; an unknown name is a TypeError naming it."""
+        return dataclasses.replace(self, **changes)
+
+
+def warm_up(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[str], completions: list[str],
+            recipe: Recipe, seed: int, stop_fn: Callable[[int], bool]) -> tuple[list[float], dict[str, Any]]:
+    """SFT of a fresh tiny model on (prompt, completion) pairs (`trainer.sft.sft_train`, with a
+    short lr warm-up) that `stop_fn(done_steps)` ends once the task's probe is reached; returns
+    the losses and the summary fields every task reports about it."""
+    r, t0 = recipe, time.perf_counter()
+    losses = sft_train(model, tokenizer, prompts, completions, steps=r.steps, batch_size=r.batch_size, lr=r.lr,
+                       seed=seed, log_every=r.log_every, warmup_steps=min(50, r.steps // 10), stop_fn=stop_fn)
+    return losses, {
+        "params": sum(p.numel() for p in model.parameters()),
+        "config": {"hidden": r.hidden, "layers": r.layers, "heads": r.heads, "vocab": len(tokenizer)},
+        "sft_steps": len(losses),
+        "sft_max_steps": r.steps,
+        "sft_batch_size": r.batch_size,
+        "sft_lr": r.lr,
+        "sft_first_loss": losses[0] if losses else None,
+        "sft_final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])) if losses else None,
+        "sft_s": round(time.perf_counter() - t0, 2),
+    }
+
+
+def save_model(out_dir: str | Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int,
+               train: list[Any], test: list[Any]) -> dict[str, Any]:
+    """OUT/model (complete or absent); returns the summary fields every task reports about its files."""
+    from trainer.engine import save_pretrained_atomic
+
+    out = Path(out_dir)
+    save_pretrained_atomic(model, tokenizer, out / "model")
+    return {"seed": seed, "model_dir": str(out / "model"), "train_file": str(out / "data" / "train.jsonl"),
+            "test_file": str(out / "data" / "test.jsonl"), "n_train": len(train), "n_test": len(test)}
 
 
 def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> str:

@@ -29,13 +29,30 @@ def require_model(path: str, what: str = "model.path") -> None:
         )
 
 
-def supervised_main(cfg: Any, validate: Callable[[Any], None], ensure_inputs: Callable[[Any], None],
-                    train: Callable[[Any], Any]) -> None:
+def supervised_inputs(cfg: Any) -> None:
+    """A supervised run's inputs: the built-in policy and data its default paths name are built
+    when missing (`examples.ensure_builtin`); the model folder must exist."""
+    from examples import ensure_builtin
+
+    ensure_builtin([cfg.model.path, *cfg.data.train_files, *cfg.data.test_files], cfg.run.seed)
+    require_model(cfg.model.path)
+
+
+def run_supervised(app: str, train: Callable[[Any], Any], overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """`launch.train_sft.run` / `launch.train_rm.run`: the command line without a subprocess."""
+    from rl.compose import compose
+
+    cfg = compose(app, overrides)
+    supervised_inputs(cfg)
+    return train(cfg)
+
+
+def supervised_main(cfg: Any, validate: Callable[[Any], None], train: Callable[[Any], Any]) -> None:
     """The body of `launch.train_sft` and `launch.train_rm`: check everything, then train; a data
     problem found while loading (a DataError, a ValueError) also ends with one line."""
     try:
         validate(cfg)
-        ensure_inputs(cfg)
+        supervised_inputs(cfg)
         refuse_existing_run(cfg.run.dir)
     except INPUT_ERRORS as err:
         fail(err)

@@ -19,17 +19,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from examples import ensure_builtin
-from launch.cli import require_model, supervised_main
+from launch.cli import run_supervised, supervised_main
 from launch.console import quiet_driver
 from rl.compose import compose
 from rl.sft_rm_config import validate_rm
-
-
-def ensure_inputs(cfg: DictConfig) -> None:
-    """Build the tiny policy and the tiny preference data when their default paths are used and missing."""
-    ensure_builtin([cfg.model.path, *cfg.data.train_files, *cfg.data.test_files], cfg.run.seed)
-    require_model(cfg.model.path)
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -38,12 +31,11 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
 
 def run(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """Python entry: `run(["optim.epochs=2", "run.dir=/tmp/rm"])` is the CLI without a subprocess."""
+    """Python entry: `run(["run.dir=/tmp/x", ...])` is the CLI without a subprocess (the built-in
+    policy and data are built when missing)."""
     from trainer.reward_model import train_rm
 
-    cfg = compose_config(overrides)
-    ensure_inputs(cfg)
-    return train_rm(cfg)
+    return run_supervised("train_rm", train_rm, overrides)
 
 
 @hydra.main(config_path="../configs", config_name="train_rm", version_base=None)
@@ -51,7 +43,7 @@ def main(cfg: DictConfig) -> None:
     quiet_driver()
     from trainer.reward_model import train_rm
 
-    supervised_main(cfg, validate_rm, ensure_inputs, train_rm)
+    supervised_main(cfg, validate_rm, train_rm)
 
 
 if __name__ == "__main__":

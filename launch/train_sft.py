@@ -23,17 +23,10 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from examples import ensure_builtin
-from launch.cli import require_model, supervised_main
+from launch.cli import run_supervised, supervised_main
 from launch.console import quiet_driver
 from rl.compose import compose
 from rl.sft_rm_config import validate_sft
-
-
-def ensure_inputs(cfg: DictConfig) -> None:
-    """Build the tiny policy and its arithmetic data when their default paths are used and missing."""
-    ensure_builtin([cfg.model.path, *cfg.data.train_files, *cfg.data.test_files], cfg.run.seed)
-    require_model(cfg.model.path)
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
@@ -42,12 +35,11 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 
 
 def run(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
-    """Python entry: `run(["data.format=chat", "run.dir=/tmp/sft"])` is the CLI without a subprocess."""
+    """Python entry: `run(["run.dir=/tmp/x", ...])` is the CLI without a subprocess (the built-in
+    policy and data are built when missing)."""
     from trainer.sft import train_sft
 
-    cfg = compose_config(overrides)
-    ensure_inputs(cfg)
-    return train_sft(cfg)
+    return run_supervised("train_sft", train_sft, overrides)
 
 
 @hydra.main(config_path="../configs", config_name="train_sft", version_base=None)
@@ -55,7 +47,7 @@ def main(cfg: DictConfig) -> None:
     quiet_driver()
     from trainer.sft import train_sft
 
-    supervised_main(cfg, validate_sft, ensure_inputs, train_sft)
+    supervised_main(cfg, validate_sft, train_sft)
 
 
 if __name__ == "__main__":

@@ -85,6 +85,40 @@ def split_table(train, test_files: list[str], test_fraction: float, seed: int, l
     return train, None
 
 
+def load_encoded(data: Any, seed: int, columns: dict[str, str | None], encode: Callable[[Any], Any],
+                 length: Callable[[Any], int], *, optional: tuple[str, ...] = (), noun: str = "row"):
+    """The supervised trainers' data: the train and test rows of a config's `data` section
+    (`data.train_files`; `data.test_files`, else `data.test_fraction` of train held out), checked
+    for `columns`, each turned into an example by `encode(row)`. Examples longer than
+    `data.max_length` tokens (`length(example)`) are dropped and counted. A row `encode` rejects
+    (ValueError, TypeError) is a DataError naming its file and index, and so is a training set
+    with nothing left. Returns (train, test or None, dropped)."""
+    d = data
+    train = load_columns(d.train_files, columns, "data.train_files", optional=optional)
+    train, test = split_table(train, list(d.test_files), d.test_fraction, seed,
+                              lambda: load_columns(d.test_files, columns, "data.test_files", optional=optional))
+    dropped = 0
+
+    def encode_all(table, files: list[str]) -> list[Any]:
+        nonlocal dropped
+        out = []
+        for i, row in enumerate(table):
+            try:
+                example = encode(row)
+            except (ValueError, TypeError) as err:
+                raise DataError(f"row {i} of {list(files)}: {err}") from None
+            if length(example) > d.max_length:
+                dropped += 1
+                continue
+            out.append(example)
+        return out
+
+    train_examples = encode_all(train, d.train_files)
+    if not train_examples:
+        raise DataError(f"every training {noun} is longer than data.max_length={d.max_length} tokens; raise it")
+    return train_examples, encode_all(test, d.test_files or d.train_files) if test is not None else None, dropped
+
+
 class PromptDataset:
     def __init__(self, files: list[str], prompt_key: str, tokenizer: Any, seed: int, max_prompt_tokens: int):
         self.table = load_columns(files, {"task.prompt_key": prompt_key}, "task.train_files")

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rl.data import DataError, load_columns, split_table
+from rl.data import load_encoded
 from rl.preference import bradley_terry_loss, pairwise_accuracy
 from trainer.sft import collate_right_padded, pad_id_of, tokenize_pair
 from trainer.supervised import fit, torch_threads
@@ -90,32 +90,17 @@ def load_pairs(cfg: Any, tokenizer: Any) -> tuple[list[dict[str, Any]], list[dic
     d = cfg.data
     columns = {"data.prompt_key": d.prompt_key, "data.chosen_key": d.chosen_key, "data.rejected_key": d.rejected_key,
                "data.margin_key": d.margin_key, "data.group_key": d.group_key}
-    optional = ("data.margin_key", "data.group_key")
-    train = load_columns(d.train_files, columns, "data.train_files", optional=optional)
-    train, test = split_table(train, list(d.test_files), d.test_fraction, cfg.run.seed,
-                              lambda: load_columns(d.test_files, columns, "data.test_files", optional=optional))
-    dropped = 0
 
-    def encode(table) -> list[dict[str, Any]]:
-        nonlocal dropped
-        out = []
-        for row in table:
-            pair = {
-                "chosen": rm_input_ids(tokenizer, row[d.prompt_key], row[d.chosen_key]),
-                "rejected": rm_input_ids(tokenizer, row[d.prompt_key], row[d.rejected_key]),
-                "margin": float(row[d.margin_key]) if d.margin_key else 0.0,
-                "group": str(row[d.group_key]) if d.group_key else None,
-            }
-            if max(len(pair["chosen"]), len(pair["rejected"])) > d.max_length:
-                dropped += 1
-                continue
-            out.append(pair)
-        return out
+    def encode(row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "chosen": rm_input_ids(tokenizer, row[d.prompt_key], row[d.chosen_key]),
+            "rejected": rm_input_ids(tokenizer, row[d.prompt_key], row[d.rejected_key]),
+            "margin": float(row[d.margin_key]) if d.margin_key else 0.0,
+            "group": str(row[d.group_key]) if d.group_key else None,
+        }
 
-    train_pairs = encode(train)
-    if not train_pairs:
-        raise DataError(f"every training pair is longer than data.max_length={d.max_length} tokens; raise it")
-    return train_pairs, encode(test) if test is not None else None, dropped
+    return load_encoded(d, cfg.run.seed, columns, encode, lambda p: max(len(p["chosen"]), len(p["rejected"])),
+                        optional=("data.margin_key", "data.group_key"), noun="pair")
 
 
 def pair_scores(model: Any, pairs: list[dict[str, Any]], pad_id: int) -> tuple[Any, Any]:

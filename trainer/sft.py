@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from rl.data import DataError, load_columns, split_table
+from rl.data import load_encoded
 from trainer.supervised import TorchStepper, fit, lr_factor, torch_threads, train_loop
 
 IGNORE_INDEX = -100
@@ -268,32 +268,13 @@ def load_examples(cfg: Any, tokenizer: Any):
         columns = {"data.messages_key": d.messages_key}
     else:
         columns = {"data.prompt_key": d.prompt_key, "data.completion_key": d.completion_key}
-    train = load_columns(d.train_files, columns, "data.train_files")
-    train, test = split_table(train, list(d.test_files), d.test_fraction, cfg.run.seed,
-                              lambda: load_columns(d.test_files, columns, "data.test_files"))
-    dropped = 0
 
-    def encode(table) -> list[tuple[list[int], list[int]]]:
-        nonlocal dropped
-        out = []
-        for i, row in enumerate(table):
-            try:
-                if d.format == "chat":
-                    example = chat_example(tokenizer, row[d.messages_key])
-                else:
-                    example = build_example(*tokenize_pair(tokenizer, row[d.prompt_key], row[d.completion_key]))
-            except (ValueError, TypeError) as err:
-                raise DataError(f"row {i} of {list(d.train_files if table is train else d.test_files)}: {err}") from None
-            if len(example[0]) > d.max_length:
-                dropped += 1
-                continue
-            out.append(example)
-        return out
+    def encode(row: dict[str, Any]) -> tuple[list[int], list[int]]:
+        if d.format == "chat":
+            return chat_example(tokenizer, row[d.messages_key])
+        return build_example(*tokenize_pair(tokenizer, row[d.prompt_key], row[d.completion_key]))
 
-    train_examples = encode(train)
-    if not train_examples:
-        raise DataError(f"every training row is longer than data.max_length={d.max_length} tokens; raise it")
-    return train_examples, encode(test) if test is not None else None, dropped
+    return load_encoded(d, cfg.run.seed, columns, encode, lambda example: len(example[0]))
 
 
 def evaluate(model: Any, examples: list[tuple[list[int], list[int]]], pad_id: int, micro_batch_size: int) -> dict[str, float]:

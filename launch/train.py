@@ -6,11 +6,9 @@ Bad config fails here, before Ray or any model starts: Hydra checks keys and typ
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
-import sys
 from typing import Any
 
 import hydra

@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError, RuntimeEnvSetupError
+from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, RuntimeEnvSetupError
 
 from rl.types import Sample, ScoredSample
 from reward.loader import RewardLoadError
@@ -97,11 +97,15 @@ class RewardService:
         """Score on all workers. A worker that dies mid-chunk (e.g. user code crashed the
         process) marks that chunk's samples with an error; Ray restarts the actor."""
         chunks = _split(samples, len(self._workers))
-        refs = [(w.score.remote(c), c) for w, c in zip(self._workers, chunks) if c]
+        refs = [(w, w.score.remote(c), c) for w, c in zip(self._workers, chunks) if c]
         scored: list[ScoredSample] = []
-        for ref, chunk in refs:
+        for worker, ref, chunk in refs:
             try:
-                scored.extend(ray.get(ref))
+                try:
+                    scored.extend(ray.get(ref))
+                except ActorUnavailableError:  # still restarting after an earlier crash: the chunk never ran
+                    ray.get(worker.load.remote())  # waits until the restarted actor answers
+                    scored.extend(ray.get(worker.score.remote(chunk)))
             except RayActorError as exc:
                 error = f"reward worker died while scoring: {_first_lines(exc)}"
                 scored.extend(ScoredSample(sample=s, reward=None, error=error) for s in chunk)

@@ -41,14 +41,10 @@ def tiny_code(tmp_path_factory) -> tuple[str, dict]:
 
 def compose_config(overrides: list[str]):
     """The real Hydra config of `launch.train` with overrides, validated, paths made absolute."""
-    from hydra import compose, initialize_config_dir
-
     import launch.train
-    from rl.config import validate
+    from rl.compose import compose
 
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base=None):
-        cfg = compose("train", overrides=list(overrides))
-    validate(cfg)
+    cfg = compose("train", overrides)
     launch.train.resolve_paths(cfg)
     return cfg
 

@@ -154,10 +154,10 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
         if cfg.rollout.sleep_between_steps:
             fleet.sleep()
         batch = learner.score(batch)
-        est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_ctrl.value,
+        kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
+        est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_coef,
                                   batch.old_logprobs, batch.ref_logprobs, batch.values)
         batch.advantages, batch.returns = est.advantages, est.returns
-        kl_coef = kl_ctrl.value  # this step's: the controller adapts it after the update
         train_metrics = learner.train_step(batch, step, kl_coef)
         t_train = time.perf_counter()
         version += 1

@@ -7,10 +7,17 @@ program), `harness` (trusted `main` built with the candidate, or None), `tests` 
 Reward of a completion:
 - 0 if it fails to compile, fails any visible or hidden test, exceeds a limit, tries something
   the sandbox forbids (a process, a socket) or exits before the harness finishes;
+- 0 if its measured (benchmark) run does not print what the reference's printed on the same
+  input: a program that notices it is measured cannot skip the work there;
 - else `clip(correct_bonus + (1 - correct_bonus) * ln(speedup) / ln(max_speedup), 0, 1)`, where
   speedup = cost(reference) / cost(candidate), both measured by the same method on the same
   input in the same kind of sandbox. A copy of the reference scores `correct_bonus`.
-- a sandbox failure (not the program's fault) is an error for that sample, never a 0.
+- a sandbox failure (not the program's fault) is an error for that sample, never a 0; so is a
+  reference that fails, or prints nothing on the benchmark input (nothing to check against).
+
+The reference of a problem seen for the first time runs before its candidates (their jobs carry
+its benchmark output as `bench_expected_stdout`); later calls know that output and run
+candidates and references together.
 
 Judgements are memoised per process by the job's content: instruction counts are deterministic,
 so a completion the policy repeats is not benchmarked again (cpu_time results are not memoised).
@@ -36,6 +43,8 @@ _SENTINEL = "end-" + secrets.token_hex(8)
 _CACHE_SIZE = 50_000
 _cache: OrderedDict[str, Result] = OrderedDict()
 _cache_lock = threading.Lock()
+# reference job key -> what the reference printed on the benchmark input (under _cache_lock)
+_bench_outputs: OrderedDict[str, str] = OrderedDict()
 
 
 class SandboxFailure(RuntimeError):
@@ -57,8 +66,10 @@ def speedup_to_reward(speedup: float, max_speedup: float = 100.0, correct_bonus:
     return min(max(scaled, 0.0), 1.0)
 
 
-def make_job(source: str, row: dict[str, Any], method: str = "instructions", name: str = "") -> Job:
-    """The sandbox job for `source` on the problem described by dataset `row`."""
+def make_job(source: str, row: dict[str, Any], method: str = "instructions", name: str = "",
+             bench_expected_stdout: str | None = None) -> Job:
+    """The sandbox job for `source` on the problem described by dataset `row`; a candidate's
+    `bench_expected_stdout` is the reference's benchmark output."""
     return Job(
         language=Language(row.get("language") or "c"),
         source=source,
@@ -70,6 +81,7 @@ def make_job(source: str, row: dict[str, Any], method: str = "instructions", nam
         bench_stdin=row.get("bench_stdin"),
         method=Method(method),
         name=name,
+        bench_expected_stdout=bench_expected_stdout,
     )
 
 
@@ -80,17 +92,48 @@ def judge(
     backend: str = "process",
 ) -> list[Judgement]:
     """Judge every completion against its row's reference, running each distinct job once."""
-    jobs = [make_job(c, row, method, name="candidate") for c, row in zip(completions, rows, strict=True)]
+    if len(completions) != len(rows):
+        raise ValueError(f"{len(completions)} completions for {len(rows)} rows")
+    settings = SandboxSettings(backend=backend)
     refs = [make_job(row["reference"], row, method, name="reference") for row in rows]
-    results = _run_memoised(jobs + refs, SandboxSettings(backend=backend))
-    cand, ref = results[: len(jobs)], results[len(jobs):]
-    return [_compare(c, r) for c, r in zip(cand, ref)]
+    keys = [_key(job, backend) for job in refs]
+    # A problem seen for the first time: its reference runs first, for the benchmark output its
+    # candidates must print (and, under instructions, is then memoised like any job).
+    with _cache_lock:
+        unseen = {k: job for k, job in zip(keys, refs) if k not in _bench_outputs}
+    early = dict(zip(unseen, _run_memoised(list(unseen.values()), settings)))
+    with _cache_lock:
+        for k, res in early.items():
+            if res.status is Status.OK and res.bench_stdout:
+                _bench_outputs[k] = res.bench_stdout
+        for k in keys:
+            if k in _bench_outputs:
+                _bench_outputs.move_to_end(k)
+        while len(_bench_outputs) > _CACHE_SIZE:
+            _bench_outputs.popitem(last=False)
+        expected = [_bench_outputs.get(k) for k in keys]
+    # Candidates of a reference that failed or printed nothing are not run: that is an error. A
+    # copy of the reference is not run either: the reference's own result is its result.
+    cand_at = [i for i, e in enumerate(expected) if e is not None and completions[i] != rows[i]["reference"]]
+    ref_at = [i for i, k in enumerate(keys) if k not in early]
+    jobs = [make_job(completions[i], rows[i], method, name="candidate", bench_expected_stdout=expected[i])
+            for i in cand_at]
+    results = _run_memoised(jobs + [refs[i] for i in ref_at], settings)
+    ref = {i: early[k] for i, k in enumerate(keys) if k in early} | dict(zip(ref_at, results[len(jobs):]))
+    cand = {i: ref[i] for i, e in enumerate(expected) if e is not None} | dict(zip(cand_at, results[: len(jobs)]))
+    return [_compare(cand.get(i), ref[i], expected[i]) for i in range(len(rows))]
 
 
-def _compare(cand: Result, ref: Result) -> Judgement:
+def _compare(cand: Result | None, ref: Result, expected: str | None) -> Judgement:
     if ref.status is not Status.OK or ref.measurement is None:
         why = ref.detail or ref.status.value
-        return Judgement(cand, error=SandboxFailure(f"the reference solution did not pass: {ref.status.value}: {why}"))
+        return _error(cand, f"the reference solution did not pass: {ref.status.value}: {why}")
+    if expected is None:
+        return _error(cand, "the reference printed nothing on the benchmark input (bench_stdin): "
+                            "a candidate's benchmark run could not be checked")
+    if ref.bench_stdout is not None and ref.bench_stdout != expected:
+        return _error(cand, "the reference printed something else on the benchmark input than in an earlier run")
+    assert cand is not None  # run whenever the reference's benchmark output is known
     if cand.status is Status.SANDBOX_ERROR:
         return Judgement(cand, error=SandboxFailure(cand.detail))
     if cand.status is not Status.OK:
@@ -99,6 +142,10 @@ def _compare(cand: Result, ref: Result) -> Judgement:
     if cand.measurement.method != ref.measurement.method:
         return Judgement(cand, error=SandboxFailure("candidate and reference measured by different methods"))
     return Judgement(cand, speedup=ref.measurement.value / max(cand.measurement.value, 1e-12))
+
+
+def _error(cand: Result | None, why: str) -> Judgement:
+    return Judgement(cand or Result(Status.SANDBOX_ERROR, detail=f"not run: {why}"), error=SandboxFailure(why))
 
 
 def _run_memoised(jobs: list[Job], settings: SandboxSettings) -> list[Result]:
@@ -125,7 +172,8 @@ def _run_memoised(jobs: list[Job], settings: SandboxSettings) -> list[Result]:
 
 def _key(job: Job, backend: str) -> str:
     fields = [backend, job.language.value, job.source, job.harness, job.compile_flags, job.bench_stdin, job.method.value,
-              [(t.stdin, t.expected_stdout, t.args) for t in job.tests + job.hidden_tests], repr(job.limits)]
+              [(t.stdin, t.expected_stdout, t.args) for t in job.tests + job.hidden_tests], repr(job.limits),
+              job.bench_expected_stdout]
     return hashlib.sha256(json.dumps(fields, default=list).encode()).hexdigest()
 
 

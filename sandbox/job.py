@@ -82,6 +82,10 @@ class Job:
     `solution`). A harness must print `sentinel` as its last line after reading all input; a run
     whose output does not end with it exited early and is a runtime error.
     `bench_stdin`: the input measured by `method`; None skips benchmarking.
+    `bench_expected_stdout`: what every measured run must print on `bench_stdin` (compared like a
+    test's expected output); a run that prints anything else is a wrong answer, so a program
+    cannot skip its work when it notices it is being measured. None: the output is not checked
+    but recorded in `Result.bench_stdout` (run the reference that way to learn it).
     """
 
     language: Language
@@ -97,6 +101,7 @@ class Job:
     method: Method = Method.INSTRUCTIONS
     repeats: int = 5              # runs for cpu_time (min is reported); instructions runs once
     name: str = ""
+    bench_expected_stdout: str | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,9 @@ class Result:
     run_s: float = 0.0            # wall seconds spent running tests
     measurement: Measurement | None = None
     backend: str = ""
+    # The benchmark run's output (end marker removed, normalised as tests compare it), recorded
+    # for a job that gave no `bench_expected_stdout`; None otherwise.
+    bench_stdout: str | None = None
 
     @property
     def ok(self) -> bool:

@@ -6,17 +6,25 @@ that passed every test, on `job.bench_stdin`, with `job.method`:
 - `instructions`: one run under callgrind; the count is deterministic for the same binary,
   input and environment, so it is the same under load and across machines of one kind.
 - `cpu_time`: min over `job.repeats` runs of user+sys CPU seconds; `spread` says how noisy.
+
+A measured run is judged like a test: it must finish the harness and, given
+`job.bench_expected_stdout`, print exactly that (every repeat), so a program that notices it is
+measured (valgrind in its maps, a bigger input) cannot skip the work. Without an expectation its
+output is recorded in `Result.bench_stdout`. Every measured run also starts from the work dir as
+built: whatever a test run or an earlier repeat left there (a cached answer, a precomputed
+table) is deleted first, and a build output it changed (`prog`, a Python source) is a runtime error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import secrets
 import time
 from dataclasses import replace
 
 from sandbox.backend import Backend, Box
-from sandbox.job import ExecOutcome, Job, Language, Limits, Measurement, Method, Result, Status, TestCase
+from sandbox.job import ExecOutcome, Job, Language, Limits, Measurement, Method, Result, Status
 
 TAIL_CHARS = 2000
 # callgrind writes its report into the work dir at exit; a random name keeps the program from
@@ -26,6 +34,46 @@ CALLGRIND_PREFIX = ".callgrind-"
 VALGRIND_SLOWDOWN = 60.0
 VALGRIND_EXTRA_MB = 512
 _TOTAL = re.compile(rb"^(?:summary|totals):\s*(\d+)", re.MULTILINE)
+
+# Run inside the box before every measured run: deletes everything in the work dir but the build
+# outputs named in argv (with their sha256), checks those are what was built, then execs the rest
+# of argv, if any (so under callgrind the reset costs no sandbox run of its own and no counted
+# instruction; ~20 ms). `python3 -I -S` imports nothing from the work dir. A failure is reported
+# on stderr behind argv[1], a random tag the program cannot know: it runs only after the check.
+_RESET_WORKDIR = r"""
+import hashlib, os, stat, sys
+def fail(why):
+    sys.stderr.write(sys.argv[1] + why + "\n")
+    sys.stderr.flush()
+    os._exit(2)
+cut = sys.argv.index("--")
+keep = dict(zip(sys.argv[2:cut:2], sys.argv[3:cut:2]))
+try:
+    os.chmod(os.getcwd(), 0o700)
+    todo, dirs = [n for n in os.listdir(".") if n not in keep], []
+    while todo:
+        path = todo.pop()
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            os.chmod(path, 0o700)
+            dirs.append(path)
+            todo += [os.path.join(path, n) for n in os.listdir(path)]
+        else:
+            os.unlink(path)
+    for path in reversed(dirs):
+        os.rmdir(path)
+    for name, digest in keep.items():
+        if not stat.S_ISREG(os.lstat(name).st_mode):
+            fail(name + " is no longer the file built")
+        os.chmod(name, 0o700)
+        with open(name, "rb") as f:
+            if hashlib.sha256(f.read()).hexdigest() != digest:
+                fail(name + " was changed after it was built")
+except OSError as e:
+    fail(type(e).__name__ + ": " + str(e))
+if sys.argv[cut + 1:]:
+    os.execvp(sys.argv[cut + 1], sys.argv[cut + 1:])
+"""
+_RESET_LIMITS = Limits(wall_s=10.0, cpu_s=5.0, memory_mb=256)
 
 _SOURCE_NAME = {Language.C: "solution.c", Language.CPP: "solution.cpp", Language.PYTHON: "solution.py"}
 _HARNESS_NAME = {Language.C: "harness.c", Language.CPP: "harness.cpp", Language.PYTHON: "main.py"}
@@ -66,13 +114,15 @@ def _judge(job: Job, box: Box) -> Result:
         return failure
 
     argv = program_argv(language, job.harness is not None)
+    # What the measured runs use, as built: taken before any test run could change it.
+    built = _built_files(job, language, box) if job.bench_stdin is not None else {}
     tests = [(t, False) for t in job.tests] + [(t, True) for t in job.hidden_tests]
     started = time.monotonic()
     last: ExecOutcome | None = None
     for i, (test, hidden) in enumerate(tests):
         last = box.run(argv + list(test.args), _stdin(job, test.stdin), job.limits)
         label = f"test {i + 1} of {len(tests)}{' (hidden)' if hidden else ''}"
-        failure = _failure(job, last, label, test)
+        failure, _ = _check(job, last, label, test.expected_stdout)
         if failure is not None:
             failure.tests_passed, failure.tests_total = i, len(tests)
             failure.compile_s, failure.run_s = compile_s, time.monotonic() - started
@@ -83,12 +133,14 @@ def _judge(job: Job, box: Box) -> Result:
     if last is not None:
         result.stdout_tail, result.stderr_tail = _tail(last.stdout), _tail(last.stderr)
     if job.bench_stdin is not None:
-        measured = _benchmark(job, box, argv)
+        measured = _benchmark(job, box, argv, built)
         if isinstance(measured, Result):
             measured.tests_passed, measured.tests_total = result.tests_passed, result.tests_total
             measured.compile_s, measured.run_s = compile_s, run_s
             return measured
-        result.measurement = measured
+        result.measurement, output = measured
+        if job.bench_expected_stdout is None:
+            result.bench_stdout = output
     return result
 
 
@@ -117,8 +169,9 @@ def _stdin(job: Job, text: str) -> bytes:
     return f"{text}{sep}{job.sentinel}\n".encode()
 
 
-def _failure(job: Job, out: ExecOutcome, label: str, test: TestCase | None) -> Result | None:
-    """None when the run passed; otherwise the failing Result (status and a one-line reason)."""
+def _check(job: Job, out: ExecOutcome, label: str, expected: str | None) -> tuple[Result | None, str]:
+    """(None when the run passed, else the failing Result with a one-line reason; the program's
+    output, normalised, without the end marker). `expected` None: any output passes."""
     status, why = _run_status(out)
     stdout = out.stdout.decode(errors="replace")
     if status is Status.OK and job.sentinel is not None:
@@ -127,13 +180,14 @@ def _failure(job: Job, out: ExecOutcome, label: str, test: TestCase | None) -> R
             status, why = Status.RUNTIME_ERROR, "exited before the harness finished (no end marker)"
         else:
             stdout = "\n".join(lines[:-1])
-    if status is Status.OK and test is not None:
-        got, want = normalize_output(stdout), normalize_output(test.expected_stdout)
+    got = normalize_output(stdout)
+    if status is Status.OK and expected is not None:
+        want = normalize_output(expected)
         if got != want:
             status, why = Status.WRONG_ANSWER, f"expected {_short(want)}, got {_short(got)}"
     if status is Status.OK:
-        return None
-    return Result(status, detail=f"{label}: {why}", stdout_tail=_tail(out.stdout), stderr_tail=_tail(out.stderr))
+        return None, got
+    return Result(status, detail=f"{label}: {why}", stdout_tail=_tail(out.stdout), stderr_tail=_tail(out.stderr)), got
 
 
 def _run_status(out: ExecOutcome) -> tuple[Status, str]:
@@ -154,8 +208,40 @@ def _run_status(out: ExecOutcome) -> tuple[Status, str]:
     return Status.OK, ""
 
 
-def _benchmark(job: Job, box: Box, argv: list[str]) -> Measurement | Result:
+def _built_files(job: Job, language: Language, box: Box) -> dict[str, str]:
+    """name -> sha256 of each file the program's runs use (the binary, or the Python sources)."""
+    if language is Language.PYTHON:
+        files = {_SOURCE_NAME[language]: job.source.encode()}
+        if job.harness is not None:
+            files[_HARNESS_NAME[language]] = job.harness.encode()
+    else:
+        prog = box.read("prog", job.compile_limits.file_bytes)
+        if prog is None:
+            raise RuntimeError("the compiler succeeded but left no ./prog")
+        files = {"prog": prog}
+    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+
+
+def _reset_argv(built: dict[str, str], tag: str, then: list[str]) -> list[str]:
+    return ["python3", "-I", "-S", "-c", _RESET_WORKDIR, tag, *(x for kv in built.items() for x in kv), "--", *then]
+
+
+def _reset_failure(out: ExecOutcome, tag: str, label: str) -> Result | None:
+    """The runtime error of a measured run whose work dir could not be reset to what was built."""
+    head = out.stderr.decode(errors="replace")
+    if not head.startswith(tag):
+        return None
+    why = head[len(tag):].split("\n", 1)[0]
+    return Result(Status.RUNTIME_ERROR, detail=f"{label}: the work dir could not be reset to what was built ({why})",
+                  stderr_tail=_tail(out.stderr))
+
+
+def _benchmark(job: Job, box: Box, argv: list[str], built: dict[str, str]) -> tuple[Measurement, str] | Result:
+    """(measurement, the program's output) or the failing Result. Every measured run must print
+    `job.bench_expected_stdout` if given, else what the first repeat printed."""
     stdin = _stdin(job, job.bench_stdin or "")
+    expected = job.bench_expected_stdout
+    tag = f"reset-{secrets.token_hex(8)}: "
     if Method(job.method) is Method.INSTRUCTIONS:
         limits = job.limits.scaled(VALGRIND_SLOWDOWN)
         limits = replace(limits, memory_mb=limits.memory_mb + VALGRIND_EXTRA_MB)
@@ -163,25 +249,41 @@ def _benchmark(job: Job, box: Box, argv: list[str]) -> Measurement | Result:
         # --command-line-only: a .valgrindrc the program planted in its work dir is not read.
         cmd = ["valgrind", "--tool=callgrind", "-q", "--command-line-only=yes", f"--callgrind-out-file={report_name}",
                "--dump-line=no", "--compress-strings=no", *argv]
-        out = box.run(cmd, stdin, limits)
-        failure = _failure(job, out, "benchmark run", None)
+        out = box.run(_reset_argv(built, tag, cmd), stdin, limits)
+        failure = _reset_failure(out, tag, "benchmark run")
+        if failure is None:
+            failure, output = _check(job, out, "benchmark run", expected)
         if failure is not None:
             return failure
         report = box.read(report_name, 1 << 22)
         match = _TOTAL.search(report or b"")
         if match is None:
             raise RuntimeError(f"callgrind wrote no instruction total (stderr: {_tail(out.stderr, 300)!r})")
-        return Measurement(Method.INSTRUCTIONS, float(match.group(1)), "instructions")
-    times = []
-    for _ in range(max(1, job.repeats)):
-        out = box.run(argv, stdin, job.limits)
-        failure = _failure(job, out, "benchmark run", None)
+        return Measurement(Method.INSTRUCTIONS, float(match.group(1)), "instructions"), output
+    # A run of its own resets the work dir before each repeat: its CPU time must not be measured.
+    times: list[float] = []
+    first: str | None = None
+    repeats = max(1, job.repeats)
+    reset_limits = replace(_RESET_LIMITS, workdir_mb=job.limits.workdir_mb)
+    for i in range(repeats):
+        label = "benchmark run" + (f" {i + 1} of {repeats}" if repeats > 1 else "")
+        reset = box.run(_reset_argv(built, tag, []), b"", reset_limits)
+        failure = _reset_failure(reset, tag, label)
         if failure is not None:
             return failure
+        if reset.exit_code != 0:
+            raise RuntimeError(f"resetting the work dir failed: {_run_status(reset)[1]} "
+                               f"(stderr: {_tail(reset.stderr, 300)!r})")
+        out = box.run(argv, stdin, job.limits)
+        failure, output = _check(job, out, label, expected if expected is not None else first)
+        if failure is not None:
+            return failure
+        first = output if first is None else first
         times.append(out.cpu_s)
     best = min(times)
     spread = (max(times) - best) / best if best > 0 else 0.0
-    return Measurement(Method.CPU_TIME, best, "s", runs=len(times), spread=spread)
+    assert first is not None
+    return Measurement(Method.CPU_TIME, best, "s", runs=len(times), spread=spread), first
 
 
 def normalize_output(text: str) -> str:

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from reward.code_speedup import judge, speedup_reward, speedup_to_reward
+from reward.code_speedup import SandboxFailure, judge, make_job, speedup_reward, speedup_to_reward
 from reward.scorer import RewardFunctionSpec, RewardScorer
 from rl.types import Sample
 from sandbox.job import Job, Language, Method, Status, TestCase
@@ -158,3 +158,121 @@ def test_a_planted_valgrindrc_does_not_change_the_measurement(backend):
     honest, planted = judge([FAST, planter], [ROW, ROW])
     assert planted.result.status is Status.OK
     assert planted.speedup <= honest.speedup  # it also did the file write: never cheaper than honest
+
+
+# -- a program that behaves differently when measured earns nothing --------------------------
+
+def _measured_wrong(detect: str) -> str:
+    """A correct, fast `f` that returns a wrong value when `detect` (C, a condition) holds."""
+    return ('#include <stdio.h>\n#include <string.h>\n'
+            'static int under_valgrind(void) { FILE *m = fopen("/proc/self/maps", "r"); char line[512]; int hit = 0;'
+            ' while (m && fgets(line, sizeof line, m)) if (strstr(line, "valgrind")) hit = 1;'
+            ' if (m) fclose(m); return hit; }\n'
+            'long f(long n) { if (%s) return 0; return 3 * n * (n + 1) / 2 + 5 * n; }' % detect)
+
+
+@pytest.mark.parametrize("detect", ["under_valgrind()", "n > 150000"], ids=["valgrind_in_maps", "bench_sized_input"])
+def test_a_harness_candidate_that_skips_the_work_when_measured_earns_nothing(backend, detect):
+    cheat = _measured_wrong(detect)
+    # It does tell the measured run apart: unchecked, its benchmark run prints 0, fast.
+    unchecked = run_job(make_job(cheat, ROW), backend)
+    assert unchecked.status is Status.OK and unchecked.bench_stdout == "0", unchecked
+    judged, honest = judge([cheat, FAST], [ROW, ROW])
+    assert judged.result.status is Status.WRONG_ANSWER and judged.error is None
+    assert judged.result.detail == f"benchmark run: expected {_answer(200000)!r}, got '0'", judged.result.detail
+    assert judged.result.tests_passed == judged.result.tests_total == 2   # every test passed
+    assert honest.result.status is Status.OK and honest.speedup > 10
+    cheat_reward, honest_reward = _rewards([cheat, FAST])
+    assert cheat_reward == 0.0 and honest_reward > 0.2
+
+
+def _whole(body: str) -> str:
+    """A whole program (no harness): reads n, prints one number (`body` computes s from n)."""
+    return ('#include <stdio.h>\n#include <stdlib.h>\nint main(void) { long n, s = 0;'
+            ' if (scanf("%%ld", &n) != 1) return 1; %s printf("%%ld\\n", s); return 0; }' % body)
+
+
+WHOLE_SLOW = _whole("for (long i = 1; i <= n; i++) s += 3 * i + 5;")
+WHOLE_FAST = _whole("s = 3 * n * (n + 1) / 2 + 5 * n;")
+WHOLE_ROW = {
+    "language": "c",
+    "reference": WHOLE_SLOW,
+    "harness": None,
+    "compile_flags": ["-O0"],
+    "tests": [{"stdin": "10\n", "expected_stdout": _answer(10) + "\n"}],
+    "hidden_tests": [{"stdin": "12345\n", "expected_stdout": _answer(12345) + "\n"}],
+    "bench_stdin": "200000\n",
+}
+
+
+def test_a_whole_program_that_skips_the_work_when_measured_earns_nothing(backend):
+    # valgrind puts its preload library into the environment; this program then prints 0 at once
+    cheat = _whole('if (getenv("LD_PRELOAD")) { puts("0"); return 0; } s = 3 * n * (n + 1) / 2 + 5 * n;')
+    unchecked = run_job(make_job(cheat, WHOLE_ROW), backend)
+    assert unchecked.status is Status.OK and unchecked.bench_stdout == "0", unchecked
+    judged, honest = judge([cheat, WHOLE_FAST], [WHOLE_ROW, WHOLE_ROW])
+    assert judged.result.status is Status.WRONG_ANSWER and judged.error is None
+    assert judged.result.detail.startswith("benchmark run: expected"), judged.result.detail
+    assert honest.result.status is Status.OK and honest.speedup > 10
+    cheat_reward, honest_reward, copy_reward = _rewards([cheat, WHOLE_FAST, WHOLE_SLOW], WHOLE_ROW)
+    assert cheat_reward == 0.0 and honest_reward > 0.2
+    assert copy_reward == pytest.approx(0.2, abs=1e-12)
+
+
+def test_a_reference_with_no_benchmark_output_is_an_error_not_a_zero(backend):
+    # the reference exits without a word on the (large) benchmark input
+    quiet = _whole("if (n > 150000) return 0; for (long i = 1; i <= n; i++) s += 3 * i + 5;")
+    silent = {**WHOLE_ROW, "reference": quiet}
+    (j,) = judge([WHOLE_FAST], [silent])
+    assert isinstance(j.error, SandboxFailure) and "printed nothing on the benchmark input" in str(j.error)
+    (reward,) = _rewards([WHOLE_FAST], silent)
+    assert isinstance(reward, SandboxFailure)
+
+
+def test_measured_runs_start_from_the_work_dir_as_built(backend):
+    # A test run leaves a locked-up dir tree; the measured run would answer wrongly if it saw it.
+    leaver = ('#include <sys/stat.h>\n#include <stdio.h>\n'
+              'long f(long n) { struct stat st;'
+              ' if (n == 1) { mkdir("state", 0700); mkdir("state/x", 0700);'
+              ' FILE *fp = fopen("state/x/leftover", "w"); if (fp) fclose(fp);'
+              ' chmod("state/x", 0); chmod("state", 0500); chmod(".", 0500); }'
+              ' if (n > 150000 && stat("state", &st) == 0) return -1;'
+              ' return 3 * n * (n + 1) / 2 + 5 * n; }')
+    # A test run replaces the program that is measured afterwards (here: by itself plus a byte).
+    patcher = ('#include <stdio.h>\n#include <sys/stat.h>\n'
+               'long f(long n) { if (n == 1) { FILE *in = fopen("prog", "rb"), *out = fopen("p2", "wb"); int c;'
+               ' if (in && out) { while ((c = fgetc(in)) != EOF) fputc(c, out); fputc(0, out); }'
+               ' if (in) fclose(in); if (out) fclose(out); chmod("p2", 0755); rename("p2", "prog"); }'
+               ' return 3 * n * (n + 1) / 2 + 5 * n; }')
+    left, patched = judge([leaver, patcher], [ROW, ROW])
+    assert left.result.status is Status.OK and left.speedup > 10, left.result
+    assert patched.result.status is Status.RUNTIME_ERROR and patched.result.tests_passed == 2, patched.result
+    assert patched.result.detail == ("benchmark run: the work dir could not be reset to what was built "
+                                     "(prog was changed after it was built)"), patched.result.detail
+
+
+PY_ROW = {
+    "language": "python",
+    "reference": "n = int(input())\nprint(sum(3 * i + 5 for i in range(1, n + 1)))\n",
+    "harness": None,
+    "tests": [{"stdin": "10\n", "expected_stdout": _answer(10) + "\n"}],
+    "hidden_tests": [{"stdin": "12345\n", "expected_stdout": _answer(12345) + "\n"}],
+    "bench_stdin": "3000000\n",
+}
+
+
+def test_cpu_time_repeats_cannot_reuse_what_an_earlier_repeat_left(backend):
+    # Correct every time, but caches its answer in the work dir: with the min over repeats, a
+    # cached repeat would pass for a ~10x speed-up (measured without the reset).
+    cacher = ("import os\nn = int(input())\nkey = f'cache-{n}'\n"
+              "if os.path.exists(key):\n    print(open(key).read())\n"
+              "else:\n    s = sum(3 * i + 5 for i in range(1, n + 1))\n"
+              "    open(key, 'w').write(str(s))\n    print(s)\n")
+    # Rewrites its own source into a closed form after a run (the next run would be fast).
+    closed_form = "n = int(input())\\nprint(3 * n * (n + 1) // 2 + 5 * n)\\n"
+    rewriter = PY_ROW["reference"] + f"open(__file__, 'w').write('{closed_form}')\n"
+    cached, rewritten = judge([cacher, rewriter], [PY_ROW, PY_ROW], method="cpu_time")
+    assert cached.result.status is Status.OK and cached.result.measurement.runs == 5
+    assert cached.speedup < 3, cached.speedup
+    assert rewritten.result.status is Status.RUNTIME_ERROR
+    assert "solution.py was changed after it was built" in rewritten.result.detail, rewritten.result.detail

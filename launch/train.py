@@ -38,9 +38,16 @@ def check_host(cfg: DictConfig) -> None:
 
 def ensure_inputs(cfg: DictConfig) -> None:
     """Build the built-in tasks the config names and that are missing (the tiny policy and its
-    data, a built-in reward model named by a reward function's `path`), before Ray starts."""
-    ensure_builtin([cfg.model.path, *cfg.task.train_files, *_reward_model_paths(cfg)], cfg.run.seed)
-    require_model(cfg.model.path)
+    data, a built-in reward model named by a reward function's `path` or `algorithm.critic_init`),
+    then check the model folders, before Ray starts."""
+    critic = [cfg.algorithm.critic_init] if cfg.algorithm.critic_init else []
+    ensure_builtin([cfg.model.path, *cfg.task.train_files, *_reward_model_paths(cfg), *critic], cfg.run.seed)
+    from launch.cli import require_length
+
+    # A folder with config.json, whose position limit holds rollout.max_model_len tokens.
+    require_length(cfg.model.path, require_model(cfg.model.path), cfg.rollout.max_model_len)
+    for path in critic:
+        require_model(path, "algorithm.critic_init")
 
 
 def resolve_paths(cfg: DictConfig) -> None:
@@ -50,6 +57,8 @@ def resolve_paths(cfg: DictConfig) -> None:
         if f.kwargs and isinstance(f.kwargs.get("path"), str):
             f.kwargs.path = _abs(f.kwargs.path)
     cfg.task.train_files = [_abs(f) for f in cfg.task.train_files]
+    if cfg.algorithm.critic_init:
+        cfg.algorithm.critic_init = _abs(cfg.algorithm.critic_init)
     cfg.run.dir = _abs(cfg.run.dir)
 
 
@@ -93,37 +102,46 @@ def reward_specs(cfg: DictConfig | TrainConfig):
     return [RewardFunctionSpec(f.fn, f.weight, f.name, plain(f.kwargs)) for f in cfg.reward.functions]
 
 
-def build_components(cfg: TrainConfig):
-    """The rollout fleet, reward service and learner group the run's typed config describes."""
+def build_components(cfg: TrainConfig, log=print):
+    """The rollout fleet, reward service, learner group and their placement that the typed config
+    describes, all keeping the run's deadlines (`run.call_timeout_s`...) and reporting to `log`.
+    The rollout workers and learner ranks go into one placement group (`cluster.placement`), one
+    bundle each; it lives until Ray shuts down (the driver's end removes it on a cluster too)."""
     from launch.console import actor_env, rollout_env
+    from launch.placement import make_placement
     from reward.service import RewardService
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env
+    from rl.faults import Deadlines
     from trainer.group import LearnerGroup
     from trainer.learner import LearnerSpec
 
     threads, c = worker_threads(cfg), cfg.cluster
+    deadlines = Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor, cfg.run.start_timeout_s)
     env = rollout_env(threads, c.gpus_per_rollout_worker > 0)
     if cfg.rollout.backend == "vllm":
         env.update(vllm_env(cfg.rollout.kv_cache_gib, threads))
+    placement = make_placement(cfg, log)
     fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
-                         env_vars=env)
+                         env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log)
     rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                            base_dir=os.getcwd())
+                            base_dir=os.getcwd(), deadlines=deadlines)
     learner = LearnerGroup(LearnerSpec.from_config(cfg, threads), cfg.trainer.num_workers, num_cpus=1,
                            num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
-                           weight_sync_method=cfg.trainer.weight_sync)
+                           weight_sync_method=cfg.trainer.weight_sync, actor_options=placement.learner,
+                           deadlines=deadlines)
     learner.connect(fleet)
-    return fleet, rewards, learner
+    return fleet, rewards, learner, placement
 
 
 def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, Any]:
     """Mean reward (and each reward function's mean) over the first and the last k steps."""
     rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
     k = min(k, len(rewards) // 2) or 1
-    out: dict[str, Any] = {"first_steps_reward_mean": statistics.fmean(rewards[:k]),
-                           "last_steps_reward_mean": statistics.fmean(rewards[-k:]), "steps_averaged": k}
+    out: dict[str, Any] = {"steps_run": len(history), "steps_averaged": k,
+                           "first_steps_reward_mean": statistics.fmean(rewards[:k]) if rewards else None,
+                           "last_steps_reward_mean": statistics.fmean(rewards[-k:]) if rewards else None}
     names = sorted({key for m in history for key in m if key.startswith("reward/") and key.endswith("_mean")})
     for key in names:
         values = [m[key] for m in history if key in m]
@@ -136,22 +154,34 @@ def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, Any]:
 
 def load_inputs(cfg: DictConfig):
     """Everything read from the user's files, checked before Ray starts: the reward functions
-    (imported here once, so a bad name fails in seconds), the tokenizer and the prompts."""
-    from transformers import AutoTokenizer
-
+    (imported here once, so a bad name fails in seconds), the prompts and the tokenizer."""
     from reward.scorer import RewardScorer
     from rl.data import PromptDataset
 
     RewardScorer(reward_specs(cfg), base_dir=os.getcwd())
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-    data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, tokenizer, cfg.run.seed,
+    # Every row of every file is read (the prompt column a non-empty string) before transformers loads.
+    data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, None, cfg.run.seed,
                          cfg.rollout.max_model_len - cfg.rollout.max_new_tokens)
-    data.requests(0, 1, 1)  # tokenizes one prompt: length and column problems surface now
-    return tokenizer, data
+    from transformers import AutoTokenizer
+
+    try:
+        data.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    except (OSError, ValueError) as err:  # transformers' own message runs over many lines
+        detail = " ".join(str(err).split()) or type(err).__name__
+        detail = detail if len(detail) <= 150 else detail[:147] + "..."
+        raise ConfigError(f"model.path={cfg.model.path!r}: its tokenizer does not load ({detail}); the folder "
+                          "needs the tokenizer files save_pretrained writes (tokenizer.json, "
+                          "tokenizer_config.json)") from None
+    data.check_lengths()  # every prompt tokenized: one too long for rollout.max_model_len fails now
+    return data.tokenizer, data
 
 
-# Keys that may change when a run is resumed (extend it with more steps, watch it differently).
-RESUMABLE_CHANGES = ("run.steps", "run.resume", "run.progress", "run.save_every", "run.keep_checkpoints")
+# Keys that may change when a run is resumed (extend it with more steps, watch it differently,
+# let it survive more faults). Those not given again on the resuming command line keep their
+# saved values.
+RESUMABLE_CHANGES = ("run.steps", "run.resume", "run.progress", "run.save_every", "run.keep_checkpoints",
+                     "run.max_restarts", "run.call_timeout_s", "run.call_timeout_factor", "run.start_timeout_s",
+                     "rollout.max_restarts", "rollout.max_retries", "sandbox.max_retries", "reward.max_failed_steps")
 
 
 def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -163,9 +193,12 @@ def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: node}
 
 
-def check_run_dir(cfg: DictConfig):
+def check_run_dir(cfg: DictConfig, overrides: list[str] | None = None):
     """Refuse to write over a finished or running run; on resume, find its checkpoint and check
-    the config is the one it was started with. Returns (checkpoint path, LoopState) or None."""
+    the config is the one it was started with. Returns (checkpoint path, LoopState) or None.
+
+    `overrides` (the command line's): on resume, a resumable key not among them takes its saved
+    value (a run saved every 5 steps keeps saving every 5). None: take `cfg` as it is."""
     from rl import checkpoint
 
     saved_path = os.path.join(cfg.run.dir, "config.yaml")
@@ -180,6 +213,11 @@ def check_run_dir(cfg: DictConfig):
     if found is None or not os.path.exists(saved_path):
         raise ConfigError(f"run.resume=true but run.dir={cfg.run.dir} holds no checkpoint to resume from")
     saved = _flat(OmegaConf.to_container(OmegaConf.load(saved_path)))
+    if overrides is not None:
+        given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+        for key in RESUMABLE_CHANGES:
+            if key not in given and key != "run.resume" and key in saved:
+                OmegaConf.update(cfg, key, saved[key])
     now = _flat(OmegaConf.to_container(cfg, resolve=True))
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
     if changed:
@@ -194,10 +232,16 @@ def check_run_dir(cfg: DictConfig):
     return found
 
 
-def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
-    """Run one experiment from a validated, path-resolved config; returns the run summary."""
+def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = False) -> dict[str, Any]:
+    """Run one experiment from a validated, path-resolved config; returns the run summary.
+
+    `restarted`: a new attempt of a run that failed (its run directory is continued). A run that
+    stops early (a signal, a lost actor, failing rewards) still writes summary.json, then raises."""
     import ray
 
+    from launch.placement import report_placement
+    from launch.supervise import stop_on_signals
+    from rl.faults import StopRequest
     from rl.loop import run_loop
     from rl.run_log import RunLog, read_metrics
     from trainer.sft import pad_id_of
@@ -207,34 +251,35 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
     start_step, kl_state = (resume_from[1].next_step, resume_from[1].kl_ctrl) if resume_from else (0, None)
     log = RunLog(cfg.run.dir, cfg.run.steps, title=cfg.algorithm.name.upper(), progress=cfg.run.progress,
                  start_step=start_step, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-                 resume=resume_from is not None)
+                 resume=resume_from is not None or restarted)
     start_ray(cfg)
     fleet = rewards = learner = sandboxes = None
+    stop = StopRequest()
     try:
-        sandboxes = start_sandbox_pool(cfg)
-        fleet, rewards, learner = build_components(config)
-        if resume_from is not None:
-            path, state = resume_from
-            learner.load_checkpoint(os.path.join(path, "learner"))
-            learner.sync_weights(fleet, state.policy_version)  # engines started from model.path
-            log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}")
-        run_loop(config, pad_id_of(tokenizer), data, fleet, rewards, learner, log, start_step=start_step,
-                 kl_state=kl_state)
-        summary = reward_trend(read_metrics(cfg.run.dir))
-        if cfg.run.save_final_model:
-            final = os.path.join(cfg.run.dir, "final_model")
-            learner.save_pretrained(final)
-            tokenizer.save_pretrained(final)
-            summary["final_model"] = final
+        with stop_on_signals(stop, log.write):
+            sandboxes = start_sandbox_pool(cfg)
+            fleet, rewards, learner, placement = build_components(config, log.write)
+            report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement)
+            if resume_from is not None:
+                path, state = resume_from
+                learner.load_checkpoint(os.path.join(path, "learner"))
+                learner.sync_weights(fleet, state.policy_version)  # engines started from model.path
+                log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}")
+            run_loop(config, pad_id_of(tokenizer), data, fleet, rewards, learner, log, start_step=start_step,
+                     kl_state=kl_state, stop=stop)
+            summary = reward_trend(read_metrics(cfg.run.dir))
+            if cfg.run.save_final_model:
+                final = os.path.join(cfg.run.dir, "final_model")
+                learner.save_pretrained(final)
+                tokenizer.save_pretrained(final)
+                summary["final_model"] = final
         summary = log.finish(summary)
-        print(
-            f"Reward mean: first {summary['steps_averaged']} steps {summary['first_steps_reward_mean']:.3f} -> "
-            f"last {summary['steps_averaged']} steps {summary['last_steps_reward_mean']:.3f}. "
-            f"Run directory: {cfg.run.dir}"
-        )
-        for name, trend in summary.get("components", {}).items():
-            print(f"  {name}: first steps {trend['first_steps_mean']:.3f} -> last steps {trend['last_steps_mean']:.3f}")
+        print_summary(summary, cfg.run.dir)
         return summary
+    except BaseException as err:
+        if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")) and read_metrics(cfg.run.dir):
+            log.finish({**reward_trend(read_metrics(cfg.run.dir)), "ended_early": f"{type(err).__name__}: {err}"})
+        raise
     finally:
         log.close()
         for part in (learner, rewards, fleet):
@@ -245,19 +290,34 @@ def train(cfg: DictConfig, inputs=None, resume_from=None) -> dict[str, float]:
         ray.shutdown()
 
 
+def print_summary(summary: dict[str, Any], run_dir: str) -> None:
+    k, first, last = summary["steps_averaged"], summary["first_steps_reward_mean"], summary["last_steps_reward_mean"]
+    if first is None:
+        print(f"No step had a reward (every sample's reward failed; see samples.jsonl). Run directory: {run_dir}")
+        return
+    print(f"Reward mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}. Run directory: {run_dir}")
+    for name, trend in summary.get("components", {}).items():
+        print(f"  {name}: first steps {trend['first_steps_mean']:.3f} -> last steps {trend['last_steps_mean']:.3f}")
+
+
 @hydra.main(config_path="../configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+
+    from launch.supervise import supervise
+
     quiet_driver()
+    overrides = list(HydraConfig.get().overrides.task)
     try:
         validate(cfg)
         check_host(cfg)
         ensure_inputs(cfg)
         resolve_paths(cfg)
-        resume_from = check_run_dir(cfg)
+        resume_from = check_run_dir(cfg, overrides)
         inputs = load_inputs(cfg)
     except INPUT_ERRORS as err:  # RewardLoadError and DataError are ValueErrors
         fail(err)
-    train(cfg, inputs, resume_from)
+    supervise(cfg, lambda found, restarted: train(cfg, inputs, found, restarted), overrides, resume_from)
 
 
 if __name__ == "__main__":

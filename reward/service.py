@@ -10,11 +10,13 @@ must exist at the same path on every node (true on one machine; on a cluster shi
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, RuntimeEnvSetupError
 
+from rl.faults import Deadlines, hung
 from rl.types import Sample, ScoredSample
 from reward.loader import RewardLoadError
 from reward.scorer import RewardFunctionSpec, RewardScorer
@@ -35,6 +37,13 @@ class RewardWorker:
             self._scorer = RewardScorer(functions, timeout_s=timeout_s, base_dir=base_dir)
         return self._scorer.names
 
+    def where(self) -> dict:
+        """This actor's process and Ray node (for placement reports and fault tests)."""
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "ip": ray.util.get_node_ip_address()}
+
     def score(self, samples: list[Sample]) -> list[ScoredSample]:
         self.load()
         assert self._scorer is not None
@@ -53,12 +62,15 @@ class RewardService:
         base_dir: str | None = None,
         num_cpus_per_worker: float = 0.25,
         runtime_env: dict[str, Any] | None = None,
+        deadlines: Deadlines | None = None,
     ) -> None:
         if num_workers < 1:
             raise ValueError(f"reward.num_workers={num_workers}: must be at least 1")
         # Resolve here: relative paths mean "relative to where the driver was launched", while
         # actors may run in another working directory.
         base_dir = os.path.abspath(base_dir if base_dir is not None else os.getcwd())
+        # A call runs each function once per batch, then once per sample of a failing batch.
+        self._deadlines, self._least_s = deadlines or Deadlines(), 2 * timeout_s * max(len(functions), 1) + 30
         options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "max_restarts": -1}
         if runtime_env is not None:
             options["runtime_env"] = runtime_env
@@ -95,21 +107,36 @@ class RewardService:
 
     def score(self, samples: list[Sample]) -> list[ScoredSample]:
         """Score on all workers. A worker that dies mid-chunk (e.g. user code crashed the
-        process) marks that chunk's samples with an error; Ray restarts the actor."""
+        process) or does not answer by the deadline marks that chunk's samples with an error;
+        Ray restarts the actor (a silent one is killed first)."""
         chunks = _split(samples, len(self._workers))
-        refs = [(w, w.score.remote(c), c) for w, c in zip(self._workers, chunks) if c]
+        refs = [(i, w.score.remote(c), c) for i, (w, c) in enumerate(zip(self._workers, chunks)) if c]
+        deadline, started = max(self._deadlines.of("reward"), self._least_s), time.monotonic()
+        finished = set(ray.wait([r for _, r, _ in refs], num_returns=len(refs), timeout=deadline)[0])
         scored: list[ScoredSample] = []
-        for worker, ref, chunk in refs:
+        slow = False
+        for i, ref, chunk in refs:
+            worker = self._workers[i]
             try:
+                if ref not in finished:
+                    slow = True
+                    ray.kill(worker, no_restart=False)  # stopped or stuck: Ray starts it again
+                    raise _Hung(hung(deadline))
                 try:
                     scored.extend(ray.get(ref))
                 except ActorUnavailableError:  # still restarting after an earlier crash: the chunk never ran
                     ray.get(worker.load.remote())  # waits until the restarted actor answers
-                    scored.extend(ray.get(worker.score.remote(chunk)))
-            except RayActorError as exc:
-                error = f"reward worker died while scoring: {_first_lines(exc)}"
+                    scored.extend(ray.get(worker.score.remote(chunk), timeout=deadline))
+            except (RayActorError, _Hung, ray.exceptions.GetTimeoutError) as exc:
+                what = "died" if isinstance(exc, RayActorError) else "stopped answering"
+                error = f"reward worker {what} while scoring: {_first_lines(exc)}"
                 scored.extend(ScoredSample(sample=s, reward=None, error=error) for s in chunk)
+        if not slow:
+            self._deadlines.record("reward", time.monotonic() - started)
         return scored
+
+    def where(self) -> list[dict]:
+        return ray.get([w.where.remote() for w in self._workers])
 
     def shutdown(self) -> None:
         for w in self._workers:
@@ -132,6 +159,10 @@ def _split(items: list[Sample], parts: int) -> list[list[Sample]]:
         chunks.append(items[start:end])
         start = end
     return chunks
+
+
+class _Hung(Exception):
+    """A reward worker gave no answer by the deadline."""
 
 
 def _first_lines(exc: BaseException, n: int = 3) -> str:

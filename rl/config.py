@@ -73,6 +73,8 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: int = 1  # CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
     sleep_between_steps: bool = False  # free rollout memory while the learner trains (GPU colocate)
+    max_restarts: int = 3  # dead or hung rollout workers replaced per run (then the run stops)
+    max_retries: int = 2  # times a worker's unfinished requests are sent again after it failed
 
 
 @dataclass
@@ -88,6 +90,7 @@ class RewardConfig:
     functions: list[RewardFunctionConfig] = field(default_factory=list)
     num_workers: int = 1
     timeout_s: float = 60.0
+    max_failed_steps: int = 3  # stop when every sample's reward failed this many steps in a row
 
 
 @dataclass
@@ -117,6 +120,9 @@ class ClusterConfig:
     threads_per_worker: int = 0  # torch/OMP threads per rollout/learner actor; 0 = all cores
     gpus_per_rollout_worker: float = 0.0
     gpus_per_learner: float = 0.0
+    # How the placement group of the rollout workers and learner ranks (one bundle each) spreads
+    # over nodes: pack (as few nodes as possible) | spread | strict_pack (one node) | strict_spread
+    placement: str = "pack"
 
 
 @dataclass
@@ -129,6 +135,7 @@ class SandboxConfig:
     num_cpus_per_worker: float = 1.0
     resource: str | None = None   # custom Ray resource a node must advertise, e.g. "benchmark"
     docker_image: str = "rlpost-sandbox:bookworm"
+    max_retries: int = 2          # times a dead worker's jobs are sent again (then: sandbox_error)
 
 
 @dataclass
@@ -142,6 +149,10 @@ class RunConfig:
     keep_checkpoints: int = 2
     resume: bool = False  # continue the run in run.dir from its latest checkpoint
     progress: bool = True
+    max_restarts: int = 0  # after a fatal actor fault, restart the run from its latest checkpoint up to N times
+    call_timeout_s: float = 300.0  # deadline of an actor call at least; past it the actor counts as hung
+    call_timeout_factor: float = 10.0  # ...or this many times the slowest earlier call of the same kind
+    start_timeout_s: float = 900.0  # deadline of actor start-up (model load, engine and DeepSpeed set-up)
 
 
 @dataclass
@@ -176,6 +187,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer.zero_stage": (0, 1, 2, 3),
     "trainer.weight_sync": ("collective", "object_store"),
     "sandbox.backend": ("process", "docker", "unsafe_local"),
+    "cluster.placement": ("pack", "spread", "strict_pack", "strict_spread"),
 }
 
 _POSITIVE = (
@@ -192,6 +204,44 @@ _POSITIVE = (
     "run.keep_checkpoints",
     "sandbox.slots_per_worker",
 )
+
+# Numeric ranges a type cannot express: key -> (lowest, lowest allowed?, highest allowed or None, a
+# good value to suggest). A value outside (NaN included) is reported with the range and the example.
+_RANGES: dict[str, tuple[float, bool, float | None, str]] = {
+    "rollout.n": (1, True, None, "8"),
+    "rollout.top_p": (0, False, 1, "1.0"),
+    "rollout.gpu_memory_utilization": (0, False, 1, "0.5"),
+    "rollout.kv_cache_gib": (0, False, None, "1"),
+    "rollout.max_restarts": (0, True, None, "3"),
+    "rollout.max_retries": (0, True, None, "2"),
+    "reward.timeout_s": (0, False, None, "60"),
+    "reward.max_failed_steps": (1, True, None, "3"),
+    "sandbox.num_workers": (0, True, None, "0 (jobs run in the reward worker) or 2"),
+    "sandbox.num_cpus_per_worker": (0, False, None, "1.0"),
+    "sandbox.max_retries": (0, True, None, "2"),
+    "cluster.threads_per_worker": (0, True, None, "0 (all cores)"),
+    "cluster.gpus_per_rollout_worker": (0, True, None, "0 or 1"),
+    "cluster.gpus_per_learner": (0, True, None, "0 or 1"),
+    "run.save_every": (0, True, None, "20 (0 = never)"),
+    "run.log_samples_per_step": (0, True, None, "4"),
+    "run.max_restarts": (0, True, None, "0"),
+    "run.call_timeout_s": (0, False, None, "300"),
+    "run.call_timeout_factor": (1, True, None, "10"),
+    "run.start_timeout_s": (0, False, None, "900"),
+}
+
+
+def _range_error(key: str, value: Any) -> str | None:
+    """The message for `value` of `key` outside its `_RANGES` entry, else None."""
+    low, low_ok, high, example = _RANGES[key]
+    inside = (value >= low if low_ok else value > low) and (high is None or value <= high)
+    if inside:
+        return None
+    if high is not None:
+        bounds = f"in {'[' if low_ok else '('}{low}, {high}]"
+    else:
+        bounds = f"{'>=' if low_ok else '>'} {low}"
+    return f"{key}={value}: must be {bounds}, e.g. {key}={example}"
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -250,7 +300,16 @@ def validate(cfg: Any) -> None:
     for key in _POSITIVE:
         if _get(cfg, key) <= 0:
             errors.append(f"{key}={_get(cfg, key)}: must be a positive integer")
-    if cfg.rollout.n < 2 and cfg.algorithm.advantage in ("grpo", "rloo"):
+    errors += filter(None, (_range_error(key, _get(cfg, key)) for key in _RANGES))
+    if cfg.cluster.num_cpus is not None and cfg.cluster.num_cpus <= 0:
+        errors.append(f"cluster.num_cpus={cfg.cluster.num_cpus}: must be > 0, or null to count the actors")
+    if 0 < cfg.rollout.max_model_len <= cfg.rollout.max_new_tokens:
+        errors.append(
+            f"rollout.max_model_len={cfg.rollout.max_model_len} leaves no room for a prompt before "
+            f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise rollout.max_model_len or lower "
+            "rollout.max_new_tokens"
+        )
+    if 1 <= cfg.rollout.n < 2 and cfg.algorithm.advantage in ("grpo", "rloo"):
         errors.append(
             f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per "
             "prompt; set rollout.n=8 (or another value >= 2)"
@@ -284,6 +343,9 @@ def validate(cfg: Any) -> None:
     if not 0 <= a.overlong_buffer < cfg.rollout.max_new_tokens:
         errors.append(f"algorithm.overlong_buffer={a.overlong_buffer}: must be in [0, rollout.max_new_tokens="
                       f"{cfg.rollout.max_new_tokens})")
+    if a.kl_ctrl == "adaptive" and not (a.kl_target > 0 and a.kl_horizon > 0):
+        errors.append(f"algorithm.kl_ctrl=adaptive needs algorithm.kl_target > 0 and algorithm.kl_horizon > 0 "
+                      f"(got {a.kl_target}, {a.kl_horizon}), e.g. kl_target=0.01 kl_horizon=10000")
     if a.max_sampling_rounds < 1:
         errors.append(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be at least 1")
     if not cfg.reward.functions:

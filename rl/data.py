@@ -7,8 +7,9 @@ prompts an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -22,24 +23,6 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(1)[0] & 0x7FFFFFFF)
 
 
-def load_table(files: list[str], field_name: str = "task.train_files"):
-    import datasets
-
-    if not files:
-        raise ValueError(f"{field_name} is empty: give at least one .jsonl/.json/.parquet/.csv file")
-    kinds = set()
-    for f in files:
-        if not os.path.exists(f):
-            raise FileNotFoundError(f"{field_name}: {f} does not exist (paths are relative to the launch directory)")
-        ext = os.path.splitext(f)[1]
-        if ext not in _FORMATS:
-            raise ValueError(f"{field_name}: {f} has extension {ext!r}; use one of {', '.join(_FORMATS)}")
-        kinds.add(_FORMATS[ext])
-    if len(kinds) != 1:
-        raise ValueError(f"{field_name}: mixes file formats {sorted(kinds)}; use one format")
-    return datasets.load_dataset(kinds.pop(), data_files=list(files), split="train")
-
-
 class DataError(ValueError):
     """Training data that cannot be used (missing file or column, no rows); names the config key."""
 
@@ -48,19 +31,160 @@ class MissingDataFile(DataError, FileNotFoundError):
     """A data file that does not exist (a DataError, and a FileNotFoundError like any other)."""
 
 
-def load_columns(files: list[str], columns: dict[str, str | None], field: str, *, optional: tuple[str, ...] = ()):
+_EXAMPLE_ROW = '{"prompt": "12+30=", "answer": "42"}'
+_JSON_TYPES = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object",
+               type(None): "null"}
+
+
+def data_format(files: list[str], field: str) -> str:
+    """The one `datasets` loader the files need ("json", "parquet" or "csv"); every file must exist."""
+    if not files:
+        raise DataError(f"{field} is empty: give at least one .jsonl/.json/.parquet/.csv file")
+    kinds = set()
+    for f in files:
+        if not os.path.exists(f):
+            raise MissingDataFile(f"{field}: {f} does not exist (paths are relative to the launch directory)")
+        ext = os.path.splitext(f)[1]
+        if ext not in _FORMATS:
+            raise DataError(f"{field}: {f} has extension {ext!r}; use one of {', '.join(_FORMATS)}")
+        if os.path.getsize(f) == 0:
+            raise DataError(f"{field}: {f} is empty; give it rows or leave it out of {field}")
+        kinds.add(_FORMATS[ext])
+    if len(kinds) != 1:
+        raise DataError(f"{field}: mixes file formats {sorted(kinds)}; use one format")
+    return kinds.pop()
+
+
+def _json_error(field: str, path: str, line: int, err: Exception) -> DataError:
+    return DataError(f"{field}: {path} line {line} is not valid JSON ({err}); fix or delete that line: each line "
+                     f"must be one JSON object, e.g. {_EXAMPLE_ROW}")
+
+
+def json_rows(path: str, field: str) -> Iterator[tuple[str, Any]]:
+    """(where, row) for each row of a .json/.jsonl file: JSON Lines (one object per line, blank lines
+    skipped; where = "line N") or one JSON array (where = "item N"). A line that is not JSON, not
+    UTF-8 or not an object is a DataError naming the file, the line and the fix."""
+    with open(path, "rb") as f:
+        array = f.read(1024).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+    if array:
+        try:
+            with open(path, encoding="utf-8-sig") as f:
+                items = json.load(f)
+        except json.JSONDecodeError as err:
+            raise _json_error(field, path, err.lineno, f"{err.msg} at column {err.colno}") from None
+        except UnicodeDecodeError as err:
+            raise DataError(f"{field}: {path} is not UTF-8 text ({err.reason}); save it as UTF-8") from None
+        numbered = ((f"item {i}", row) for i, row in enumerate(items if isinstance(items, list) else [items]))
+    else:
+        numbered = _json_lines(path, field)
+    for where, row in numbered:
+        if not isinstance(row, dict):
+            raise DataError(f"{field}: {path} {where} is {_JSON_TYPES.get(type(row), 'a string')}, not a JSON "
+                            f"object; each row must be an object of columns, e.g. {_EXAMPLE_ROW}")
+        yield where, row
+
+
+def _json_lines(path: str, field: str) -> Iterator[tuple[str, Any]]:
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(f"{field}: {path} line {number} is not UTF-8 text ({err.reason}); "
+                                "save the file as UTF-8") from None
+            if not text.strip():
+                continue
+            try:
+                yield f"line {number}", json.loads(text.rstrip("\r\n"))
+            except json.JSONDecodeError as err:
+                raise _json_error(field, path, number, f"{err.msg} at column {err.colno}") from None
+
+
+def text_problem(value: Any) -> str | None:
+    """Why `value` is not a usable text (a non-empty string), or None when it is one."""
+    if isinstance(value, str):
+        return None if value.strip() else f"an empty string {value!r}"
+    if value is None or (isinstance(value, float) and value != value):  # JSON null, a blank CSV cell
+        return "no value"
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return f"{shown} ({_JSON_TYPES.get(type(value), type(value).__name__)}), not a string"
+
+
+def _bad_text(key: str, column: str, where: str, problem: str) -> DataError:
+    return DataError(f"{key}={column!r}: {where} has {problem}; every row needs a non-empty string in column "
+                     f"{column!r}: fix or delete that row (or set {key} to the column that holds the text)")
+
+
+def check_json_file(path: str, field: str, texts: dict[str, str]) -> None:
+    """Read every row of a JSON file: it must have rows, each a JSON object, and for each config key
+    of `texts` (e.g. "task.prompt_key") its column must hold a non-empty string in every row.
+    The first problem is a DataError naming the file, the line and the fix."""
+    columns: dict[str, None] = {}
+    first_bad: dict[str, tuple[str, str]] = {}  # key -> (where, problem): the first row that fails it
+    rows = 0
+    for where, row in json_rows(path, field):
+        rows += 1
+        columns.update(dict.fromkeys(row))
+        for key, column in texts.items():
+            if key not in first_bad:
+                problem = text_problem(row[column]) if column in row else f"no {column!r} column"
+                if problem:
+                    first_bad[key] = (where, problem)
+    if rows == 0:
+        raise DataError(f"{field}: {path} holds no rows (only blank lines); give it rows or leave it out of {field}")
+    for key, column in texts.items():
+        if column not in columns:
+            raise DataError(f"{key}={column!r} is not a column of {path} ({field}); its columns are "
+                            f"{list(columns)}; set {key} to the right column")
+        if key in first_bad:
+            where, problem = first_bad[key]
+            raise _bad_text(key, column, f"{path} {where}", problem)
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost exception of a chain (`datasets` wraps the reader's own error)."""
+    for _ in range(20):
+        inner = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+        if inner is None:
+            break
+        err = inner
+    return err
+
+
+def load_table(files: list[str], field_name: str = "task.train_files", texts: dict[str, str] | None = None):
+    """A `datasets` table of local jsonl/json/parquet/csv files. JSON files are read row by row
+    first (`check_json_file`), so a malformed line or an empty file is reported with its file and
+    line, never as a `datasets`/pyarrow traceback; any other problem reading the files is a
+    DataError naming them."""
+    files = list(files)
+    kind = data_format(files, field_name)
+    if kind == "json":
+        for path in files:
+            check_json_file(path, field_name, texts or {})
+    import datasets
+
+    try:
+        return datasets.load_dataset(kind, data_files=files, split="train")
+    except Exception as err:  # datasets and pyarrow have many error types for "this file cannot be read"
+        cause = _root_cause(err)
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        raise DataError(f"{field_name}: cannot read {files} as {kind} ({type(cause).__name__}: {detail}); "
+                        "check the files are valid and hold one row per record") from None
+
+
+def load_columns(files: list[str], columns: dict[str, str | None], field: str, *, optional: tuple[str, ...] = (),
+                 texts: tuple[str, ...] = ()):
     """A `datasets` table from local jsonl/json/parquet/csv files, checked for its columns.
 
     `columns` maps config keys (e.g. "data.chosen_key") to the column each names; a missing one
     is a DataError naming the column, the key to change and the columns that exist. Keys in
-    `optional` may name no column (None).
+    `optional` may name no column (None). The columns of the keys in `texts` must hold a non-empty
+    string in every row (checked over the whole of every file, with the file and line at fault).
     """
-    try:
-        table = load_table(list(files), field_name=field)
-    except FileNotFoundError as err:
-        raise MissingDataFile(str(err)) from None
-    except ValueError as err:
-        raise DataError(str(err)) from None
+    wanted = {key: columns[key] for key in texts if columns[key] is not None}
+    table = load_table(list(files), field_name=field, texts=wanted)
+    if len(table) == 0:
+        raise DataError(f"{field}={list(files)} holds no rows")
     for key, column in columns.items():
         if key in optional and column is None:
             continue
@@ -69,8 +193,12 @@ def load_columns(files: list[str], columns: dict[str, str | None], field: str, *
                 f"{key}={column!r} is not a column of {field}={list(files)}; columns are "
                 f"{table.column_names}; set {key} to the right column"
             )
-    if len(table) == 0:
-        raise DataError(f"{field}={list(files)} holds no rows")
+    json_checked = _FORMATS[os.path.splitext(files[0])[1]] == "json"  # line by line, in load_table
+    for key, column in {} if json_checked else wanted.items():
+        for i, value in enumerate(table[column]):
+            problem = text_problem(value)
+            if problem:
+                raise _bad_text(key, column, f"row {i} (from 0) of {list(files)}", problem)
     return table
 
 
@@ -120,14 +248,38 @@ def load_encoded(data: Any, seed: int, columns: dict[str, str | None], encode: C
 
 
 class PromptDataset:
+    """The RL prompts: every row of `files` is read and checked at construction (`load_columns`); the
+    `tokenizer` may be set after (`.tokenizer`), before `check_lengths` or `requests`."""
+
     def __init__(self, files: list[str], prompt_key: str, tokenizer: Any, seed: int, max_prompt_tokens: int):
-        self.table = load_columns(files, {"task.prompt_key": prompt_key}, "task.train_files")
+        self.table = load_columns(files, {"task.prompt_key": prompt_key}, "task.train_files",
+                                  texts=("task.prompt_key",))
         self.prompt_key, self.tokenizer, self.seed = prompt_key, tokenizer, seed
         self.max_prompt_tokens = max_prompt_tokens
         self._perm_epoch, self._perm = -1, np.arange(0)
 
     def __len__(self) -> int:
         return len(self.table)
+
+    def _too_long(self, tokens: int, where: str) -> DataError:
+        return DataError(
+            f"{where} has {tokens} tokens but rollout.max_model_len - rollout.max_new_tokens = "
+            f"{self.max_prompt_tokens}; raise rollout.max_model_len or shorten the prompts"
+        )
+
+    def check_lengths(self, chunk: int = 1024) -> int:
+        """Tokenize every prompt once (before anything starts): one longer than the prompt budget
+        is a DataError naming its row. Returns the longest prompt's length in tokens."""
+        longest = 0
+        for start in range(0, len(self), chunk):
+            texts = self.table[start:start + chunk][self.prompt_key]
+            for i, ids in enumerate(self.tokenizer(texts).input_ids):
+                if len(ids) > self.max_prompt_tokens:
+                    shown = texts[i] if len(texts[i]) <= 60 else texts[i][:57] + "..."
+                    raise self._too_long(len(ids), f"the prompt of row {start + i} (from 0) of task.train_files, "
+                                                   f"{shown!r},")
+                longest = max(longest, len(ids))
+        return longest
 
     def _index(self, position: int) -> int:
         epoch, offset = divmod(position, len(self))
@@ -151,10 +303,7 @@ class PromptDataset:
             text = row[self.prompt_key]
             ids = self.tokenizer(text).input_ids
             if len(ids) > self.max_prompt_tokens:
-                raise ValueError(
-                    f"a prompt has {len(ids)} tokens but rollout.max_model_len - rollout.max_new_tokens = "
-                    f"{self.max_prompt_tokens}; raise rollout.max_model_len or shorten the prompts"
-                )
+                raise self._too_long(len(ids), f"the prompt of row {index} (from 0) of task.train_files")
             metadata = {k: v for k, v in row.items() if k != self.prompt_key}
             out.extend(
                 GenerationRequest(ids, text, group, k, derive_seed(self.seed, step, group, k), metadata)

@@ -20,6 +20,7 @@ from rl.dapo import informative_groups, overlong_penalty
 from rl.data import PromptDataset
 from rl.config import AlgorithmConfig, TrainConfig
 from rl.estimate import estimate_advantages
+from rl.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
 from rl.kl_control import KL_CONTROLLERS, kl_controller_from_dict
 from rl.run_log import RunLog
 from rl.types import GenerationRequest, Sample, ScoredSample, TrainBatch
@@ -135,35 +136,52 @@ def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | 
 
 
 def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
-             log: RunLog, start_step: int = 0, kl_state: dict | None = None) -> list[dict[str, float]]:
+             log: RunLog, start_step: int = 0, kl_state: dict | None = None,
+             stop: StopRequest | None = None) -> list[dict[str, float]]:
     """Run steps [start_step, run.steps) of the run `cfg` describes; returns each step's metrics.
 
     The policy version equals the number of updates so far, i.e. the step index, also on resume.
+    A run ends early at a step boundary, with a checkpoint there, when `stop` is requested (a
+    signal: RunStopped) or when every reward failed `reward.max_failed_steps` steps in a row
+    (RewardsFailing); an actor lost for good ends it with an ActorFailure naming the step.
     """
     a, run = cfg.algorithm, cfg.run
     history = []
     kl_ctrl = kl_controller_from_dict(kl_state) if kl_state else make_kl_controller(a)
     version = start_step
+    failing: list[str] = []  # the first reward error of each step, in a row, whose rewards all failed
+
+    def save(next_step: int) -> None:
+        checkpoint.save(log.run_dir, checkpoint.LoopState(next_step, version, kl_ctrl.to_dict()),
+                        learner.save_checkpoint, run.keep_checkpoints)
+
     for step in range(start_step, run.steps):
         t0 = time.perf_counter()
-        scored, samples, collect_metrics = collect(cfg, data, fleet, rewards, step)
+        try:
+            scored, samples, collect_metrics = collect(cfg, data, fleet, rewards, step)
+        except ActorFailure as err:  # a rollout worker is lost for good; the learner is whole
+            save(step)
+            raise err.at_step(step) from None
         t_rew = time.perf_counter()
 
         reward, valid, groups = _reward_tensors(scored)
         batch = build_train_batch(scored, pad_id, version, mask_truncated=a.mask_truncated)
-        if cfg.rollout.sleep_between_steps:
-            fleet.sleep()
-        batch = learner.score(batch)
-        kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
-        est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_coef,
-                                  batch.old_logprobs, batch.ref_logprobs, batch.values)
-        batch.advantages, batch.returns = est.advantages, est.returns
-        train_metrics = learner.train_step(batch, step, kl_coef)
-        t_train = time.perf_counter()
-        version += 1
-        if cfg.rollout.sleep_between_steps:
-            fleet.wake()
-        sent = learner.sync_weights(fleet, version)
+        try:
+            if cfg.rollout.sleep_between_steps:
+                fleet.sleep()
+            batch = learner.score(batch)
+            kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
+            est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_coef,
+                                      batch.old_logprobs, batch.ref_logprobs, batch.values)
+            batch.advantages, batch.returns = est.advantages, est.returns
+            train_metrics = learner.train_step(batch, step, kl_coef)
+            t_train = time.perf_counter()
+            version += 1
+            if cfg.rollout.sleep_between_steps:
+                fleet.wake()
+            sent = learner.sync_weights(fleet, version)
+        except ActorFailure as err:
+            raise err.at_step(step) from None
         t_sync = time.perf_counter()
         measured_kl = est.metrics.get("actor/kl_in_reward_nats", train_metrics.get("actor/kl_nats"))
         if measured_kl is not None:
@@ -193,8 +211,15 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
         log.samples(step, scored, run.log_samples_per_step)
         log.metrics(step, metrics)
         history.append(metrics)
+
         done = step + 1
-        if run.save_every and (done % run.save_every == 0 or done == run.steps):
-            checkpoint.save(log.run_dir, checkpoint.LoopState(done, version, kl_ctrl.to_dict()), learner.save_checkpoint,
-                            run.keep_checkpoints)
+        failing = failing + [scored[0].error] if all(s.error is not None for s in scored) else []
+        stopping = stop is not None and stop.reason is not None
+        if (run.save_every and (done % run.save_every == 0 or done == run.steps)) or stopping \
+                or len(failing) >= cfg.reward.max_failed_steps:
+            save(done)
+        if len(failing) >= cfg.reward.max_failed_steps:
+            raise RewardsFailing(len(failing), failing[0], done)
+        if stopping and done < run.steps:
+            raise RunStopped(stop.reason, done)
     return history

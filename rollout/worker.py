@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from rl import weight_sync
@@ -32,6 +34,13 @@ class RolloutWorker:
 
     def version(self) -> int:
         return self.engine.version
+
+    def where(self) -> dict:
+        """This actor's process and Ray node (for placement reports and fault messages)."""
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "ip": ray.util.get_node_ip_address()}
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
                          metas: list[weight_sync.WeightMeta]) -> None:

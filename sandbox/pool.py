@@ -13,9 +13,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from rl.faults import first_line, hung
 from sandbox.backend import Backend
-from sandbox.job import Job, Result
-from sandbox.runner import run_job
+from sandbox.job import COMPILE_LIMITS, Job, Method, Result, Status
+from sandbox.runner import VALGRIND_SLOWDOWN, run_job
 
 ACTOR_PREFIX = "rlpost-sandbox-"
 BACKENDS = ("process", "docker", "unsafe_local")
@@ -31,6 +32,7 @@ class SandboxSettings:
     num_cpus_per_worker: float = 1.0
     resource: str | None = None
     docker_image: str = "rlpost-sandbox:bookworm"
+    max_retries: int = 2
 
 
 def make_backend(settings: SandboxSettings) -> Backend:
@@ -62,6 +64,13 @@ class SandboxWorker:
     def ready(self) -> str:
         return f"{self.backend.name}@{os.uname().nodename}"
 
+    def where(self) -> dict:
+        """This actor's process and Ray node (for placement reports and fault tests)."""
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "ip": ray.util.get_node_ip_address()}
+
     def run(self, jobs: list[Job]) -> list[Result]:
         results = list(self._threads.map(lambda job: run_job(job, self.backend), jobs))
         self.jobs_run += len(jobs)
@@ -84,10 +93,12 @@ class SandboxPool:
 
         if settings.num_workers < 1:
             raise ValueError(f"sandbox.num_workers={settings.num_workers}: a pool needs at least 1 worker")
-        options: dict = {"num_cpus": settings.num_cpus_per_worker, "max_concurrency": 2}
+        # Ray starts a worker again (same name) when its process dies; `run_jobs` resends its jobs.
+        options: dict = {"num_cpus": settings.num_cpus_per_worker, "max_concurrency": 2, "max_restarts": -1}
         if settings.resource:
             options["resources"] = {settings.resource: 1}
         actor = ray.remote(SandboxWorker)
+        self.max_retries = settings.max_retries
         self.workers = [actor.options(name=f"{ACTOR_PREFIX}{i}", **options).remote(settings)
                         for i in range(settings.num_workers)]
         try:
@@ -110,7 +121,12 @@ class SandboxPool:
             raise
 
     def run(self, jobs: list[Job]) -> list[Result]:
-        return _dispatch(self.workers, jobs)
+        return _dispatch(self.workers, jobs, self.max_retries)
+
+    def where(self) -> list[dict]:
+        import ray
+
+        return ray.get([w.where.remote() for w in self.workers])
 
     def jobs_run(self) -> int:
         import ray
@@ -121,7 +137,7 @@ class SandboxPool:
         import ray
 
         for w in self.workers:
-            ray.kill(w)
+            ray.kill(w, no_restart=True)
         self.workers = []
 
 
@@ -129,16 +145,70 @@ def _start_timeout(settings: SandboxSettings) -> float:
     return 600.0 if settings.backend == "docker" else 120.0
 
 
-def _dispatch(workers: list, jobs: list[Job]) -> list[Result]:
-    """Spread jobs over workers in contiguous chunks, results in input order."""
+def job_deadline_s(job: Job) -> float:
+    """The longest a job can take within its own limits: compile, every test, the benchmark."""
+    runs = len(job.tests) + len(job.hidden_tests)
+    bench = 0.0
+    if job.bench_stdin is not None:
+        bench = job.limits.wall_s * (VALGRIND_SLOWDOWN if Method(job.method) is Method.INSTRUCTIONS else max(1, job.repeats))
+    return COMPILE_LIMITS.wall_s + runs * job.limits.wall_s + bench
+
+
+def _dispatch(workers: list, jobs: list[Job], max_retries: int = 2) -> list[Result]:
+    """Spread jobs over workers in contiguous chunks, results in input order. A worker that dies
+    or overruns its jobs' own time limits (stopped, stuck) is killed, Ray starts it again, and
+    its jobs are sent again, up to `max_retries` times; after that they are `sandbox_error`s."""
     import ray
+    from ray.exceptions import RayActorError
 
     if not jobs:
         return []
     parts = min(len(workers), len(jobs))
     bounds = [len(jobs) * i // parts for i in range(parts + 1)]
-    refs = [workers[i].run.remote(jobs[bounds[i]:bounds[i + 1]]) for i in range(parts)]
-    return [r for chunk in ray.get(refs) for r in chunk]
+    chunks = {i: jobs[bounds[i]:bounds[i + 1]] for i in range(parts)}
+    results: dict[int, list[Result]] = {}
+    failed: dict[int, str] = {}
+    for _ in range(max_retries + 1):
+        refs = {i: workers[i].run.remote(chunk) for i, chunk in chunks.items()}
+        deadline = 60 + max(sum(job_deadline_s(j) for j in chunk) for chunk in chunks.values())
+        finished = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline)[0])
+        failed = {}
+        for i, ref in refs.items():
+            if ref not in finished:
+                ray.kill(workers[i], no_restart=False)
+                failed[i] = hung(deadline)
+                continue
+            try:
+                results[i] = ray.get(ref)
+            except RayActorError as exc:
+                failed[i] = f"its process died ({first_line(exc)})"
+        if not failed:
+            break
+        for i in failed:
+            _wait_restarted(workers[i])
+        chunks = {i: chunks[i] for i in failed}
+    for i, why in failed.items():
+        detail = f"sandbox worker {i} failed: {why}; its jobs were tried {max_retries + 1} times"
+        results[i] = [Result(Status.SANDBOX_ERROR, detail=detail) for _ in chunks[i]]
+    return [r for i in sorted(results) for r in results[i]]
+
+
+def _wait_restarted(worker, timeout_s: float = 120.0) -> None:
+    """Until Ray has started the worker again (or gave up on it: then the retry fails too)."""
+    import time
+
+    import ray
+    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            ray.get(worker.ready.remote(), timeout=max(1.0, end - time.monotonic()))
+            return
+        except ActorUnavailableError:
+            time.sleep(0.5)
+        except (RayActorError, GetTimeoutError):
+            return
 
 
 def find_pool_workers() -> list:
@@ -166,7 +236,7 @@ def run_jobs(jobs: list[Job], fallback: SandboxSettings = SandboxSettings()) -> 
     `fallback` backend (kept for the life of the process)."""
     workers = find_pool_workers()
     if workers:
-        return _dispatch(workers, jobs)
+        return _dispatch(workers, jobs, fallback.max_retries)
     with _local_lock:
         backend = _local.get(fallback)
         if backend is None:

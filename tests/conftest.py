@@ -1,8 +1,14 @@
-"""Shared fixtures: the built-in tiny model (built once per session) and config composition."""
+"""Shared fixtures: the built-in tiny model (built once per session), config composition, and a
+Ray cluster started with `ray start` on this machine."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
 
 import pytest
 
@@ -63,3 +69,86 @@ def make_config(tiny_dir, tmp_path):
         return compose_config(base + list(overrides))
 
     return build
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RayCluster:
+    """Ray nodes started with the `ray` CLI on this machine, as a user starts them on a cluster.
+
+    `start(args)` runs `ray start ARGS` plus what several nodes on one machine need: a temp dir per
+    node (short: Ray's unix socket paths in it must stay under 108 bytes; shared, one node's
+    runtime-env agent would delete the job's unpacked working dir another node still uses), a free
+    port for each node's dashboard agent (and the head's client server), and a CPU count.
+    `stop()` ends this cluster's processes only (`ray stop` would end every Ray on the machine,
+    other people's and other test sessions' included)."""
+
+    def __init__(self) -> None:
+        bin_dir = os.path.dirname(sys.executable)
+        self.ray_bin = os.path.join(bin_dir, "ray")
+        self.env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], RAY_AUTH_MODE="disabled",
+                        RAY_USAGE_STATS_ENABLED="0")
+        self.temp = tempfile.mkdtemp(prefix="rc", dir="/tmp")
+        self.port, self.dashboard_port = free_port(), free_port()  # for the head's --port, --dashboard-port
+        self.nodes = 0
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    def ray(self, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+        return subprocess.run([self.ray_bin, *args], env=self.env, capture_output=True, text=True,
+                              timeout=timeout, **kwargs)
+
+    def start(self, args: list[str], num_cpus: int) -> None:
+        self.nodes += 1
+        extra = [f"--num-cpus={num_cpus}", f"--temp-dir={self.temp}/n{self.nodes}",
+                 f"--dashboard-agent-listen-port={free_port()}"]
+        if "--head" in args:
+            extra.append(f"--ray-client-server-port={free_port()}")
+        proc = self.ray("start", *args, *extra)
+        assert proc.returncode == 0, f"ray start {' '.join(args)}:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+
+    def stop(self) -> None:
+        import psutil
+
+        me = psutil.Process()
+        spare = {me.pid, *(p.pid for p in me.parents())}
+        roots = []
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if proc.pid not in spare and any(self.temp in arg for arg in proc.info["cmdline"] or ()):
+                    roots.append(proc)
+            except psutil.Error:
+                pass
+        procs: dict[int, psutil.Process] = {}
+        for root in roots:  # Ray's workers and agents rename themselves: find them as descendants
+            try:
+                procs.update((p.pid, p) for p in [root, *root.children(recursive=True)] if p.pid not in spare)
+            except psutil.Error:
+                pass
+        for proc in procs.values():
+            try:
+                proc.terminate()
+            except psutil.Error:
+                pass
+        for proc in psutil.wait_procs(list(procs.values()), timeout=10)[1]:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+@pytest.fixture
+def ray_cluster():
+    """A `RayCluster` with no node yet; its processes are ended at teardown, whatever happened."""
+    cluster = RayCluster()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rl.batch import build_train_batch
-from rl.data import PromptDataset, derive_seed
+from rl.data import DataError, PromptDataset, derive_seed
 from rl.types import Sample, ScoredSample
 from trainer.group import reduce_metrics, shard_rows
 from rl.weight_sync import WeightMeta, buckets
@@ -48,7 +48,8 @@ def test_truncated_completions_can_be_masked():
 
 class _CharTokenizer:
     def __call__(self, text):
-        return type("Enc", (), {"input_ids": [ord(c) for c in text]})()
+        ids = [[ord(c) for c in t] for t in text] if isinstance(text, list) else [ord(c) for c in text]
+        return type("Enc", (), {"input_ids": ids})()
 
 
 @pytest.fixture
@@ -79,6 +80,65 @@ def test_prompt_dataset_errors_name_the_field(prompt_file, tmp_path):
         PromptDataset([str(tmp_path / "missing.jsonl")], "prompt", _CharTokenizer(), 0, 32)
     with pytest.raises(ValueError, match="rollout.max_model_len"):
         PromptDataset([prompt_file], "prompt", _CharTokenizer(), 0, 2).requests(0, 1, 1)
+    # every prompt is measured up front, not only those of the first step
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 5 + [{"prompt": "123456789+1=", "answer": "x"}]
+    long_file = tmp_path / "long.jsonl"
+    long_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert PromptDataset([str(long_file)], "prompt", _CharTokenizer(), 0, 32).check_lengths(chunk=4) == 12
+    with pytest.raises(DataError, match=r"row 5 \(from 0\).*has 12 tokens.*rollout.max_model_len"):
+        PromptDataset([str(long_file)], "prompt", _CharTokenizer(), 0, 8).check_lengths(chunk=4)
+
+
+_GOOD = '{"prompt": "1+1=", "answer": "2"}'
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("", r"bad.jsonl is empty"),
+    ("\n \n", r"bad.jsonl holds no rows"),
+    (f'{_GOOD}\n{_GOOD}\n{{"prompt": "2+2=", \n', r"bad.jsonl line 3 is not valid JSON"),
+    (f'{_GOOD}\n\n{_GOOD}\n"2+2="\n', r"bad.jsonl line 4 is a string, not a JSON object"),
+    (f'{_GOOD}\n{{"prompt": "  ", "answer": "4"}}\n', r"task.prompt_key='prompt': .*bad.jsonl line 2 has an empty"),
+    (f'{_GOOD}\n{_GOOD}\n{{"prompt": ["2+2="]}}\n', r"line 3 has \['2\+2='\] \(a list\), not a string"),
+    (f'{_GOOD}\n{{"prompt": false}}\n', r"line 2 has False \(a boolean\)"),
+    (f'{_GOOD}\n{{"question": "2+2="}}\n', r"line 2 has no 'prompt' column"),
+    ('{"question": "2+2="}\n', r"task.prompt_key='prompt' is not a column of .*bad.jsonl.*\['question'\]"),
+    (f'[{_GOOD}, {{"prompt": 3}}]', r"bad.jsonl item 1 has 3 \(a number\)"),
+    (f'[\n{_GOOD},\n{_GOOD}\n', r"bad.jsonl line 4 is not valid JSON"),
+])
+def test_every_json_row_is_checked_naming_file_and_line(tmp_path, text, expected):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(DataError, match=expected):
+        PromptDataset([str(path)], "prompt", _CharTokenizer(), 0, 32)
+
+
+def test_json_arrays_and_non_utf8_lines(tmp_path):
+    good = tmp_path / "rows.json"
+    good.write_text(json.dumps([{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(3)], indent=1))
+    assert len(PromptDataset([str(good)], "prompt", _CharTokenizer(), 0, 32)) == 3
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(f"{_GOOD}\n".encode() + '{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    with pytest.raises(DataError, match="latin.jsonl line 2 is not UTF-8"):
+        PromptDataset([str(latin)], "prompt", _CharTokenizer(), 0, 32)
+
+
+def test_csv_and_parquet_prompts_are_checked_too(tmp_path):
+    import pandas as pd
+
+    csv = tmp_path / "train.csv"
+    csv.write_text("prompt,answer\n1+1=,2\n,4\n")
+    with pytest.raises(DataError, match=r"task.prompt_key='prompt': row 1 \(from 0\).*has no value"):
+        PromptDataset([str(csv)], "prompt", _CharTokenizer(), 0, 32)
+    parquet = tmp_path / "train.parquet"
+    pd.DataFrame({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}).to_parquet(parquet)
+    assert len(PromptDataset([str(parquet)], "prompt", _CharTokenizer(), 0, 32)) == 2
+    pd.DataFrame({"prompt": [1, 2]}).to_parquet(parquet)
+    with pytest.raises(DataError, match=r"row 0 .* has 1 \(a number\), not a string"):
+        PromptDataset([str(parquet)], "prompt", _CharTokenizer(), 0, 32)
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not a parquet file")
+    with pytest.raises(DataError, match=r"task.train_files: cannot read .*broken.parquet"):
+        PromptDataset([str(broken)], "prompt", _CharTokenizer(), 0, 32)
 
 
 def test_reduce_metrics_means_over_tokens_and_updates():

@@ -47,6 +47,57 @@ def test_semantic_errors_name_fields_and_fixes():
     assert "rollout.n=1" in text and "trainer.zero_stage=4" in text and "trainer.num_workers=3" in text
 
 
+@pytest.mark.parametrize("override,expected", [
+    ("rollout.top_p=0", "rollout.top_p=0.0: must be in (0, 1]"),
+    ("rollout.top_p=1.01", "rollout.top_p=1.01: must be in (0, 1]"),
+    ("rollout.top_p=nan", "rollout.top_p=nan"),
+    ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization=0.0: must be in (0, 1]"),
+    ("rollout.gpu_memory_utilization=1.5", "rollout.gpu_memory_utilization=1.5"),
+    ("rollout.kv_cache_gib=0", "rollout.kv_cache_gib=0: must be > 0"),
+    ("rollout.max_restarts=-1", "rollout.max_restarts=-1: must be >= 0"),
+    ("rollout.max_retries=-1", "rollout.max_retries=-1: must be >= 0"),
+    ("rollout.max_model_len=8", "rollout.max_model_len=8 leaves no room for a prompt"),
+    ("reward.timeout_s=0", "reward.timeout_s=0.0: must be > 0"),
+    ("reward.timeout_s=-5", "reward.timeout_s=-5.0: must be > 0"),
+    ("reward.max_failed_steps=0", "reward.max_failed_steps=0: must be >= 1"),
+    ("sandbox.num_workers=-1", "sandbox.num_workers=-1: must be >= 0"),
+    ("sandbox.max_retries=-1", "sandbox.max_retries=-1: must be >= 0"),
+    ("sandbox.num_cpus_per_worker=0", "sandbox.num_cpus_per_worker=0.0: must be > 0"),
+    ("cluster.num_cpus=0", "cluster.num_cpus=0: must be > 0"),
+    ("cluster.gpus_per_learner=-1", "cluster.gpus_per_learner=-1.0: must be >= 0"),
+    ("run.save_every=-1", "run.save_every=-1: must be >= 0"),
+    ("run.keep_checkpoints=0", "run.keep_checkpoints=0: must be a positive integer"),
+    ("run.max_restarts=-1", "run.max_restarts=-1: must be >= 0"),
+    ("run.call_timeout_s=0", "run.call_timeout_s=0.0: must be > 0"),
+    ("run.call_timeout_factor=0.9", "run.call_timeout_factor=0.9: must be >= 1"),
+    ("run.start_timeout_s=-1", "run.start_timeout_s=-1.0: must be > 0"),
+    ("algorithm.kl_ctrl=adaptive algorithm.kl_target=0", "algorithm.kl_ctrl=adaptive needs algorithm.kl_target > 0"),
+])
+def test_ranges_name_the_field_and_a_good_value(override, expected):
+    with pytest.raises(ConfigError) as err:
+        validate(_compose(*override.split()))
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("algorithm", sorted(os.path.basename(f)[:-5] for f in os.listdir(f"{CONFIGS}/algorithm")))
+def test_rollout_n_below_one_fails_for_every_algorithm(algorithm):
+    validate(_compose(f"algorithm={algorithm}"))  # each algorithm's own defaults are valid
+    with pytest.raises(ConfigError, match=r"rollout.n=0: must be >= 1, e.g. rollout.n=8"):
+        validate(_compose(f"algorithm={algorithm}", "rollout.n=0"))
+
+
+def test_position_limit_of_model_configs():
+    from launch.cli import position_limit
+
+    assert position_limit({"max_position_embeddings": 64}) == (64, "max_position_embeddings")
+    assert position_limit({"n_positions": 1024, "max_position_embeddings": 2048}) == (1024, "n_positions")
+    assert position_limit({"text_config": {"max_position_embeddings": 4096}}) == (4096, "max_position_embeddings")
+    scaled = {"max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    assert position_limit(scaled)[0] == 16384  # never stricter than the engines
+    assert position_limit({"max_position_embeddings": 8192, "model_max_length": 131072})[0] == 131072
+    assert position_limit({"hidden_size": 8}) is None
+
+
 @pytest.mark.parametrize(
     "override,expected",
     [("algorithm.lr=oops", "algorithm.lr"), ("trainer.zero_stag=3", "trainer.zero_stag"),

@@ -56,3 +56,29 @@ def test_pool_on_benchmark_nodes_serves_reward_actors(benchmark_node):
 def test_pool_without_matching_nodes_fails_with_the_fix(benchmark_node):
     with pytest.raises(RuntimeError, match="sandbox.resource"):
         SandboxPool(SandboxSettings(num_workers=1, resource="no-such-node-type"), start_timeout_s=3)
+
+
+def test_killed_sandbox_worker_restarts_and_its_jobs_run_again(benchmark_node):
+    """kill -9 a sandbox worker while it runs jobs: Ray starts it again under the same name and
+    the jobs it held are sent again; every result is judged, none is lost or a sandbox_error."""
+    import os
+    import signal
+    import threading
+    import time
+
+    pool = SandboxPool(SandboxSettings(backend="process", num_workers=1, slots_per_worker=1))
+    try:
+        before = pool.where()[0]["pid"]
+        slow = "import time\ntime.sleep(1.0)\nprint(int(input()) * 2)"
+        jobs = [Job(Language.PYTHON, slow, tests=(TestCase(str(i), str(2 * i)),)) for i in range(3)]
+        out: list = []
+        runner = threading.Thread(target=lambda: out.extend(pool.run(jobs)))
+        runner.start()
+        time.sleep(1.5)  # the first job is under way
+        os.kill(before, signal.SIGKILL)
+        runner.join(timeout=120)
+        assert not runner.is_alive()
+        assert [r.status for r in out] == [Status.OK] * 3, [r.detail for r in out]
+        assert pool.where()[0]["pid"] != before
+    finally:
+        pool.close()

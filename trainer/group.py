@@ -6,13 +6,16 @@ metric sums; `sync_weights(fleet, version)` pushes the new weights to the rollou
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import ray
 import torch
+from ray.exceptions import RayActorError, RayTaskError
 
-from rl.types import TrainBatch
 from rl import weight_sync
+from rl.faults import ActorFailure, Deadlines, first_line, hung
+from rl.types import TrainBatch
 from trainer.learner import LearnerSpec, LearnerWorker
 
 
@@ -22,6 +25,9 @@ def shard_rows(n_rows: int, world_size: int) -> list[torch.Tensor]:
 
 
 class LearnerGroup:
+    """A rank that dies or stops answering ends the run (`ActorFailure`, naming the rank and the
+    phase): its ZeRO shards are gone, so the run resumes from its latest checkpoint."""
+
     def __init__(
         self,
         spec: LearnerSpec,
@@ -31,24 +37,57 @@ class LearnerGroup:
         num_gpus: float = 0.0,
         env_vars: dict[str, str] | None = None,
         weight_sync_method: str = "collective",
+        actor_options: list[dict[str, Any]] | None = None,
+        deadlines: Deadlines | None = None,
     ):
         self.spec, self.world_size = spec, num_workers
         self.num_gpus, self.sync_method = num_gpus, weight_sync_method
+        self.deadlines = deadlines or Deadlines()
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         if env_vars:
             options["runtime_env"] = {"env_vars": env_vars}
         remote_cls = ray.remote(LearnerWorker)
-        self.workers = [remote_cls.options(**options).remote(spec, rank, num_workers) for rank in range(num_workers)]
-        master_addr, master_port = ray.get(self.workers[0].node_address.remote())
-        ray.get([w.setup.remote(master_addr, master_port) for w in self.workers])
-        self.metas: list[weight_sync.WeightMeta] = ray.get(self.workers[0].weight_metas.remote())
+        self.workers = [remote_cls.options(**options, **(actor_options[r] if actor_options else {}))
+                        .remote(spec, r, num_workers) for r in range(num_workers)]
+        self.where: list[dict[str, Any]] = [{} for _ in range(num_workers)]
+        self.where = self._get([w.where.remote() for w in self.workers], "start-up", self.deadlines.start_s)
+        master_addr, master_port = self._get([self.workers[0].node_address.remote()], "start-up")[0]
+        self._get([w.setup.remote(master_addr, master_port) for w in self.workers], "set-up", self.deadlines.start_s)
+        self.metas: list[weight_sync.WeightMeta] = self._get([self.workers[0].weight_metas.remote()], "set-up")[0]
+
+    def name(self, rank: int) -> str:
+        pid = self.where[rank].get("pid")
+        return f"learner rank {rank}" + (f" (pid {pid})" if pid else "")
+
+    def _get(self, refs: list, kind: str, deadline: float | None = None, tolerate_errors: bool = False) -> list:
+        """One result per rank within the deadline of `kind`; a dead or silent rank is an
+        ActorFailure. `tolerate_errors`: an exception raised inside a live rank gives None (its
+        peer in a collective failed, which the caller handles)."""
+        deadline = deadline or self.deadlines.of(kind)
+        started = time.monotonic()
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=deadline)
+        finished = set(ready)
+        out = []
+        for rank, ref in enumerate(refs):
+            if ref not in finished:
+                raise ActorFailure(self.name(rank), kind, hung(deadline))
+            try:
+                out.append(ray.get(ref))
+            except RayActorError as exc:
+                raise ActorFailure(self.name(rank), kind, f"its process died ({first_line(exc)})") from None
+            except RayTaskError:
+                if not tolerate_errors:
+                    raise
+                out.append(None)
+        self.deadlines.record(kind, time.monotonic() - started)
+        return out
 
     def score(self, batch: TrainBatch) -> TrainBatch:
         """Every rank scores its shard (old/reference log-probs, values); reassembled in row order."""
         if len(batch) != self.spec.samples_per_step:
             raise ValueError(f"expected {self.spec.samples_per_step} rows per step, got {len(batch)}")
         index = shard_rows(len(batch), self.world_size)
-        scored = ray.get([w.score.remote(batch.select(rows)) for w, rows in zip(self.workers, index)])
+        scored = self._get([w.score.remote(batch.select(rows)) for w, rows in zip(self.workers, index)], "score")
         width = batch.input_ids.shape[1] - 1
         for name in ("old_logprobs", "ref_logprobs", "values"):
             parts = [getattr(s, name) for s in scored]
@@ -65,44 +104,69 @@ class LearnerGroup:
         if len(batch) != self.spec.samples_per_step:
             raise ValueError(f"expected {self.spec.samples_per_step} rows per step, got {len(batch)}")
         shards = [batch.select(rows) for rows in shard_rows(len(batch), self.world_size)]
-        results = ray.get([w.train_step.remote(s, step, kl_coef) for w, s in zip(self.workers, shards)])
+        results = self._get([w.train_step.remote(s, step, kl_coef) for w, s in zip(self.workers, shards)],
+                            "train_step")
         return reduce_metrics(results)
 
     def connect(self, fleet) -> None:
-        """Make the weight-sync group: learner rank 0 plus every rollout worker."""
-        if self.sync_method == "object_store":
-            return
-        host, port = ray.get(self.workers[0].node_address.remote())
-        backend = "nccl" if torch.cuda.is_available() or self.num_gpus > 0 else "gloo"
-        world = 1 + len(fleet.workers)
-        joins = [self.workers[0].join_weight_sync.remote(host, port, world, backend)]
-        joins += [
-            w.join_weight_sync.remote(host, port, rank + 1, world, backend, self.metas)
-            for rank, w in enumerate(fleet.workers)
-        ]
-        ray.get(joins)
+        """Make the weight-sync group (learner rank 0 plus every rollout worker), and have the
+        fleet call back when it replaced a worker: a new group, then the current weights."""
+        fleet.on_replace = lambda: self.reconnect(fleet)
+        if self.sync_method == "collective":
+            self._join(fleet)
+
+    def reconnect(self, fleet) -> None:
+        if self.sync_method == "collective":
+            self._join(fleet)
+        self.sync_weights(fleet, fleet.version)
+
+    def _join(self, fleet) -> None:
+        while True:
+            host, port = self._get([self.workers[0].node_address.remote()], "weight-sync join")[0]
+            backend = "nccl" if torch.cuda.is_available() or self.num_gpus > 0 else "gloo"
+            world = 1 + len(fleet.workers)
+            mine = self.workers[0].join_weight_sync.remote(host, port, world, backend)
+            _, failed = fleet.wait({i: w.join_weight_sync.remote(host, port, i + 1, world, backend, self.metas)
+                                    for i, w in enumerate(fleet.workers)}, "weight-sync join")
+            if not failed:
+                self._get([mine], "weight-sync join")
+                return
+            fleet.replace(failed, "weight-sync join")  # raises once its replacements are used up
 
     def sync_weights(self, fleet, version: int) -> float:
-        """Push the current weights to every rollout worker as `version`; returns bytes moved."""
+        """Push the current weights to every rollout worker as `version`; returns bytes moved. A
+        rollout worker that fails meanwhile is replaced, the group made again and the push redone."""
+        while True:
+            sent, failed = self._push(fleet, version)
+            if not failed:
+                fleet.version = version
+                return sent
+            fleet.replace(failed, "weight sync")  # raises once its replacements are used up
+            if self.sync_method == "collective":
+                self._join(fleet)
+
+    def _push(self, fleet, version: int) -> tuple[float, dict[int, str]]:
         if self.sync_method == "object_store":
-            states = ray.get([w.full_state_dict.remote() for w in self.workers])
+            states = self._get([w.full_state_dict.remote() for w in self.workers], "weight sync")
             ref = ray.put(states[0])
-            ray.get([w.load_weights_from_object.remote(ref, version) for w in fleet.workers])
-            return float(sum(t.numel() * t.element_size() for t in states[0].values()))
+            _, failed = fleet.wait({i: w.load_weights_from_object.remote(ref, version)
+                                    for i, w in enumerate(fleet.workers)}, "weight sync")
+            return float(sum(t.numel() * t.element_size() for t in states[0].values())), failed
         sends = [w.broadcast_weights.remote() for w in self.workers]
-        receives = [w.receive_weights.remote(version) for w in fleet.workers]
-        sent = ray.get(sends)
-        ray.get(receives)
-        return sent[0]
+        _, failed = fleet.wait({i: w.receive_weights.remote(version) for i, w in enumerate(fleet.workers)},
+                               "weight sync")
+        # A receiver that died breaks rank 0's broadcast too: an error there is expected then.
+        sent = self._get(sends, "weight sync", tolerate_errors=bool(failed))
+        return (sent[0] or 0.0), failed
 
     def save_checkpoint(self, path: str) -> None:
-        ray.get([w.save_checkpoint.remote(path) for w in self.workers])
+        self._get([w.save_checkpoint.remote(path) for w in self.workers], "save_checkpoint")
 
     def load_checkpoint(self, path: str) -> None:
-        ray.get([w.load_checkpoint.remote(path) for w in self.workers])
+        self._get([w.load_checkpoint.remote(path) for w in self.workers], "load_checkpoint", self.deadlines.start_s)
 
     def save_pretrained(self, path: str) -> None:
-        ray.get([w.save_pretrained.remote(path) for w in self.workers])
+        self._get([w.save_pretrained.remote(path) for w in self.workers], "save_pretrained")
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -68,6 +68,13 @@ class LearnerWorker:
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int):
         self.spec, self.rank, self.world_size = spec, rank, world_size
 
+    def where(self) -> dict:
+        """This actor's process and Ray node (for placement reports and fault messages)."""
+        import ray
+
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "ip": ray.util.get_node_ip_address()}
+
     def node_address(self) -> tuple[str, int]:
         """An address on this actor's node with a free port (rank 0 hosts the rendezvous)."""
         import ray

@@ -1,0 +1,145 @@
+"""Bad inputs through the real command line: each ends with one `error: ...` line naming the field
+(and the file and line where there is one) and the fix, exit code 2, no traceback, before Ray
+starts, in under 10 s of CPU time. Each case breaks one thing of the valid built-in tiny model
+and data."""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+RAY_STARTED = "Started a local Ray instance"  # what ray.init prints when it starts one
+
+
+def _lines(tiny: str, n: int = 6) -> list[str]:
+    with open(f"{tiny}/data/train.jsonl") as f:
+        return [next(f).rstrip("\n") for _ in range(n)]
+
+
+def _data(tmp: Path, text: str, name: str = "train.jsonl") -> str:
+    path = tmp / name
+    path.write_text(text)
+    return f"task.train_files=[{path}]"
+
+
+def _line(number: int, text: str) -> Callable[[str, Path], list[str]]:
+    """A data file whose line `number` (from 1) is `text`, the other lines valid."""
+
+    def setup(tiny: str, tmp: Path) -> list[str]:
+        lines = _lines(tiny)
+        lines[number - 1] = text
+        return [_data(tmp, "\n".join(lines) + "\n")]
+
+    return setup
+
+
+def _model_without(*names: str) -> Callable[[str, Path], list[str]]:
+    """A copy of the tiny model folder without the files `names` (a glob each)."""
+
+    def setup(tiny: str, tmp: Path) -> list[str]:
+        model = tmp / "model"
+        shutil.copytree(f"{tiny}/model", model)
+        for pattern in names:
+            for path in model.glob(pattern):
+                path.unlink()
+        return [f"model.path={model}"]
+
+    return setup
+
+
+def _overrides(*overrides: str) -> Callable[[str, Path], list[str]]:
+    return lambda tiny, tmp: list(overrides)
+
+
+# id -> (what the case sets up: overrides, given the tiny task dir and a temp dir; text the error names)
+CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
+    "prompt_empty_in_row_4": (_line(4, '{"prompt": "", "answer": "3"}'),
+                              ["task.prompt_key='prompt'", "train.jsonl line 4", "empty string"]),
+    "prompt_is_a_number": (_line(3, '{"prompt": 17, "answer": "3"}'),
+                           ["task.prompt_key='prompt'", "train.jsonl line 3", "17 (a number), not a string"]),
+    "prompt_null_in_last_row": (_line(6, '{"prompt": null, "answer": "3"}'),
+                                ["task.prompt_key='prompt'", "train.jsonl line 6", "no value"]),
+    "prompt_column_missing_in_a_row": (_line(5, '{"question": "1+2=", "answer": "3"}'),
+                                       ["task.prompt_key='prompt'", "train.jsonl line 5", "no 'prompt' column"]),
+    "malformed_line_3": (_line(3, '{"prompt": "1+2=", "answer": '),
+                         ["task.train_files", "train.jsonl line 3 is not valid JSON"]),
+    "line_not_an_object": (_line(2, '["1+2=", "3"]'), ["task.train_files", "train.jsonl line 2 is a list"]),
+    "empty_file": (lambda tiny, tmp: [_data(tmp, "", "empty.jsonl")], ["task.train_files", "empty.jsonl is empty"]),
+    "blank_lines_only": (lambda tiny, tmp: [_data(tmp, "\n\n", "blank.jsonl")],
+                         ["task.train_files", "blank.jsonl holds no rows"]),
+    "data_file_missing": (lambda tiny, tmp: [f"task.train_files=[{tmp}/nope.jsonl]"],
+                          ["task.train_files", "nope.jsonl does not exist"]),
+    "model_without_config_json": (_model_without("config.json"), ["model.path=", "has no config.json"]),
+    "model_without_tokenizer": (_model_without("tokenizer*"), ["model.path=", "tokenizer does not load"]),
+    "max_model_len_above_position_limit": (_overrides("rollout.max_model_len=128"),
+                                           ["rollout.max_model_len=128", "max_position_embeddings", "=64 or less"]),
+    "prompt_longer_than_the_budget": (_overrides("rollout.max_new_tokens=60"),
+                                      ["rollout.max_model_len - rollout.max_new_tokens = 4", "row 0"]),
+    "top_p_zero": (_overrides("rollout.top_p=0"), ["rollout.top_p=0.0", "(0, 1]"]),
+    "top_p_above_one": (_overrides("rollout.top_p=1.5"), ["rollout.top_p=1.5", "(0, 1]"]),
+    "kv_cache_gib_zero": (_overrides("rollout.kv_cache_gib=0"), ["rollout.kv_cache_gib=0", "> 0"]),
+    "reward_timeout_zero": (_overrides("reward.timeout_s=0"), ["reward.timeout_s=0.0", "> 0"]),
+    "rollout_n_zero_grpo": (_overrides("rollout.n=0"), ["rollout.n=0", ">= 1"]),
+    "rollout_n_zero_reinforce_pp": (_overrides("algorithm=reinforce_pp", "rollout.n=0"), ["rollout.n=0", ">= 1"]),
+    "save_every_negative": (_overrides("run.save_every=-1"), ["run.save_every=-1", ">= 0"]),
+    "call_timeout_factor_below_one": (_overrides("run.call_timeout_factor=0.5"), ["run.call_timeout_factor=0.5"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_fails_fast_naming_the_field(case, tiny_dir, tmp_path):
+    setup, expected = CASES[case]
+    overrides = [f"model.path={tiny_dir}/model", f"task.train_files=[{tiny_dir}/data/train.jsonl]",
+                 *setup(tiny_dir, tmp_path), f"run.dir={tmp_path}/run", "run.progress=false"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "launch.train", *overrides], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    for text in expected:
+        assert text in proc.stderr, f"{text!r} not in {proc.stderr!r}"
+    assert "Traceback" not in proc.stderr
+    assert RAY_STARTED not in output
+    print(f"{case}: {wall:.1f} s wall, {cpu:.1f} s CPU: {errors[0]}")
+    assert wall < 10, f"took {wall:.1f} s wall ({cpu:.1f} s CPU)"
+
+
+# The supervised entry points share the model and data-file checks.
+SUPERVISED_CASES = {
+    "sft_model_without_config_json": ("launch.train_sft", _model_without("config.json"),
+                                      ["model.path=", "has no config.json"]),
+    "rm_model_without_config_json": ("launch.train_rm", _model_without("config.json"),
+                                     ["model.path=", "has no config.json"]),
+    "sft_malformed_line_2": ("launch.train_sft", _line(2, '{"prompt": "1+2=", "answer": "3"'),
+                             ["data.train_files", "train.jsonl line 2 is not valid JSON"]),
+    "rm_empty_file": ("launch.train_rm", lambda tiny, tmp: [_data(tmp, "", "empty.jsonl")],
+                      ["data.train_files", "empty.jsonl is empty"]),
+}
+
+
+@pytest.mark.parametrize("case", list(SUPERVISED_CASES))
+def test_supervised_bad_input_fails_naming_the_field(case, tiny_dir, tmp_path):
+    module, setup, expected = SUPERVISED_CASES[case]
+    overrides = [o.replace("task.train_files", "data.train_files") for o in setup(tiny_dir, tmp_path)]
+    if not any(o.startswith("model.path=") for o in overrides):
+        overrides.append(f"model.path={tiny_dir}/model")
+    proc = subprocess.run([sys.executable, "-m", module, *overrides, "data.test_files=[]", f"run.dir={tmp_path}/run"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) == 1, proc.stderr
+    for text in expected:
+        assert text in proc.stderr, f"{text!r} not in {proc.stderr!r}"
+    assert "Traceback" not in proc.stderr

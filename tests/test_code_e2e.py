@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
+import time
 
 import pytest
 
@@ -15,7 +18,26 @@ from tests.conftest import compose_config
 pytestmark = pytest.mark.slow
 
 
+def _kill_when(run_dir: str, step_rows: int, role: str) -> tuple[threading.Thread, list[str]]:
+    """kill -9 the first actor of `role` once metrics.jsonl has `step_rows` rows (mid-run)."""
+
+    def kill() -> None:
+        path = os.path.join(run_dir, "metrics.jsonl")
+        while not (os.path.exists(path) and len(open(path).read().splitlines()) >= step_rows):
+            time.sleep(0.05)
+        actors = json.load(open(os.path.join(run_dir, "actors.json")))
+        os.kill(next(a["pid"] for a in actors if a["role"] == role and a["index"] == 0), signal.SIGKILL)
+        killed.append(role)
+
+    killed: list[str] = []
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread, killed
+
+
 def test_grpo_with_the_sandbox_reward_on_the_code_task(tiny_code, tmp_path):
+    """...with a sandbox worker killed (kill -9) after the first step: Ray starts it again, its
+    jobs are sent again, and no sample of any step loses its reward."""
     out, _ = tiny_code
     cfg = compose_config([
         "task=code_speedup",
@@ -28,7 +50,10 @@ def test_grpo_with_the_sandbox_reward_on_the_code_task(tiny_code, tmp_path):
         "sandbox.num_workers=2",
         "sandbox.slots_per_worker=1",
     ])
+    killer, killed = _kill_when(cfg.run.dir, 1, "sandbox")
     summary = train(cfg)
+    killer.join(timeout=5)
+    assert killed == ["sandbox"]
     metrics = read_metrics(cfg.run.dir)
     assert len(metrics) == 4
     for m in metrics:

@@ -98,7 +98,8 @@ def base_args(tiny_dir):
 def test_rollout_worker_killed_then_stopped_is_replaced_and_the_run_completes(base_args, tmp_path):
     """kill -9 the rollout worker while a generate call waits on it, later SIGSTOP its
     replacement: each time a new worker starts, rejoins the weight-sync group, gets the current
-    weights and generates the unfinished requests; all steps complete."""
+    weights and generates the unfinished requests; all steps complete (a reward worker killed
+    near the end does not stop the run either)."""
     run_dir = str(tmp_path / "run")
     run = Run([*base_args, f"run.dir={run_dir}", "run.steps=6", "run.call_timeout_s=10",
                "run.call_timeout_factor=3"], str(tmp_path / "out.txt"))
@@ -115,6 +116,8 @@ def test_rollout_worker_killed_then_stopped_is_replaced_and_the_run_completes(ba
         started = time.monotonic()
         run.wait_for(r"rollout worker 0 \(pid %d\) failed during \w+: no answer in" % second, timeout_s=120)
         noticed_s = time.monotonic() - started
+        run.wait_for(r"step 5/6")
+        os.kill(pid_of(run_dir, "reward"), signal.SIGKILL)  # Ray starts it again; the run goes on
         assert run.finish() == 0, run.output[-4000:]
     finally:
         run.finish(timeout_s=5) if run.proc.poll() is None else None

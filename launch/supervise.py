@@ -85,3 +85,6 @@ def supervise(cfg: Any, run: Callable[[Any, bool], Any], overrides: list[str], r
                 continue
             print(resume_hint(cfg.run.dir, overrides, cfg.run.save_every), file=sys.stderr, flush=True)
             sys.exit(1)
+        except SystemExit:  # a second signal: stopped at once, the latest checkpoint is the way back
+            print(resume_hint(cfg.run.dir, overrides, cfg.run.save_every), file=sys.stderr, flush=True)
+            raise

@@ -255,8 +255,8 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
     start_ray(cfg)
     fleet = rewards = learner = sandboxes = None
     stop = StopRequest()
-    try:
-        with stop_on_signals(stop, log.write):
+    with stop_on_signals(stop, log.write):  # until Ray is down: a second signal stops at once
+        try:
             sandboxes = start_sandbox_pool(cfg)
             fleet, rewards, learner, placement = build_components(config, log.write)
             report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement)
@@ -273,21 +273,21 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                 learner.save_pretrained(final)
                 tokenizer.save_pretrained(final)
                 summary["final_model"] = final
-        summary = log.finish(summary)
-        print_summary(summary, cfg.run.dir)
-        return summary
-    except BaseException as err:
-        if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")) and read_metrics(cfg.run.dir):
-            log.finish({**reward_trend(read_metrics(cfg.run.dir)), "ended_early": f"{type(err).__name__}: {err}"})
-        raise
-    finally:
-        log.close()
-        for part in (learner, rewards, fleet):
-            if part is not None:
-                part.shutdown()
-        if sandboxes is not None:
-            sandboxes.close()
-        ray.shutdown()
+            summary = log.finish(summary)
+            print_summary(summary, cfg.run.dir)
+            return summary
+        except BaseException as err:
+            if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")) and read_metrics(cfg.run.dir):
+                log.finish({**reward_trend(read_metrics(cfg.run.dir)), "ended_early": f"{type(err).__name__}: {err}"})
+            raise
+        finally:
+            log.close()
+            for part in (learner, rewards, fleet):
+                if part is not None:
+                    part.shutdown()
+            if sandboxes is not None:
+                sandboxes.close()
+            ray.shutdown()
 
 
 def print_summary(summary: dict[str, Any], run_dir: str) -> None:

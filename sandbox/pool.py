@@ -150,7 +150,8 @@ def job_deadline_s(job: Job) -> float:
     runs = len(job.tests) + len(job.hidden_tests)
     bench = 0.0
     if job.bench_stdin is not None:
-        bench = job.limits.wall_s * (VALGRIND_SLOWDOWN if Method(job.method) is Method.INSTRUCTIONS else max(1, job.repeats))
+        runs_measured = VALGRIND_SLOWDOWN if Method(job.method) is Method.INSTRUCTIONS else max(1, job.repeats)
+        bench = job.limits.wall_s * runs_measured
     return COMPILE_LIMITS.wall_s + runs * job.limits.wall_s + bench
 
 

@@ -114,7 +114,7 @@ def test_rollout_worker_killed_then_stopped_is_replaced_and_the_run_completes(ba
         run.wait_for(r"step 4/6")
         os.kill(second, signal.SIGSTOP)  # a hang: never resumed
         started = time.monotonic()
-        run.wait_for(r"rollout worker 0 \(pid %d\) failed during \w+: no answer in" % second, timeout_s=120)
+        run.wait_for(r"rollout worker 0 \(pid %d\) failed during [\w -]+: no answer in" % second, timeout_s=120)
         noticed_s = time.monotonic() - started
         run.wait_for(r"step 5/6")
         os.kill(pid_of(run_dir, "reward"), signal.SIGKILL)  # Ray starts it again; the run goes on
@@ -123,13 +123,17 @@ def test_rollout_worker_killed_then_stopped_is_replaced_and_the_run_completes(ba
         run.finish(timeout_s=5) if run.proc.poll() is None else None
     out = run.output
     print(out[-3000:])
-    assert f"rollout worker 0 (pid {first}) failed during generate: its process died" in out
+    # (on a quiet machine a step takes 0.2 s: the stop may also land in the weight sync)
+    assert re.search(rf"rollout worker 0 \(pid {first}\) failed during (generate|weight sync): its process died", out)
     assert noticed_s < 60  # max(run.call_timeout_s=10, 3 x the slowest generate) and a margin
     metrics = read_metrics(run_dir)
     assert [m["step"] for m in metrics] == list(range(6))
     # the replacements sample from the learner's current weights, not the start model's
     assert all(m["sync/logprob_abs_diff"] < 1e-3 for m in metrics[1:]), [m["sync/logprob_abs_diff"] for m in metrics]
-    assert metrics[-1]["actor/kl_nats"] > 0
+    assert metrics[4]["actor/kl_nats"] > 0
+    # the rollout faults cost no reward; the reward worker killed in step 6 may cost that step's
+    # samples (recorded as errors, as designed), nothing more
+    assert all(m["reward/errors_count"] == 0 for m in metrics[:5]), [m["reward/errors_count"] for m in metrics]
 
 
 @pytest.mark.slow

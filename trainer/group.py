@@ -155,7 +155,10 @@ class LearnerGroup:
         sends = [w.broadcast_weights.remote() for w in self.workers]
         _, failed = fleet.wait({i: w.receive_weights.remote(version) for i, w in enumerate(fleet.workers)},
                                "weight sync")
-        # A receiver that died breaks rank 0's broadcast too: an error there is expected then.
+        # A stopped receiver holds rank 0's broadcast: end it, so that the broadcast fails now
+        # (an error there is expected then) rather than at the group's timeout.
+        for i in failed:
+            ray.kill(fleet.workers[i], no_restart=True)
         sent = self._get(sends, "weight sync", tolerate_errors=bool(failed))
         return (sent[0] or 0.0), failed
 

@@ -7,7 +7,8 @@ import torch
 from rl.types import ScoredSample, TrainBatch
 
 
-def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mask_truncated: bool = False) -> TrainBatch:
+def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mask_truncated: bool = False,
+                      max_staleness: int = 0) -> TrainBatch:
     """Right-pad prompt+completion rows; the loss covers completion tokens of scored samples only.
 
     A sample whose reward failed keeps its row (the learner's batch size stays fixed) with a zero
@@ -42,3 +43,34 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
         group_ids=torch.tensor([s.sample.group_id for s in scored], dtype=torch.long),
         policy_version=version,
     )
+
+
+def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
+    """Row indices of each micro-batch. By rows (`max_tokens=0`): consecutive runs of at most
+    `max_rows`. By tokens: rows sorted longest first, each micro-batch filled while its padded
+    size (rows x its longest row) stays within `max_tokens` (and `max_rows`); a row longer than
+    the budget gets a micro-batch of its own. Every row lands in exactly one micro-batch."""
+    if max_tokens <= 0:
+        return [list(range(i, min(i + max_rows, len(lengths)))) for i in range(0, len(lengths), max_rows)]
+    plan: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        current = plan[-1] if plan else None
+        # sorted longest first: the micro-batch's first row is its longest
+        if current and len(current) < max_rows and (len(current) + 1) * lengths[current[0]] <= max_tokens:
+            current.append(i)
+        else:
+            plan.append([i])
+    return plan
+
+
+def split_to_count(plan: list[list[int]], count: int) -> list[list[int]]:
+    """The plan cut into exactly `count` micro-batches (halving the largest) so that every
+    data-parallel rank runs as many backward passes as the others (ZeRO reduces at each one)."""
+    plan = [list(mb) for mb in plan]
+    while len(plan) < count:
+        largest = max(range(len(plan)), key=lambda j: len(plan[j]))
+        if len(plan[largest]) < 2:
+            raise ValueError(f"cannot split {sum(map(len, plan))} rows into {count} micro-batches")
+        rows = plan.pop(largest)
+        plan[largest:largest] = [rows[: len(rows) // 2], rows[len(rows) // 2:]]
+    return plan

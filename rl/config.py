@@ -51,6 +51,16 @@ class AlgorithmConfig:
     max_grad_norm: float = 1.0
     ppo_epochs: int = 1  # passes over each step's batch
     mini_batches: int = 1  # optimizer steps per pass
+    # Asynchronous rollouts: the next batches generate while the learner trains on this one, from
+    # weights at most this many versions old (0 = on-policy, lock-step).
+    off_policy_steps: int = 0
+    # Behaviour (rollout engine) vs learner policy mismatch: none | token_tis (per-token weight
+    # min(pi_learner / pi_rollout, tis_cap)) | seq_mask (drop sequences whose geometric-mean ratio
+    # leaves [seq_mask_low, seq_mask_high]).
+    importance_correction: str = "token_tis"
+    tis_cap: float = 2.0
+    seq_mask_low: float = 0.5
+    seq_mask_high: float = 2.0
 
 
 @dataclass
@@ -106,6 +116,9 @@ class TrainerConfig:
     num_workers: int = 1  # DeepSpeed data-parallel ranks
     zero_stage: int = 2
     micro_batch_size: int = 64  # sequences per forward/backward on one rank
+    # > 0: micro-batches are cut by padded tokens (rows x longest row) instead of rows, rows sorted
+    # by length first, so variable-length batches do not pay for padding
+    max_tokens_per_micro_batch: int = 0
     offload_optimizer: bool = False
     ref_offload: bool = False  # keep the frozen reference model's weights on CPU (ZeRO-3 param offload)
     zero3_persistence_threshold: int = 0  # DeepSpeed's 1e5 keeps small tensors whole; 0 shards all
@@ -123,6 +136,8 @@ class ClusterConfig:
     # How the placement group of the rollout workers and learner ranks (one bundle each) spreads
     # over nodes: pack (as few nodes as possible) | spread | strict_pack (one node) | strict_spread
     placement: str = "pack"
+    peak_tflops: float = 0.0  # per device, for MFU; 0 = the learner measures its matmul peak at start
+    price_per_device_hour: float = 0.0  # for the per-step cost metric (cost/step_usd); 0 = not shown
 
 
 @dataclass
@@ -181,6 +196,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.policy_loss": ("ppo_clip", "ppo_dual_clip", "gspo"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", "k3_clamped"),
+    "algorithm.importance_correction": ("none", "token_tis", "seq_mask"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
     "model.dtype": ("float32", "bfloat16"),
     "rollout.backend": ("vllm", "hf"),
@@ -223,6 +239,13 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "cluster.gpus_per_rollout_worker": (0, True, None, "0 or 1"),
     "cluster.gpus_per_learner": (0, True, None, "0 or 1"),
     "run.save_every": (0, True, None, "20 (0 = never)"),
+    "algorithm.off_policy_steps": (0, True, None, "0 (on-policy) or 1"),
+    "algorithm.tis_cap": (1, True, None, "2.0"),
+    "algorithm.seq_mask_low": (0, True, 1, "0.5"),
+    "algorithm.seq_mask_high": (1, True, None, "2.0"),
+    "trainer.max_tokens_per_micro_batch": (0, True, None, "0 (rows) or 8192"),
+    "cluster.peak_tflops": (0, True, None, "0 (measure) or 312"),
+    "cluster.price_per_device_hour": (0, True, None, "0 or 2.5"),
     "run.log_samples_per_step": (0, True, None, "4"),
     "run.max_restarts": (0, True, None, "0"),
     "run.call_timeout_s": (0, False, None, "300"),
@@ -346,6 +369,10 @@ def validate(cfg: Any) -> None:
     if a.kl_ctrl == "adaptive" and not (a.kl_target > 0 and a.kl_horizon > 0):
         errors.append(f"algorithm.kl_ctrl=adaptive needs algorithm.kl_target > 0 and algorithm.kl_horizon > 0 "
                       f"(got {a.kl_target}, {a.kl_horizon}), e.g. kl_target=0.01 kl_horizon=10000")
+    if a.off_policy_steps > 0 and cfg.rollout.sleep_between_steps:
+        errors.append(f"algorithm.off_policy_steps={a.off_policy_steps} generates while the learner trains, "
+                      "so the rollout engines cannot sleep then: set rollout.sleep_between_steps=false "
+                      "or algorithm.off_policy_steps=0")
     if a.max_sampling_rounds < 1:
         errors.append(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be at least 1")
     if not cfg.reward.functions:

@@ -72,3 +72,65 @@ def test_update_follows_the_advantages(ray_local, tiny_dir, tmp_path, stage, wor
     # the positive group up and the negative group down on average.
     assert deltas[0] + deltas[1] > 0, deltas
     assert deltas[2] + deltas[3] < 0, deltas
+
+
+def _varied_batch(tok, model):
+    """Eight rows whose completions run from 1 to 8 tokens, advantages of both signs."""
+    scored = []
+    for i in range(8):
+        p_ids = tok(f"{10 + i}+{20 + 3 * i}=").input_ids
+        c_ids = tok(str(1234567 * (i + 1))[: i + 1], add_special_tokens=False).input_ids[: i + 1]
+        ids = torch.tensor([p_ids + c_ids])
+        with torch.no_grad():
+            lp, _ = token_logprobs(model, ids, torch.ones_like(ids))
+        s = Sample(p_ids, c_ids, lp[0, len(p_ids) - 1:].tolist(), "length", 0, "", "", i // 2, i % 2)
+        scored.append(ScoredSample(s, 1.0, {}))
+    batch = build_train_batch(scored, tok.pad_token_id, 0)
+    batch.advantages = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, -0.75])[:, None] * batch.loss_mask
+    return batch
+
+
+def test_one_update_is_the_same_however_the_work_is_cut(ray_local, tiny_dir, tmp_path):
+    """The step's update does not depend on how it is computed: the training forward's own
+    log-probs as the old policy's (no scoring pass) or a scored old policy; micro-batches of rows
+    or of a token budget (rows sorted by length, a different number per rank)."""
+    import dataclasses
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = f"{tiny_dir}/model"
+    tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
+    batch = _varied_batch(tok, model)
+    with torch.no_grad():
+        scored_old, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    runs = {  # name: (trainer overrides, world size, old log-probs given)
+        "fused, rows": ({"micro_batch_size": 2}, 1, False),
+        "scored old, one micro-batch": ({"micro_batch_size": 8}, 1, True),
+        "fused, token budget, 2 ranks": ({"micro_batch_size": 8, "max_tokens_per_micro_batch": 24}, 2, False),
+    }
+    metrics, weights = {}, {}
+    for name, (trainer, world, given) in runs.items():
+        spec = _spec(path, 2, len(batch))
+        spec = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, **trainer))
+        assert not spec.recompute_old_logprobs
+        b = dataclasses.replace(batch, old_logprobs=scored_old.clone() if given else None)
+        group = LearnerGroup(spec, world, num_cpus=1, weight_sync_method="object_store")
+        try:
+            metrics[name] = group.train_step(b, step=0)
+            group.save_pretrained(str(tmp_path / str(len(weights))))
+        finally:
+            group.shutdown()
+        weights[name] = load_file(str(tmp_path / str(len(weights)) / "model.safetensors"))
+    base = next(iter(runs))
+    for name in runs:
+        m = metrics[name]
+        assert m["actor/grad_norm"] == pytest.approx(metrics[base]["actor/grad_norm"], rel=1e-4), name
+        assert m["actor/pg_loss_nats"] == pytest.approx(metrics[base]["actor/pg_loss_nats"], abs=1e-6), name
+        assert m["sync/logprob_abs_diff"] < 1e-4 and m["is/ess_frac"] == pytest.approx(1.0, abs=1e-4), name
+        assert m["perf/trained_tokens"] == float(batch.attention_mask.sum()), name
+        # Adam's first step is about lr * sign(gradient): equal gradients give equal weights,
+        # except where a gradient element is within float noise of zero
+        differ = sum(int(((weights[name][k] - weights[base][k]).abs() > 1e-4).sum()) for k in weights[base])
+        total = sum(t.numel() for t in weights[base].values())
+        assert differ <= total * 1e-3, (name, differ, total)

@@ -14,6 +14,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from rl import weight_sync
+from rl.importance import effective_sample_size
 from rl.faults import ActorFailure, Deadlines, first_line, hung
 from rl.types import TrainBatch
 from trainer.learner import LearnerSpec, LearnerWorker
@@ -54,6 +55,7 @@ class LearnerGroup:
         master_addr, master_port = self._get([self.workers[0].node_address.remote()], "start-up")[0]
         self._get([w.setup.remote(master_addr, master_port) for w in self.workers], "set-up", self.deadlines.start_s)
         self.metas: list[weight_sync.WeightMeta] = self._get([self.workers[0].weight_metas.remote()], "set-up")[0]
+        self.peak_tflops: float = self._get([self.workers[0].peak.remote()], "set-up")[0]  # per rank, for MFU
 
     def name(self, rank: int) -> str:
         pid = self.where[rank].get("pid")
@@ -188,10 +190,16 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     critic_tokens = max(total.pop("_critic_tokens", 0.0), 1.0)
     critic_updates = max(total.pop("_updates/critic", 0.0) / len(results), 1.0)
     out: dict[str, float] = {}
+    if "_is/w_sum" in total:
+        out["is/ess_frac"] = effective_sample_size(total.pop("_is/w_sum"), total.pop("_is/w_sq_sum"), tokens)
+    if "_flops" in total:
+        out["perf/model_tflop"] = total.pop("_flops") / 1e12
+        out["perf/trained_tokens"] = total.pop("_trained_tokens")
     for k, v in total.items():
         if k.startswith("_max/"):
             out[k.removeprefix("_max/")] = v
-        elif k in ("sync/logprob_abs_diff", "actor/entropy_nats", "critic/values_mean"):
+        elif k in ("sync/logprob_abs_diff", "actor/entropy_nats", "critic/values_mean", "is/capped_frac",
+                   "is/masked_frac"):
             out[k] = v / tokens
         elif k in ("critic/value_error", "critic/clip_frac"):
             out[k] = v / critic_tokens

@@ -15,7 +15,10 @@ from typing import Any, Iterator
 
 import torch
 
+from rl.batch import plan_micro_batches, split_to_count
 from rl.config import AlgorithmConfig, ModelConfig, TrainConfig, TrainerConfig
+from rl.flops import measure_matmul_tflops, train_flops
+from rl.importance import importance_weights
 from rl.kl import KL_ESTIMATORS
 from rl.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
 from rl.types import TrainBatch
@@ -37,12 +40,22 @@ class LearnerSpec:
     temperature: float  # rollout.temperature: log-probs are those of the distribution sampled from
     seed: int  # run.seed
     threads: int = 0  # torch threads per rank (cluster.threads_per_worker, resolved on the driver)
+    peak_tflops: float = 0.0  # cluster.peak_tflops; 0 = measure this rank's matmul peak at set-up
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, threads: int = 0) -> LearnerSpec:
         return cls(cfg.model, cfg.algorithm, cfg.trainer, samples_per_step=cfg.task.prompts_per_step * cfg.rollout.n,
                    max_response_len=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                   seed=cfg.run.seed, threads=threads)
+                   seed=cfg.run.seed, threads=threads, peak_tflops=cfg.cluster.peak_tflops)
+
+    @property
+    def recompute_old_logprobs(self) -> bool:
+        """Whether the old policy's log-probs need a forward pass of their own before the update.
+        With one update per step (one epoch, one mini-batch) the training forward's own log-probs,
+        detached, are exactly the pre-update policy's, as long as nothing needs them before the
+        update (a KL penalty in the reward does)."""
+        a = self.algorithm
+        return a.ppo_epochs > 1 or a.mini_batches > 1 or (a.kl_in_reward and a.kl_coef > 0)
 
 
 def gradient_accumulation_steps(spec: LearnerSpec, world_size: int) -> int:
@@ -62,6 +75,24 @@ def deepspeed_config(spec: LearnerSpec, world_size: int, with_optimizer: bool = 
         offload_optimizer=spec.trainer.offload_optimizer and with_optimizer,
         zero3_persistence_threshold=spec.trainer.zero3_persistence_threshold,
     )
+
+
+def _add_mismatch(sums: dict[str, float], learner_lp: torch.Tensor, rollout_lp: torch.Tensor,
+                  mask: torch.Tensor) -> None:
+    """Learner vs rollout log-probs of the sampled tokens (weight sync, dtype, staleness)."""
+    diff = (learner_lp.float() - rollout_lp.float()).abs() * mask
+    sums["sync/logprob_abs_diff"] += float(diff.sum())
+    key = "_max/sync/logprob_max_abs_diff"
+    sums[key] = max(sums.get(key, 0.0), float(diff.max()) if diff.numel() else 0.0)
+
+
+def _accumulate(engine, plan: list[torch.Tensor], backward) -> None:
+    """One optimizer step over the micro-batches of `plan` (`backward(rows)` each). The
+    accumulation boundary is set by hand, as the number of micro-batches may vary by step."""
+    for i, rows in enumerate(plan):
+        engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
+        backward(rows)
+    engine.step()
 
 
 class LearnerWorker:
@@ -120,6 +151,8 @@ class LearnerWorker:
         self._named_params = [(n, p) for n, p in self.engine.module.named_parameters()]
         self._sync_group = None
         self._scored_sums: dict[str, float] = {}
+        self._model_config = self.engine.module.config.to_dict()
+        self.peak_tflops = spec.peak_tflops or measure_matmul_tflops(dtype, self.device)
 
     def _trainable(self, load_model, ds_config: dict[str, Any], lr: float):
         """A DeepSpeed engine with torch AdamW and linear lr warm-up: Adam's first updates are
@@ -155,33 +188,61 @@ class LearnerWorker:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
 
+    def peak(self) -> float:
+        """This rank's matmul peak in TFLOP/s (configured or measured at set-up), for MFU."""
+        return self.peak_tflops
+
+    def _max_over_ranks(self, n: int) -> int:
+        if self.world_size == 1:
+            return n
+        t = torch.tensor([n], dtype=torch.long)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return int(t)
+
+    def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+        """`rows` cut into micro-batches: `gradient_accumulation_steps` runs of rows, or by the
+        padded-token budget (`trainer.max_tokens_per_micro_batch`), as many on every rank."""
+        budget = self.spec.trainer.max_tokens_per_micro_batch
+        if budget <= 0:
+            return list(torch.tensor_split(rows, gradient_accumulation_steps(self.spec, self.world_size)))
+        lengths = batch.attention_mask[rows].sum(dim=1).tolist()
+        plan = plan_micro_batches(lengths, self.spec.trainer.micro_batch_size, budget)
+        plan = split_to_count(plan, self._max_over_ranks(len(plan)))
+        return [rows[torch.tensor(mb, dtype=torch.long)] for mb in plan]
+
     @torch.no_grad()
     def score(self, batch: TrainBatch) -> TrainBatch:
-        """Old-policy (and reference) log-probs and critic values of every row, before any update
-        this step; the driver estimates advantages from them. Kept on CPU, full width."""
+        """What the update needs from before it: reference log-probs (KL), critic values (GAE)
+        and, when `spec.recompute_old_logprobs`, the old policy's log-probs (else the training
+        forward supplies them). Kept on CPU, full width; the driver estimates advantages from them."""
         width = batch.input_ids.shape[1] - 1
-        old, ref, values, entropy = [], [], [], []
+        old = torch.zeros((len(batch), width))
+        ref = torch.zeros((len(batch), width)) if self.ref is not None else None
+        values = torch.zeros((len(batch), width)) if self.critic is not None else None
+        entropy = torch.zeros((len(batch), width))
+        recompute = self.spec.recompute_old_logprobs
 
-        def full_width(t: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.pad(t.float().cpu(), (0, width - t.shape[1]))
+        def put(into: torch.Tensor, rows: torch.Tensor, t: torch.Tensor) -> None:
+            into[rows, : t.shape[1]] = t.float().cpu()
 
         self.engine.eval()
-        for chunk in torch.split(torch.arange(len(batch)), self.spec.trainer.micro_batch_size):
-            mb = batch.select(chunk)
-            ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
-            lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True)
-            old.append(full_width(lp))
-            entropy.append(full_width(e))
-            if self.ref is not None:
-                ref.append(full_width(token_logprobs(self.ref, ids, am, self.spec.temperature)[0]))
-            if self.critic is not None:
-                values.append(full_width(self._values(self.critic, ids, am)))
+        if recompute or ref is not None or values is not None:
+            for rows in self._micro_batches(batch, torch.arange(len(batch))):
+                mb = batch.select(rows)
+                ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
+                if recompute:
+                    lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True)
+                    put(old, rows, lp)
+                    put(entropy, rows, e)
+                if ref is not None:
+                    put(ref, rows, token_logprobs(self.ref, ids, am, self.spec.temperature)[0])
+                if values is not None:
+                    put(values, rows, self._values(self.critic, ids, am))
         self.engine.train()
-        batch.old_logprobs = torch.cat(old)
-        batch.ref_logprobs = torch.cat(ref) if ref else None
-        batch.values = torch.cat(values) if values else None
+        batch.old_logprobs = old if recompute else None
+        batch.ref_logprobs, batch.values = ref, values
         mask = batch.loss_mask
-        self._scored_sums = {"actor/entropy_nats": float((torch.cat(entropy) * mask).sum())}
+        self._scored_sums = {"actor/entropy_nats": float((entropy * mask).sum())} if recompute else {}
         if batch.values is not None:
             self._scored_sums["critic/values_mean"] = float((batch.values * mask).sum())
         return batch
@@ -211,54 +272,73 @@ class LearnerWorker:
         """
         spec = self.spec
         kl_coef = spec.algorithm.kl_coef if kl_coef is None else kl_coef
-        if batch.old_logprobs is None:  # called without the driver's score phase (tests, tools)
+        needs_score = (spec.recompute_old_logprobs and batch.old_logprobs is None) or \
+            (self.ref is not None and batch.ref_logprobs is None) or (self.critic is not None and batch.values is None)
+        if needs_score:  # called without the driver's score phase (tests, tools)
             batch = self.score(batch)
         mask = batch.loss_mask
-        diff = (batch.old_logprobs - batch.rollout_logprobs).abs() * mask
         sums: dict[str, float] = defaultdict(float, self._scored_sums)
+        self._scored_sums = {}
         sums["_tokens"] = float(mask.sum())
-        sums["sync/logprob_abs_diff"] = float(diff.sum())
-        sums["_max/sync/logprob_max_abs_diff"] = float(diff.max()) if diff.numel() else 0.0
-        gas = gradient_accumulation_steps(spec, self.world_size)
+        if batch.old_logprobs is not None:
+            _add_mismatch(sums, batch.old_logprobs, batch.rollout_logprobs, mask)
         train_policy = step >= spec.algorithm.critic_warmup_steps or self.critic is None
         generator = torch.Generator().manual_seed((spec.seed * 1_000_003 + step * 7919 + self.rank) % 2**31)
-        for _epoch in range(spec.algorithm.ppo_epochs):
+        for epoch in range(spec.algorithm.ppo_epochs):
             order = torch.randperm(len(batch), generator=generator)
             for mb_rows in torch.tensor_split(order, spec.algorithm.mini_batches):
                 norm = self._global_normalizer(mask[mb_rows])
+                plan = self._micro_batches(batch, mb_rows)
                 if self.critic is not None:
-                    for rows in torch.tensor_split(mb_rows, gas):
-                        self._critic_backward(batch.select(rows), norm, sums)
-                        self.critic.step()
+                    _accumulate(self.critic, plan, lambda rows: self._critic_backward(batch.select(rows), norm, sums))
                     sums["_updates/critic"] += 1
                 if not train_policy:
                     continue
-                for rows in torch.tensor_split(mb_rows, gas):
-                    self._backward(batch.select(rows), norm, kl_coef, sums)
-                    self.engine.step()
+                _accumulate(self.engine, plan,
+                            lambda rows: self._backward(batch.select(rows), norm, kl_coef, sums, first_pass=epoch == 0))
                 grad_norm = self.engine.get_global_grad_norm()
                 sums["_updates"] += 1
                 sums["actor/lr_per_update"] += float(self.engine.get_lr()[0])
                 sums["actor/grad_norm"] += float(grad_norm) if grad_norm is not None else 0.0
         return dict(sums)
 
-    def _backward(self, mb: TrainBatch, norm: LossNormalizer, kl_coef: float, sums: dict[str, float]) -> None:
-        spec = self.spec
+    def _backward(self, mb: TrainBatch, norm: LossNormalizer, kl_coef: float, sums: dict[str, float],
+                  first_pass: bool = True) -> None:
+        """One micro-batch's policy loss, backward. Without a scored old policy (one update per
+        step) the forward's own detached log-probs are the old policy's. The policy-gradient term
+        is reweighted by the behaviour-policy correction (`algorithm.importance_correction`);
+        `first_pass` counts the per-token metrics once per step, not once per epoch."""
+        spec, a = self.spec, self.spec.algorithm
         ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
-        mask, adv, old = (self._to_device(t) for t in (mb.loss_mask, mb.advantages, mb.old_logprobs))
-        logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature, with_entropy=spec.algorithm.entropy_coef > 0)
-        extra = {"clip_ratio_c": spec.algorithm.clip_ratio_c} if spec.algorithm.policy_loss == "ppo_dual_clip" else {}
-        pg_loss, clipped = POLICY_LOSSES.get(spec.algorithm.policy_loss)(
-            logp, old, adv, clip_eps_low=spec.algorithm.clip_eps_low, clip_eps_high=spec.algorithm.clip_eps_high, mask=mask, **extra
+        mask, adv, behaviour = (self._to_device(t) for t in (mb.loss_mask, mb.advantages, mb.rollout_logprobs))
+        fused = mb.old_logprobs is None
+        logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature,
+                                       with_entropy=a.entropy_coef > 0 or (fused and first_pass),
+                                       entropy_grad=a.entropy_coef > 0)
+        old = logp.detach() if fused else self._to_device(mb.old_logprobs)
+        if fused and first_pass:
+            _add_mismatch(sums, old.cpu(), mb.rollout_logprobs, mb.loss_mask)
+            sums["actor/entropy_nats"] += float((entropy.detach() * mask).sum())
+        extra = {"clip_ratio_c": a.clip_ratio_c} if a.policy_loss == "ppo_dual_clip" else {}
+        pg_loss, clipped = POLICY_LOSSES.get(a.policy_loss)(
+            logp, old, adv, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, mask=mask, **extra
         )
-        per_token = pg_loss
+        weights, is_sums = importance_weights(old, behaviour, mask, a.importance_correction, a.tis_cap,
+                                              a.seq_mask_low, a.seq_mask_high)
+        per_token = pg_loss * weights
+        if first_pass:
+            for k, v in is_sums.items():
+                sums[k] += v
+            lengths = mb.attention_mask.sum(dim=1).tolist()
+            sums["_trained_tokens"] += float(sum(lengths) * a.ppo_epochs)
+            sums["_flops"] += train_flops(self._model_config, lengths) * a.ppo_epochs
         if mb.ref_logprobs is not None and not spec.algorithm.kl_in_reward:
             kl = KL_ESTIMATORS.get(spec.algorithm.kl_estimator)(logp, self._to_device(mb.ref_logprobs))
             per_token = per_token + kl_coef * kl
             sums["actor/kl_nats"] += float((kl.detach() * mask).sum())
-        if entropy is not None:
-            per_token = with_entropy_bonus(per_token, entropy, spec.algorithm.entropy_coef)
-        loss = aggregate(per_token, mask, spec.algorithm.loss_agg, norm)
+        if a.entropy_coef > 0:
+            per_token = with_entropy_bonus(per_token, entropy, a.entropy_coef)
+        loss = aggregate(per_token, mask, a.loss_agg, norm)
         # DeepSpeed averages gradients over data-parallel ranks; the normalizer is already global,
         # so undo that average, and do not let it divide by the accumulation steps again.
         self.engine.backward(loss * self.world_size, scale_wrt_gas=False)

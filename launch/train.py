@@ -241,6 +241,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
 
     from launch.placement import report_placement
     from launch.supervise import stop_on_signals
+    from rl import checkpoint
     from rl.faults import StopRequest
     from rl.loop import run_loop
     from rl.run_log import RunLog, read_metrics
@@ -260,13 +261,16 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             sandboxes = start_sandbox_pool(cfg)
             fleet, rewards, learner, placement = build_components(config, log.write)
             report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement)
+            in_flight = None
             if resume_from is not None:
                 path, state = resume_from
                 learner.load_checkpoint(os.path.join(path, "learner"))
                 learner.sync_weights(fleet, state.policy_version)  # engines started from model.path
-                log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}")
+                in_flight = checkpoint.load_in_flight(path)
+                ahead = f" ({len(in_flight)} batch(es) generated ahead kept)" if in_flight else ""
+                log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}{ahead}")
             run_loop(config, pad_id_of(tokenizer), data, fleet, rewards, learner, log, start_step=start_step,
-                     kl_state=kl_state, stop=stop)
+                     kl_state=kl_state, stop=stop, in_flight=in_flight)
             summary = reward_trend(read_metrics(cfg.run.dir))
             if cfg.run.save_final_model:
                 final = os.path.join(cfg.run.dir, "final_model")

@@ -14,10 +14,14 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
     A sample whose reward failed keeps its row (the learner's batch size stays fixed) with a zero
     loss mask, so it contributes nothing; so does a completion cut at the token budget when
     `mask_truncated` (DAPO's overlong filtering). Advantages are filled in later (`rl.estimate`).
+    Samples must come from policy versions `version - max_staleness` .. `version` (asynchronous
+    rollouts, `algorithm.off_policy_steps`): older ones are refused, never trained on.
     """
-    stale = {s.sample.policy_version for s in scored} - {version}
+    stale = {s.sample.policy_version for s in scored
+             if not version - max_staleness <= s.sample.policy_version <= version}
     if stale:
-        raise RuntimeError(f"samples from policy versions {sorted(stale)} reached a step training version {version}")
+        raise RuntimeError(f"samples from policy versions {sorted(stale)} reached a step training version {version} "
+                           f"(at most {max_staleness} behind allowed)")
     width = max(len(s.sample.prompt_ids) + len(s.sample.completion_ids) for s in scored)
     b = len(scored)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)

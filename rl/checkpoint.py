@@ -1,7 +1,8 @@
 """Run-directory checkpoints: atomic on disk, found again by `latest`, pruned to the newest k.
 
 A checkpoint is `<run>/checkpoints/step_<N>/` holding the learner's own state (written by the
-learner into `learner/`) and `loop.json` (the next step to run and the policy version). It is
+learner into `learner/`), `loop.json` (the next step to run and the policy version) and, with
+asynchronous rollouts, `in_flight.pkl` (the batches already generated for later steps). It is
 written under a `.tmp` name and renamed only when complete, and `latest` is replaced atomically
 after that, so a crash at any moment leaves the previous checkpoint usable.
 """
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable
 
 
 @dataclass(frozen=True)
@@ -35,14 +37,19 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def save(run_dir: str, state: LoopState, save_learner: Callable[[str], None], keep: int = 2) -> str:
-    """Write a checkpoint; `save_learner(dir)` writes the learner's state into `dir`."""
+def save(run_dir: str, state: LoopState, save_learner: Callable[[str], None], keep: int = 2,
+         in_flight: dict[int, Any] | None = None) -> str:
+    """Write a checkpoint; `save_learner(dir)` writes the learner's state into `dir`; `in_flight`
+    (batches made ahead, by step) is pickled beside it."""
     root = checkpoint_root(run_dir)
     name = f"step_{state.next_step:06d}"
     final, tmp = os.path.join(root, name), os.path.join(root, name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     save_learner(os.path.join(tmp, "learner"))
+    if in_flight:
+        with open(os.path.join(tmp, "in_flight.pkl"), "wb") as f:
+            pickle.dump(in_flight, f)
     _write_atomic(os.path.join(tmp, "loop.json"), json.dumps(asdict(state)))
     shutil.rmtree(final, ignore_errors=True)  # a same-step checkpoint from an earlier attempt
     os.replace(tmp, final)
@@ -61,3 +68,13 @@ def latest(run_dir: str) -> tuple[str, LoopState] | None:
     path = os.path.join(checkpoint_root(run_dir), open(pointer).read().strip())
     with open(os.path.join(path, "loop.json")) as f:
         return path, LoopState(**json.load(f))
+
+
+def load_in_flight(path: str) -> dict[int, Any]:
+    """The batches a checkpoint recorded as generated ahead (empty without asynchronous rollouts).
+    Unpickled: only ever this run's own file."""
+    file = os.path.join(path, "in_flight.pkl")
+    if not os.path.exists(file):
+        return {}
+    with open(file, "rb") as f:
+        return pickle.load(f)

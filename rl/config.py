@@ -54,10 +54,13 @@ class AlgorithmConfig:
     # Asynchronous rollouts: the next batches generate while the learner trains on this one, from
     # weights at most this many versions old (0 = on-policy, lock-step).
     off_policy_steps: int = 0
-    # Behaviour (rollout engine) vs learner policy mismatch: none | token_tis (per-token weight
-    # min(pi_learner / pi_rollout, tis_cap)) | seq_mask (drop sequences whose geometric-mean ratio
-    # leaves [seq_mask_low, seq_mask_high]).
-    importance_correction: str = "token_tis"
+    # Behaviour (rollout engine) vs learner policy mismatch (rl/importance.py):
+    # behaviour_clip: PPO's clipped ratio is pi_learner / pi_rollout, a trust region around the
+    #   policy that sampled (measured best with off_policy_steps=1, README "Speed");
+    # token_tis: ratio against the learner's pre-update policy, each token weighted by
+    #   min(pi_learner_old / pi_rollout, tis_cap); seq_mask: the same ratio, sequences whose
+    #   geometric-mean weight leaves [seq_mask_low, seq_mask_high] dropped; none.
+    importance_correction: str = "behaviour_clip"
     tis_cap: float = 2.0
     seq_mask_low: float = 0.5
     seq_mask_high: float = 2.0
@@ -196,7 +199,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.policy_loss": ("ppo_clip", "ppo_dual_clip", "gspo"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", "k3_clamped"),
-    "algorithm.importance_correction": ("none", "token_tis", "seq_mask"),
+    "algorithm.importance_correction": ("none", "token_tis", "seq_mask", "behaviour_clip"),
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
     "model.dtype": ("float32", "bfloat16"),
     "rollout.backend": ("vllm", "hf"),

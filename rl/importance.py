@@ -5,6 +5,9 @@ pi_learner / pi_behaviour capped at `cap` (Ionides 2008; "Your efficient RL fram
 brings you off-policy RL training", Yao et al. 2025); sequence masking instead drops whole
 sequences whose geometric-mean ratio is extreme.
 
+With `behaviour_clip` the correction is PPO's own clipped ratio taken against the behaviour
+policy (the learner passes the rollout log-probs as the "old" ones): no extra weight here.
+
 Pure tensor functions: `learner_lp` is the learner's (pre-update) log-prob of each sampled token,
 `behaviour_lp` the rollout engine's, both [B, T] with `mask` marking the tokens that count.
 """
@@ -24,7 +27,7 @@ def importance_weights(learner_lp: torch.Tensor, behaviour_lp: torch.Tensor, mas
     mask = mask.float()
     log_ratio = (learner_lp.detach().float() - behaviour_lp.float()) * mask
     sums: dict[str, float] = {}
-    if mode == "none":
+    if mode in ("none", "behaviour_clip"):  # behaviour_clip: PPO's ratio is taken against the behaviour policy
         weights = mask.clone()
     elif mode == "token_tis":
         ratio = log_ratio.exp()

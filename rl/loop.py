@@ -3,12 +3,16 @@
 It owns the step counter, the policy version and the logging, and talks to the rollout fleet,
 reward service and learner only through the small protocols below, so the same loop runs
 colocated on a laptop or spread over a Ray cluster (and imports neither Ray nor DeepSpeed).
+With `algorithm.off_policy_steps = k > 0` generation and rewards run ahead in a background
+thread (`rl.pipeline`), up to k steps, while the learner trains; weight syncs wait for a batch
+boundary.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from typing import Protocol
 
 import torch
@@ -21,7 +25,9 @@ from rl.data import PromptDataset
 from rl.config import AlgorithmConfig, TrainConfig
 from rl.estimate import estimate_advantages
 from rl.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
+from rl.flops import step_cost
 from rl.kl_control import KL_CONTROLLERS, kl_controller_from_dict
+from rl.pipeline import RolloutPipeline
 from rl.run_log import RunLog
 from rl.types import GenerationRequest, Sample, ScoredSample, TrainBatch
 
@@ -37,6 +43,8 @@ class Rewards(Protocol):
 
 
 class Learner(Protocol):
+    peak_tflops: float  # one rank's matmul peak, for MFU
+
     def score(self, batch: TrainBatch) -> TrainBatch: ...
     def train_step(self, batch: TrainBatch, step: int, kl_coef: float) -> dict[str, float]: ...
     def sync_weights(self, fleet: Fleet, version: int) -> float: ...
@@ -137,89 +145,132 @@ def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | 
 
 def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
              log: RunLog, start_step: int = 0, kl_state: dict | None = None,
-             stop: StopRequest | None = None) -> list[dict[str, float]]:
+             stop: StopRequest | None = None, in_flight: dict | None = None) -> list[dict[str, float]]:
     """Run steps [start_step, run.steps) of the run `cfg` describes; returns each step's metrics.
 
     The policy version equals the number of updates so far, i.e. the step index, also on resume.
     A run ends early at a step boundary, with a checkpoint there, when `stop` is requested (a
     signal: RunStopped) or when every reward failed `reward.max_failed_steps` steps in a row
     (RewardsFailing); an actor lost for good ends it with an ActorFailure naming the step.
+    `in_flight`: batches generated ahead before a checkpoint (asynchronous rollouts), by step.
     """
     a, run = cfg.algorithm, cfg.run
     history = []
     kl_ctrl = kl_controller_from_dict(kl_state) if kl_state else make_kl_controller(a)
     version = start_step
     failing: list[str] = []  # the first reward error of each step, in a row, whose rewards all failed
+    pipeline = RolloutPipeline(lambda s: collect(cfg, data, fleet, rewards, s), a.off_policy_steps, run.steps,
+                               in_flight) if a.off_policy_steps else None
 
-    def save(next_step: int) -> None:
+    def save(next_step: int, with_in_flight: bool = True) -> None:
+        ahead = pipeline.in_flight() if pipeline and with_in_flight else {}
         checkpoint.save(log.run_dir, checkpoint.LoopState(next_step, version, kl_ctrl.to_dict()),
-                        learner.save_checkpoint, run.keep_checkpoints)
+                        learner.save_checkpoint, run.keep_checkpoints, in_flight=ahead)
 
-    for step in range(start_step, run.steps):
-        t0 = time.perf_counter()
-        try:
-            scored, samples, collect_metrics = collect(cfg, data, fleet, rewards, step)
-        except ActorFailure as err:  # a rollout worker is lost for good; the learner is whole
-            save(step)
-            raise err.at_step(step) from None
-        t_rew = time.perf_counter()
-
-        reward, valid, groups = _reward_tensors(scored)
-        batch = build_train_batch(scored, pad_id, version, mask_truncated=a.mask_truncated)
-        try:
-            if cfg.rollout.sleep_between_steps:
-                fleet.sleep()
-            batch = learner.score(batch)
-            kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
-            est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_coef,
-                                      batch.old_logprobs, batch.ref_logprobs, batch.values)
-            batch.advantages, batch.returns = est.advantages, est.returns
-            train_metrics = learner.train_step(batch, step, kl_coef)
-            t_train = time.perf_counter()
+    try:
+        for step in range(start_step, run.steps):
+            metrics, scored = _step(cfg, pad_id, data, fleet, rewards, learner, log, step, version, kl_ctrl,
+                                    pipeline, save)
             version += 1
-            if cfg.rollout.sleep_between_steps:
-                fleet.wake()
-            sent = learner.sync_weights(fleet, version)
-        except ActorFailure as err:
-            raise err.at_step(step) from None
-        t_sync = time.perf_counter()
-        measured_kl = est.metrics.get("actor/kl_in_reward_nats", train_metrics.get("actor/kl_nats"))
-        if measured_kl is not None:
-            kl_ctrl.update(measured_kl, len(scored))
-
-        gen_tokens = sum(len(s.completion_ids) for s in samples)
-        metrics = {
-            **reward_metrics(scored),
-            **group_success_stats(reward, groups, valid),
-            **collect_metrics,
-            **({"actor/kl_coef": kl_coef} if a.kl_coef > 0 else {}),
-            **est.metrics,
-            **train_metrics,
-            "rollout/tokens_per_s": gen_tokens / max(collect_metrics["time/rollout_s"], 1e-9),
-            "rollout/completion_len_tokens": gen_tokens / len(samples),
-            "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
-            "sync/weights_mb": sent / 2**20,
-            "time/train_s": t_train - t_rew,
-            "time/sync_s": t_sync - t_train,
-            "time/step_s": t_sync - t0,
-            "policy/version_count": float(version),
-        }
-        warning = logprob_mismatch_warning(step, metrics.get("sync/logprob_abs_diff", 0.0),
-                                           cfg.trainer.logprob_warn_threshold)
-        if warning:
-            log.write(warning)
-        log.samples(step, scored, run.log_samples_per_step)
-        log.metrics(step, metrics)
-        history.append(metrics)
-
-        done = step + 1
-        failing = failing + [scored[0].error] if all(s.error is not None for s in scored) else []
-        stopping = stop is not None and stop.reason is not None
-        if (run.save_every and (done % run.save_every == 0 or done == run.steps)) or stopping \
-                or len(failing) >= cfg.reward.max_failed_steps:
-            save(done)
-        if len(failing) >= cfg.reward.max_failed_steps:
-            raise RewardsFailing(len(failing), failing[0], done)
-        if stopping and done < run.steps:
-            raise RunStopped(stop.reason, done)
+            history.append(metrics)
+            done = step + 1
+            failing = failing + [scored[0].error] if all(s.error is not None for s in scored) else []
+            stopping = stop is not None and stop.reason is not None
+            if (run.save_every and (done % run.save_every == 0 or done == run.steps)) or stopping \
+                    or len(failing) >= cfg.reward.max_failed_steps:
+                save(done)
+            if len(failing) >= cfg.reward.max_failed_steps:
+                raise RewardsFailing(len(failing), failing[0], done)
+            if stopping and done < run.steps:
+                raise RunStopped(stop.reason, done)
+    finally:
+        if pipeline:
+            pipeline.close()
     return history
+
+
+def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
+          log: RunLog, step: int, version: int, kl_ctrl, pipeline: RolloutPipeline | None,
+          save) -> tuple[dict[str, float], list[ScoredSample]]:
+    """One step trained at policy `version`: its batch (made now, or ahead by the pipeline),
+    scores, advantages, the update, the weight sync; logs and returns its metrics and samples."""
+    a = cfg.algorithm
+    t0 = time.perf_counter()
+    try:
+        scored, samples, collect_metrics = pipeline.take(step) if pipeline else collect(cfg, data, fleet, rewards, step)
+    except ActorFailure as err:  # a rollout worker is lost for good; the learner is whole
+        save(step, with_in_flight=False)  # batches made ahead are made again on resume
+        raise err.at_step(step) from None
+    t_rew = time.perf_counter()
+
+    reward, valid, groups = _reward_tensors(scored)
+    batch = build_train_batch(scored, pad_id, version, mask_truncated=a.mask_truncated,
+                              max_staleness=a.off_policy_steps)
+    try:
+        if cfg.rollout.sleep_between_steps:
+            fleet.sleep()
+        batch = learner.score(batch)
+        t_score = time.perf_counter()
+        kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
+        est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_coef,
+                                  batch.old_logprobs, batch.ref_logprobs, batch.values)
+        batch.advantages, batch.returns = est.advantages, est.returns
+        train_metrics = learner.train_step(batch, step, kl_coef)
+        t_train = time.perf_counter()
+        if cfg.rollout.sleep_between_steps:
+            fleet.wake()
+        with pipeline.between_batches() if pipeline else nullcontext():
+            t_hold = time.perf_counter()
+            sent = learner.sync_weights(fleet, version + 1)
+    except ActorFailure as err:
+        raise err.at_step(step) from None
+    t_sync = time.perf_counter()
+    measured_kl = est.metrics.get("actor/kl_in_reward_nats", train_metrics.get("actor/kl_nats"))
+    if measured_kl is not None:
+        kl_ctrl.update(measured_kl, len(scored))
+
+    gen_tokens = sum(len(s.completion_ids) for s in samples)
+    behind = [version - s.sample.policy_version for s in scored]
+    metrics = {
+        **reward_metrics(scored),
+        **group_success_stats(reward, groups, valid),
+        **collect_metrics,
+        **({"actor/kl_coef": kl_coef} if a.kl_coef > 0 else {}),
+        **est.metrics,
+        **train_metrics,
+        "rollout/tokens_per_s": gen_tokens / max(collect_metrics["time/rollout_s"], 1e-9),
+        "rollout/completion_len_tokens": gen_tokens / len(samples),
+        "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "sync/weights_mb": sent / 2**20,
+        "time/wait_rollout_s": (t_rew - t0) + (t_hold - t_train) if pipeline else 0.0,
+        "time/score_s": t_score - t_rew,
+        "time/train_s": t_train - t_score,
+        "time/sync_s": t_sync - t_hold,
+        "time/step_s": t_sync - t0,
+        "policy/version_count": float(version + 1),
+        "policy/staleness_mean": statistics.fmean(behind),
+        "policy/staleness_max": float(max(behind)),
+        **_cost_metrics(cfg, learner, train_metrics, t_train - t_rew, t_sync - t0),
+    }
+    warning = logprob_mismatch_warning(step, metrics.get("sync/logprob_abs_diff", 0.0),
+                                       cfg.trainer.logprob_warn_threshold)
+    if warning and not max(behind):  # samples of older versions differ by design (off_policy_steps)
+        log.write(warning)
+    log.samples(step, scored, cfg.run.log_samples_per_step)
+    log.metrics(step, metrics)
+    return metrics, scored
+
+
+def _cost_metrics(cfg: TrainConfig, learner: Learner, train_metrics: dict[str, float], learner_s: float,
+                  step_s: float) -> dict[str, float]:
+    """Learner MFU and trained tokens/s over its time this step (score + train), and the step's
+    price at `cluster.price_per_device_hour` for every learner rank and rollout worker."""
+    out: dict[str, float] = {}
+    tflop, peak = train_metrics.get("perf/model_tflop"), getattr(learner, "peak_tflops", 0.0)
+    if tflop is not None and peak > 0 and learner_s > 0:
+        out["perf/mfu"] = tflop / (learner_s * peak * cfg.trainer.num_workers)
+        out["perf/trained_tokens_per_s"] = train_metrics["perf/trained_tokens"] / learner_s
+    if cfg.cluster.price_per_device_hour > 0:
+        devices = cfg.trainer.num_workers + cfg.rollout.num_workers
+        out["cost/step_usd"] = step_cost(step_s, devices, cfg.cluster.price_per_device_hour)
+    return out

@@ -20,13 +20,19 @@ if TYPE_CHECKING:
 
 SUMMARY_KEYS = (("reward/mean", "reward {:.3f}"), ("actor/kl_nats", "kl {:.4f}"),
                 ("actor/kl_in_reward_nats", "kl {:.4f}"), ("rollout/tokens_per_s", "{:.0f} tok/s"),
-                ("time/step_s", "{:.1f} s"))
+                ("perf/mfu", "MFU {:.0%}"), ("cost/step_usd", "${:.4f}"), ("time/step_s", "{:.1f} s"))
+# the step's time split, e.g. `(rollout 1.2 reward 0.1 score 0.0 train 1.9 sync 0.1)`
+TIME_KEYS = (("time/rollout_s", "rollout"), ("time/reward_s", "reward"), ("time/score_s", "score"),
+             ("time/train_s", "train"), ("time/sync_s", "sync"), ("time/wait_rollout_s", "waited"))
 
 
 def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
     """The RL step line: reward, KL, throughput and time, e.g. `step 3/60 | reward 0.412 | ...`."""
     parts = [f"step {step + 1}/{total}"]
     parts += [fmt.format(metrics[k]) for k, fmt in SUMMARY_KEYS if k in metrics]
+    split = [f"{name} {metrics[k]:.2f}" for k, name in TIME_KEYS if k in metrics and metrics[k] > 0]
+    if split and "time/step_s" in metrics:
+        parts[-1] += f" ({' '.join(split)})"
     if metrics.get("reward/errors_count"):
         parts.append(f"{int(metrics['reward/errors_count'])} reward errors")
     return " | ".join(parts)

@@ -1,0 +1,68 @@
+"""Asynchronous rollouts: step time with `algorithm.off_policy_steps=1` vs 0, in one job.
+
+Generation of the next batch overlaps the update on this one only where rollout and learner have
+compute of their own. This 2-core machine has two phases that each use both cores, so the bench
+runs the disaggregated layout a GPU cluster has: one core per role (`cluster.threads_per_worker=1`:
+the rollout worker on one core, the learner rank on the other). Same shape as `bench.vs_trl`'s
+27m row (8 prompts x 4 samples x 128 tokens, random-init 27M Llama, bf16).
+
+Target: off_policy_steps=1 median step time <= 0.75x of off_policy_steps=0.
+
+    python -m bench.async_steps [--shape 27m] [--dtype bf16] [--steps 8] [--out bench/results/async_steps.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from bench import models
+from bench.vs_trl import SHAPES, Case, machine_info, run_ours
+
+TARGET = 0.75
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="27m", choices=list(SHAPES))
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out (start-up, first sync)")
+    p.add_argument("--extra", default="", help="more overrides for both runs")
+    p.add_argument("--timeout-s", type=float, default=1800)
+    p.add_argument("--out", default="bench/results/async_steps.json")
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+
+    prompts, samples, new_tokens, _ = SHAPES[args.shape]
+    case = Case(args.shape, args.dtype, prompts, samples, new_tokens, TARGET)
+    model, data = models.build(args.shape), models.write_data()
+    results = {}
+    for k in (0, 1):
+        run_args = argparse.Namespace(steps=args.steps, warmup=args.warmup, verbose=args.verbose,
+                                      timeout_s=args.timeout_s,
+                                      ours=f"cluster.threads_per_worker=1 algorithm.off_policy_steps={k} {args.extra}")
+        print(f"off_policy_steps={k}: running {args.steps} steps ...", flush=True)
+        results[k] = run_ours(case, model, data, run_args)
+    sync, overlap = results[0], results[1]
+    ratio = overlap["median_step_s"] / sync["median_step_s"]
+    print(f"\n{'off_policy_steps':>17} | {'median step s':>13} | {'samples/s':>9} | split (mean s)")
+    for k, r in results.items():
+        split = " ".join(f"{key.split('/')[1][:-2]} {v:.2f}" for key, v in r["mean_split_s"].items()
+                         if key != "time/step_s")
+        print(f"{k:>17} | {r['median_step_s']:>13.2f} | {r['samples_per_s']:>9.2f} | {split}")
+    verdict = "PASS" if ratio <= TARGET else "FAIL"
+    print(f"step time ratio async/sync: {ratio:.2f} (target <= {TARGET}) {verdict}")
+    out = {"machine": machine_info(), "shape": args.shape, "dtype": args.dtype, "layout": "threads_per_worker=1",
+           "sync": sync, "async": overlap, "ratio_step_time": ratio, "target": TARGET, "pass": ratio <= TARGET,
+           "reward_mean": {k: statistics.fmean(x for x in r["reward_mean"] if x is not None)
+                           for k, r in results.items()}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -3,23 +3,36 @@
 A dedicated process group (gloo on CPU, NCCL on GPU) joins learner rank 0 (group rank 0) and
 every rollout worker (ranks 1..N). It is made from a TCP store of its own, without
 `torch.distributed.init_process_group`, so it does not touch the default group that DeepSpeed
-and vLLM each use in their own process. Rank 0 broadcasts tensors one bucket at a time, in the
-order of a `WeightMeta` list that both sides agreed on when the group was made, so receivers can
-preallocate. Plain torch: no Ray, DeepSpeed or vLLM here.
+and vLLM each use in their own process. Rank 0 broadcasts tensors one bucket at a time, each
+bucket as one flat tensor, in the order of a `WeightMeta` list that both sides agreed on when the
+group was made, so receivers can preallocate.
+
+Neither side holds a second copy of the weights. The sender broadcasts a bucket straight from its
+parameters where they lie end to end in memory (DeepSpeed ZeRO-1/2 keeps every parameter as a
+view of one flat buffer), else it concatenates one bucket at a time. A receiver streams: `receive`
+is a generator over two bucket buffers used in turn, so a rollout engine loading from it never
+holds a second full copy of the weights (`tests/test_weight_sync.py` measures it). Buffers are
+kept between buckets and syncs: fresh memory costs a page fault per 4 KiB, which on a loaded
+machine took longer than the broadcast itself (`python -m bench.weight_sync`). Plain torch: no
+Ray, DeepSpeed or vLLM here.
 """
 
 from __future__ import annotations
 
 import socket
+import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Iterable, Iterator
 
 import torch
 
-# Parameters are broadcast in buckets of at most this many bytes (one flat tensor per bucket and
-# dtype) to amortise per-call latency without a second full copy of a large model in memory.
-BUCKET_BYTES = 256 * 1024 * 1024
+# Parameters are sent in buckets of at most this many bytes (consecutive tensors of one dtype; a
+# larger tensor is a bucket of its own), one broadcast each: large enough that a broadcast's fixed
+# cost (~0.4 ms with gloo on one machine) is a few percent of its transfer, small enough that the
+# two buckets a receiver holds (and the one ZeRO-3 gathers on the learner) stay far below a model.
+BUCKET_BYTES = 16 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -83,21 +96,94 @@ def init_group(host: str, port: int, rank: int, world_size: int, backend: str, t
     return group
 
 
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`b` starts where `a` ends, in the same storage (both dense)."""
+    return (a.dtype == b.dtype and a.device == b.device and a.is_contiguous() and b.is_contiguous()
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size())
+
+
+# Buffers kept between buckets and syncs, by (role, slot, device, dtype): the buffer and the use
+# count of its storage when nobody else held it.
+_BUFFERS: dict[tuple[str, int, str, torch.dtype], tuple[torch.Tensor, int | None]] = {}
+
+
+def _use_count(t: torch.Tensor) -> int | None:
+    """How many tensors share `t`'s storage (views included), or None where torch does not say."""
+    counter = getattr(torch._C, "_storage_Use_Count", None)
+    return None if counter is None else counter(t.untyped_storage()._cdata)
+
+
+def _buffer(role: str, slot: int, numel: int, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """A kept buffer with room for `numel` elements: the same one as last time unless it is too
+    small or someone else still holds a view of it (then it is left to them and a new one made)."""
+    key = (role, slot, str(torch.device(device)), dtype)
+    kept = _BUFFERS.pop(key, None)
+    if kept is not None:
+        buffer, baseline = kept
+        if buffer.numel() >= numel and baseline is not None and _use_count(buffer) == baseline:
+            _BUFFERS[key] = kept
+            return buffer
+        del buffer, kept  # let it go before allocating the new one
+    buffer = torch.empty(numel, dtype=dtype, device=device)
+    _BUFFERS[key] = (buffer, _use_count(buffer))
+    return buffer
+
+
 def send(group, tensors_by_bucket: Iterable[list[torch.Tensor]]) -> None:
-    """Rank 0: broadcast each bucket as one flat tensor."""
+    """Rank 0: broadcast each bucket as one flat tensor: a view of the tensors where they lie end
+    to end in memory, else their concatenation in a kept buffer."""
     for tensors in tensors_by_bucket:
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
-        group.broadcast(flat.contiguous(), root=0).wait()
-
-
-def receive(group, metas: list[WeightMeta], device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Ranks 1..N: yield (name, tensor) in `metas` order as the buckets arrive."""
-    for bucket in buckets(metas):
-        total = sum(metas[i].numel for i in bucket)
-        flat = torch.empty(total, dtype=metas[bucket[0]].torch_dtype, device=device)
+        first, total = tensors[0], sum(t.numel() for t in tensors)
+        if all(_adjacent(a, b) for a, b in zip(tensors, tensors[1:])) and first.is_contiguous():
+            flat = torch.empty(0, dtype=first.dtype, device=first.device).set_(
+                first.untyped_storage(), first.storage_offset(), (total,), (1,))
+        else:
+            flat = _buffer("send", 0, max(total, BUCKET_BYTES // first.element_size()), first.dtype, first.device)
+            flat = flat[:total]
+            torch.cat([t.reshape(-1) for t in tensors], out=flat)
         group.broadcast(flat, root=0).wait()
+        del flat
+
+
+def _rehome(refs: list[weakref.ref]) -> None:
+    """Give each tensor still alive its own copy of its data (it was a view of a bucket buffer)."""
+    for ref in refs:
+        held = ref()
+        if held is not None:
+            held.data = held.clone()
+        held = None
+
+
+def receive(group, metas: list[WeightMeta], device: str | torch.device = "cpu", *, limit: int = BUCKET_BYTES,
+            stats: dict[str, float] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Ranks 1..N: yield (name, tensor) in `metas` order as the buckets arrive (`limit`: the
+    sender's bucket size). A lazy generator for a consumer that loads tensor by tensor (vLLM's
+    `reload_weights`): the tensors are views of two bucket buffers used in turn, so a tensor stays
+    valid until the bucket after next arrives: by then the consumer has moved on from it (its loop
+    variables hold newer ones); one it still keeps (a layer spanning buckets, not yet loaded) is
+    then given a copy of its own. `stats` (optional) accumulates `receive_s` (seconds in the
+    broadcasts) and `bytes`.
+
+    Buckets are received one after the other, not while the consumer loads the previous one: on
+    2 cores a receive overlapped with vLLM's loading slowed both more than it hid."""
+    handed_out: list[list[weakref.ref]] = [[], []]  # views of each buffer given to the consumer
+    for k, bucket in enumerate(buckets(metas, limit)):
+        slot, dtype = k % 2, metas[bucket[0]].torch_dtype
+        _rehome(handed_out[slot])
+        handed_out[slot] = []
+        total = sum(metas[i].numel for i in bucket)
+        started = time.perf_counter()
+        flat = _buffer("receive", slot, max(total, limit // dtype.itemsize), dtype, device)[:total]
+        group.broadcast(flat, root=0).wait()
+        if stats is not None:
+            stats["receive_s"] = stats.get("receive_s", 0.0) + time.perf_counter() - started
+            stats["bytes"] = stats.get("bytes", 0.0) + flat.numel() * flat.element_size()
         offset = 0
         for i in bucket:
-            meta = metas[i]
-            yield meta.name, flat[offset : offset + meta.numel].view(meta.shape)
-            offset += meta.numel
+            view = flat[offset : offset + metas[i].numel].view(metas[i].shape)
+            offset += metas[i].numel
+            handed_out[slot].append(weakref.ref(view))
+            yield metas[i].name, view
+            del view
+        del flat

@@ -61,6 +61,27 @@ def _cpu_scheduler_kwargs(max_model_len: int) -> dict[str, Any]:
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(4096, max_model_len)}
 
 
+def engine_kwargs(spec: RolloutSpec, seed: int) -> dict[str, Any]:
+    """The `vllm.LLM(...)` arguments of an engine built from `spec` (bench/rollout.py builds a bare
+    engine from the same ones)."""
+    r = spec.rollout
+    return dict(
+        model=spec.model.path,
+        dtype=spec.model.dtype,
+        max_model_len=r.max_model_len,
+        seed=seed,
+        enforce_eager=r.enforce_eager,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        # Log-probs after temperature, i.e. of the distribution the tokens were drawn from;
+        # the learner divides its logits by the same temperature.
+        logprobs_mode="processed_logprobs",
+        enable_prefix_caching=True,
+        use_tqdm_on_load=False,  # a progress bar for loading a few files is noise
+        enable_sleep_mode=r.sleep_between_steps and spec.gpu,  # sleep is a no-op on CPU
+        **_cpu_scheduler_kwargs(r.max_model_len),
+    )
+
+
 class VLLMEngine:
     def __init__(self, spec: RolloutSpec, seed: int):
         r = spec.rollout
@@ -71,22 +92,13 @@ class VLLMEngine:
         from vllm import LLM
 
         self.rollout = r
-        self.llm = LLM(
-            model=spec.model.path,
-            dtype=spec.model.dtype,
-            max_model_len=r.max_model_len,
-            seed=seed,
-            enforce_eager=r.enforce_eager,
-            gpu_memory_utilization=r.gpu_memory_utilization,
-            # Log-probs after temperature, i.e. of the distribution the tokens were drawn from;
-            # the learner divides its logits by the same temperature.
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
-            use_tqdm_on_load=False,  # a progress bar for loading a few files is noise
-            enable_sleep_mode=r.sleep_between_steps and spec.gpu,  # sleep is a no-op on CPU
-            **_cpu_scheduler_kwargs(r.max_model_len),
-        )
+        self.llm = LLM(**engine_kwargs(spec, seed))
         self.tokenizer = self.llm.get_tokenizer()
+        from vllm.v1.engine.core_client import InprocClient
+
+        # With the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as `vllm_env` sets)
+        # `collective_rpc` calls the worker directly, so a lazy weight iterator can be handed over.
+        self._in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
         self._has_tied = any(self.llm.collective_rpc(_record_tied_parameters))
         self.version = 0
         self._sleep_mode = r.sleep_between_steps and spec.gpu and torch.cuda.is_available()
@@ -131,7 +143,13 @@ class VLLMEngine:
         return samples
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(named_tensors))})
+        """Load new weights in place, streaming: vLLM's layer-wise `reload_weights` consumes the
+        iterator once, inside this call, loading each layer as soon as its tensors have arrived,
+        so with `weight_sync.receive` as the source no second full copy of the model exists."""
+        weights = iter(named_tensors)
+        if not self._in_process:  # an engine in a subprocess: the tensors must cross whole
+            weights = iter(list(weights))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self._has_tied:
             self.llm.collective_rpc(_restore_tied_parameters)
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -28,6 +29,7 @@ class RolloutWorker:
         self.engine = make_engine(spec, seed=spec.seed + index)
         self._group = None
         self._metas: list[weight_sync.WeightMeta] = []
+        self.last_sync: dict[str, float] = {}
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         return self.engine.generate(requests)
@@ -47,11 +49,31 @@ class RolloutWorker:
         self._group = weight_sync.init_group(host, port, rank, world_size, backend)
         self._metas = metas
 
-    def receive_weights(self, version: int) -> None:
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Take rank 0's broadcast and load it bucket by bucket as it arrives (two bucket buffers
+        in memory, not a second copy of the model). Returns the sync's figures: bytes, total_s,
+        receive_s (in the broadcasts) and load_s (the rest: loading into the engine)."""
         if self._group is None:
             raise RuntimeError("receive_weights before join_weight_sync: the fleet was not connected")
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.engine.update_weights(weight_sync.receive(self._group, self._metas, device), version)
+        stats: dict[str, float] = {"receive_s": 0.0, "bytes": 0.0}
+        started = time.perf_counter()
+        tensors = weight_sync.receive(self._group, self._metas, device, stats=stats)
+        try:
+            self.engine.update_weights(tensors, version)
+        finally:
+            # A load that failed part-way still takes the remaining buckets, so rank 0's broadcast
+            # completes (and the group stays usable) instead of waiting out its timeout.
+            for _ in tensors:
+                pass
+        stats["total_s"] = time.perf_counter() - started
+        stats["load_s"] = stats["total_s"] - stats["receive_s"]
+        self.last_sync = stats
+        return stats
+
+    def sync_stats(self) -> dict[str, float]:
+        """The figures of the latest `receive_weights` (empty before the first)."""
+        return self.last_sync
 
     def load_weights_from_object(self, state: dict[str, torch.Tensor], version: int) -> None:
         self.engine.update_weights(state.items(), version)

@@ -24,7 +24,7 @@ ALLOWED = {
     "reward": {"rl", "sandbox", "trainer"},
     "examples": {"rl", "sandbox", "trainer", "reward"},
     "launch": {"rl", "rollout", "sandbox", "trainer", "reward", "examples"},
-    "bench": {"rl", "rollout", "sandbox", "trainer", "reward", "examples"},
+    "bench": {"rl", "rollout", "sandbox", "trainer", "reward", "examples", "launch"},  # a user of it all, like tests
 }
 FORBIDDEN_IN_RL = {"ray", "deepspeed", "vllm"}
 

@@ -199,10 +199,13 @@ class LearnerWorker:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t)
 
-    def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor) -> list[torch.Tensor]:
-        """`rows` cut into micro-batches: `gradient_accumulation_steps` runs of rows, or by the
-        padded-token budget (`trainer.max_tokens_per_micro_batch`), as many on every rank."""
+    def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor, forward_only: bool = False) -> list[torch.Tensor]:
+        """`rows` cut into micro-batches: `gradient_accumulation_steps` runs of rows (a mini-batch;
+        `forward_only`: runs of `micro_batch_size`), or by the padded-token budget
+        (`trainer.max_tokens_per_micro_batch`), as many on every rank."""
         budget = self.spec.trainer.max_tokens_per_micro_batch
+        if budget <= 0 and forward_only:
+            return list(torch.split(rows, self.spec.trainer.micro_batch_size))
         if budget <= 0:
             return list(torch.tensor_split(rows, gradient_accumulation_steps(self.spec, self.world_size)))
         lengths = batch.attention_mask[rows].sum(dim=1).tolist()
@@ -227,7 +230,7 @@ class LearnerWorker:
 
         self.engine.eval()
         if recompute or ref is not None or values is not None:
-            for rows in self._micro_batches(batch, torch.arange(len(batch))):
+            for rows in self._micro_batches(batch, torch.arange(len(batch)), forward_only=True):
                 mb = batch.select(rows)
                 ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
                 if recompute:

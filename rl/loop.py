@@ -43,8 +43,6 @@ class Rewards(Protocol):
 
 
 class Learner(Protocol):
-    peak_tflops: float  # one rank's matmul peak, for MFU
-
     def score(self, batch: TrainBatch) -> TrainBatch: ...
     def train_step(self, batch: TrainBatch, step: int, kl_coef: float) -> dict[str, float]: ...
     def sync_weights(self, fleet: Fleet, version: int) -> float: ...
@@ -250,7 +248,7 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewa
         "policy/version_count": float(version + 1),
         "policy/staleness_mean": statistics.fmean(behind),
         "policy/staleness_max": float(max(behind)),
-        **_cost_metrics(cfg, learner, train_metrics, t_train - t_rew, t_sync - t0),
+        **_cost_metrics(cfg, train_metrics, t_train - t_rew, t_sync - t0),
     }
     warning = logprob_mismatch_warning(step, metrics.get("sync/logprob_abs_diff", 0.0),
                                        cfg.trainer.logprob_warn_threshold)
@@ -261,12 +259,12 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewa
     return metrics, scored
 
 
-def _cost_metrics(cfg: TrainConfig, learner: Learner, train_metrics: dict[str, float], learner_s: float,
+def _cost_metrics(cfg: TrainConfig, train_metrics: dict[str, float], learner_s: float,
                   step_s: float) -> dict[str, float]:
     """Learner MFU and trained tokens/s over its time this step (score + train), and the step's
     price at `cluster.price_per_device_hour` for every learner rank and rollout worker."""
     out: dict[str, float] = {}
-    tflop, peak = train_metrics.get("perf/model_tflop"), getattr(learner, "peak_tflops", 0.0)
+    tflop, peak = train_metrics.get("perf/model_tflop"), train_metrics.get("perf/peak_tflops", 0.0)
     if tflop is not None and peak > 0 and learner_s > 0:
         out["perf/mfu"] = tflop / (learner_s * peak * cfg.trainer.num_workers)
         out["perf/trained_tokens_per_s"] = train_metrics["perf/trained_tokens"] / learner_s

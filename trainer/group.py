@@ -55,7 +55,6 @@ class LearnerGroup:
         master_addr, master_port = self._get([self.workers[0].node_address.remote()], "start-up")[0]
         self._get([w.setup.remote(master_addr, master_port) for w in self.workers], "set-up", self.deadlines.start_s)
         self.metas: list[weight_sync.WeightMeta] = self._get([self.workers[0].weight_metas.remote()], "set-up")[0]
-        self.peak_tflops: float = self._get([self.workers[0].peak.remote()], "set-up")[0]  # per rank, for MFU
 
     def name(self, rank: int) -> str:
         pid = self.where[rank].get("pid")

@@ -40,7 +40,7 @@ class LearnerSpec:
     temperature: float  # rollout.temperature: log-probs are those of the distribution sampled from
     seed: int  # run.seed
     threads: int = 0  # torch threads per rank (cluster.threads_per_worker, resolved on the driver)
-    peak_tflops: float = 0.0  # cluster.peak_tflops; 0 = measure this rank's matmul peak at set-up
+    peak_tflops: float = 0.0  # cluster.peak_tflops; 0 = measure this rank's matmul peak at its first update
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, threads: int = 0) -> LearnerSpec:
@@ -152,7 +152,8 @@ class LearnerWorker:
         self._sync_group = None
         self._scored_sums: dict[str, float] = {}
         self._model_config = self.engine.module.config.to_dict()
-        self.peak_tflops = spec.peak_tflops or measure_matmul_tflops(dtype, self.device)
+        self._dtype = dtype
+        self.peak_tflops = spec.peak_tflops  # 0: measured at the first update (when the rollout engines are idle)
 
     def _trainable(self, load_model, ds_config: dict[str, Any], lr: float):
         """A DeepSpeed engine with torch AdamW and linear lr warm-up: Adam's first updates are
@@ -187,10 +188,6 @@ class LearnerWorker:
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device, non_blocking=True)
-
-    def peak(self) -> float:
-        """This rank's matmul peak in TFLOP/s (configured or measured at set-up), for MFU."""
-        return self.peak_tflops
 
     def _max_over_ranks(self, n: int) -> int:
         if self.world_size == 1:
@@ -283,6 +280,9 @@ class LearnerWorker:
         sums: dict[str, float] = defaultdict(float, self._scored_sums)
         self._scored_sums = {}
         sums["_tokens"] = float(mask.sum())
+        if not self.peak_tflops:  # not at set-up: the rollout engines start then, on the same cores
+            self.peak_tflops = measure_matmul_tflops(self._dtype, self.device)
+        sums["_max/perf/peak_tflops"] = self.peak_tflops
         if batch.old_logprobs is not None:
             _add_mismatch(sums, batch.old_logprobs, batch.rollout_logprobs, mask)
         train_policy = step >= spec.algorithm.critic_warmup_steps or self.critic is None

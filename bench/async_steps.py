@@ -19,7 +19,8 @@ import statistics
 from pathlib import Path
 
 from bench import models
-from bench.vs_trl import SHAPES, Case, machine_info, run_ours
+from bench.machine import machine_info
+from bench.vs_trl import SHAPES, Case, run_ours
 
 TARGET = 0.75
 

@@ -41,6 +41,7 @@ from typing import Callable
 
 import torch
 
+from bench.machine import machine_info
 from rl.flops import measure_matmul_tflops, train_flops
 from rl.types import TrainBatch
 
@@ -303,10 +304,7 @@ def profile(path: str, hf_config: dict, dtype: str, threads: int, peak: float, a
             "phases_s": [{"phase": n, "ours": o, "bare": b} for n, o, b in rows], "top_ops": ops}
 
 
-def machine_info(threads: int, peaks: dict[str, float]) -> dict:
-    import deepspeed
-    import transformers
-
+def learner_machine_info(threads: int, peaks: dict[str, float]) -> dict:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -316,12 +314,7 @@ def machine_info(threads: int, peaks: dict[str, float]) -> dict:
         isa = sorted(f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx")))
     except (OSError, StopIteration):
         isa = []
-    return {
-        "cpu": cpu, "isa": isa, "cores": os.cpu_count(), "torch_threads": threads,
-        "load_avg_at_start": os.getloadavg(), "python": platform.python_version(), "torch": torch.__version__,
-        "deepspeed": deepspeed.__version__, "transformers": transformers.__version__,
-        "matmul_peak_tflops": peaks,
-    }
+    return {**machine_info(), "isa": isa, "torch_threads": threads, "matmul_peak_tflops": peaks}
 
 
 def matmul_peak(dtype: str, seconds: float, tries: int = 3) -> float:
@@ -343,7 +336,7 @@ def run(args: argparse.Namespace) -> dict:
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
     peaks = {d: matmul_peak(d, args.peak_seconds) for d in ("bfloat16", "float32")}
-    info = machine_info(threads, peaks)
+    info = learner_machine_info(threads, peaks)
     print(f"matmul peak ({threads} threads): bf16 {peaks['bfloat16']:.3f} TFLOP/s, "
           f"fp32 {peaks['float32']:.3f} TFLOP/s; load average {info['load_avg_at_start']}", flush=True)
     result = {"machine": info,
@@ -400,9 +393,10 @@ def _line(r: dict) -> str:
             f"bare {b['step_s']:.3f}")
 
 
-def table(result: dict) -> str:
+def checks(result: dict) -> str:
+    """Each row against the targets."""
     t = result["targets"]
-    lines = [_HEAD] + [_line(r) for r in result["rows"]]
+    lines = []
     for r in result["rows"]:
         checks = [f"ours/bare {r['ratio']:.2f} {'>=' if r['ratio'] >= t['ours_over_bare'] else '<'} "
                   f"{t['ours_over_bare']}"]
@@ -442,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     result = run(args)
     if result["rows"]:
-        print("\n" + table(result))
+        print("targets:\n" + checks(result))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")

@@ -34,7 +34,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,6 +41,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from bench.machine import machine_info
 
 NEW_TOKENS = 128
 SAMPLES_PER_PROMPT = 4
@@ -89,23 +90,6 @@ def parse_batches(text: str) -> list[tuple[int, int]]:
 
 
 # ---- machine ----------------------------------------------------------------------------------
-
-def machine_info() -> dict[str, Any]:
-    import ray
-    import torch
-    import vllm
-
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "load_avg_at_start": os.getloadavg(),
-            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "vllm": vllm.__version__, "ray": ray.__version__,
-            "note": "2-core development VM shared with other work unless stated otherwise"}
-
 
 # ---- the config as a run makes it -------------------------------------------------------------
 

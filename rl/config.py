@@ -55,8 +55,9 @@ class AlgorithmConfig:
     # weights at most this many versions old (0 = on-policy, lock-step).
     off_policy_steps: int = 0
     # Behaviour (rollout engine) vs learner policy mismatch (rl/importance.py):
-    # behaviour_clip: PPO's clipped ratio is pi_learner / pi_rollout, a trust region around the
-    #   policy that sampled (measured best with off_policy_steps=1, README "Speed");
+    # behaviour_clip: with off_policy_steps > 0, PPO's clipped ratio is pi_learner / pi_rollout, a
+    #   trust region around the policy that sampled (measured best with off_policy_steps=1, README
+    #   "Speed"); on-policy it leaves PPO's ratio against the learner's old policy as it is;
     # token_tis: ratio against the learner's pre-update policy, each token weighted by
     #   min(pi_learner_old / pi_rollout, tis_cap); seq_mask: the same ratio, sequences whose
     #   geometric-mean weight leaves [seq_mask_low, seq_mask_high] dropped; none.

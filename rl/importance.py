@@ -6,7 +6,8 @@ brings you off-policy RL training", Yao et al. 2025); sequence masking instead d
 sequences whose geometric-mean ratio is extreme.
 
 With `behaviour_clip` the correction is PPO's own clipped ratio taken against the behaviour
-policy (the learner passes the rollout log-probs as the "old" ones): no extra weight here.
+policy (with off-policy rollouts the learner passes the rollout log-probs as the "old" ones;
+on-policy it changes nothing): no extra weight here.
 
 Pure tensor functions: `learner_lp` is the learner's (pre-update) log-prob of each sampled token,
 `behaviour_lp` the rollout engine's, both [B, T] with `mask` marking the tokens that count.

@@ -136,13 +136,28 @@ def test_rollout_worker_killed_then_stopped_is_replaced_and_the_run_completes(ba
     assert all(m["reward/errors_count"] == 0 for m in metrics[:5]), [m["reward/errors_count"] for m in metrics]
 
 
+SLOW_REWARD = '''
+import time
+
+def wait_1s(prompts, completions, **kwargs):
+    time.sleep(1.0)
+    return [0.0] * len(completions)
+'''
+
+
 @pytest.mark.slow
 def test_lost_learner_rank_restarts_the_run_from_its_checkpoint_then_names_itself(base_args, tmp_path):
     """kill -9 the learner rank: with run.max_restarts=1 the run restarts itself from its latest
     checkpoint; killed again, it ends with one line naming the rank, phase and step, and the
     command that resumes it."""
     run_dir = str(tmp_path / "run")
-    run = Run([*base_args, f"run.dir={run_dir}", "run.steps=5", "run.save_every=2", "run.max_restarts=1"],
+    # a step of the tiny model takes 0.1 s: a weight-0 reward that waits 1 s makes sure the kill,
+    # sent when "step 3/5" is printed, lands in step 4 and not after it
+    slow = tmp_path / "slow.py"
+    slow.write_text(SLOW_REWARD)
+    rewards = ("reward.functions=[{fn: reward.builtin:exact_answer}, {fn: reward.builtin:format_number, weight: 0.1},"
+               f' {{fn: "{slow}:wait_1s", weight: 0.0}}]')
+    run = Run([*base_args, f"run.dir={run_dir}", "run.steps=5", "run.save_every=2", "run.max_restarts=1", rewards],
               str(tmp_path / "out.txt"))
     run.wait_for(r"step 3/5")
     first = pid_of(run_dir, "learner")

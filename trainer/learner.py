@@ -323,7 +323,8 @@ class LearnerWorker:
             _add_mismatch(sums, old.cpu(), mb.rollout_logprobs, mb.loss_mask)
             sums["actor/entropy_nats"] += float((entropy.detach() * mask).sum())
         extra = {"clip_ratio_c": a.clip_ratio_c} if a.policy_loss == "ppo_dual_clip" else {}
-        ratio_base = behaviour if a.importance_correction == "behaviour_clip" else old
+        # on-policy (off_policy_steps=0) the sampler is the old policy: the ratio stays PPO's own
+        ratio_base = behaviour if a.importance_correction == "behaviour_clip" and a.off_policy_steps > 0 else old
         pg_loss, clipped = POLICY_LOSSES.get(a.policy_loss)(
             logp, ratio_base, adv, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, mask=mask, **extra
         )

@@ -2,7 +2,9 @@
 
 - `examples.arith`: 2-digit addition, a tiny policy right about a third of the time (the default run);
 - `examples.code_speedup`: make a slow C function faster, a tiny code model (`task=code_speedup`);
-- `examples.preference`: "closer to the true sum is better" pairs and a tiny reward model (`reward=model`).
+- `examples.preference`: "closer to the true sum is better" pairs and a tiny reward model (`reward=model`);
+- `examples.calculator`: multi-step sums with a calculator tool, a tiny chat model that calls it (`task=calculator`);
+- `examples.code_agent`: the code speed-up task as an episode with sandbox feedback (`task=code_agent`).
 
 They live here, above every library layer, because they are what a user's own task looks like:
 a module that writes data, builds (or names) a model and picks reward functions, using `rl`,
@@ -24,6 +26,8 @@ BUILTIN_DIRS = {
     os.path.normpath("artifacts/tiny"): "examples.arith",
     os.path.normpath("artifacts/tiny_code"): "examples.code_speedup",
     os.path.normpath("artifacts/tiny_rm"): "examples.preference",
+    os.path.normpath("artifacts/tiny_calc"): "examples.calculator",
+    os.path.normpath("artifacts/tiny_code_agent"): "examples.code_agent",
 }
 
 

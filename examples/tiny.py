@@ -19,12 +19,23 @@ from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from trainer.sft import sft_train
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+
+
+# Chat models (the multi-turn tool tasks): role markers and the end-of-turn token as special
+# tokens; <|end|> ends every turn, so it is the EOS that stops generation at the end of the model's
+# turn. The tool-call tags (rl.tools) are ordinary added tokens: they stay in decoded text.
+END, CHAT_ROLES, TOOL_TAGS = "<|end|>", ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"), \
+    ("<tool_call>", "</tool_call>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def build_tokenizer(
@@ -33,6 +44,7 @@ def build_tokenizer(
     pre_tokenizer: Any = None,
     decoder: Any = None,
     model_max_length: int = 64,
+    chat: bool = False,
 ) -> PreTrainedTokenizerFast:
     """Word-level tokenizer trained on `corpus`: one token per digit and per symbol.
 
@@ -41,27 +53,37 @@ def build_tokenizer(
     By default words are split at punctuation and into single digits and decoded by joining the
     pieces without spaces (the arithmetic task); other tasks pass their own `pre_tokenizer` and
     `decoder` (e.g. `word_tokenizer` below: whitespace-separated words, joined with spaces).
+    `chat`: EOS is `<|end|>` (id 2), the role markers are special tokens, the tool-call tags
+    ordinary ones, and `CHAT_TEMPLATE` renders conversations (`apply_chat_template`).
     """
+    eos = END if chat else EOS
     tok = Tokenizer(models.WordLevel(unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizer if pre_tokenizer is not None else pre_tokenizers.Sequence(
         [pre_tokenizers.Punctuation(), pre_tokenizers.Digits(individual_digits=True)]
     )
-    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=[PAD, BOS, EOS, UNK]))
+    specials = [PAD, BOS, eos, UNK, *(CHAT_ROLES if chat else ())]
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(special_tokens=specials))
+    if chat:
+        tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
     # default: join pieces without spaces: ["6", "2"] -> "62"
     tok.decoder = decoder if decoder is not None else decoders.Fuse()
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, bos_id)]
     )
-    return PreTrainedTokenizerFast(
+    wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
-        eos_token=EOS,
+        eos_token=eos,
         pad_token=PAD,
         unk_token=UNK,
         padding_side="left",  # for batched generation; the SFT collator pads on its own
         model_max_length=model_max_length,
+        **({"additional_special_tokens": list(CHAT_ROLES)} if chat else {}),
     )
+    if chat:
+        wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
 
 
 def word_tokenizer(corpus: list[str], model_max_length: int = 256) -> PreTrainedTokenizerFast:

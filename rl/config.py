@@ -113,6 +113,31 @@ class TaskConfig:
     train_files: list[str] = field(default_factory=lambda: ["artifacts/tiny/data/train.jsonl"])
     prompt_key: str = "prompt"
     prompts_per_step: int = 32
+    # true: each prompt is sent as a user message through the tokenizer's chat template (with
+    # the generation prompt), and observations become the template's tool (or user) turns
+    chat_template: bool = False
+    # Multi-turn episodes (rl/env.py): the environment class, "package.module:Class" or
+    # "path/file.py:Class", built per episode with env_kwargs; null = single-turn completions
+    env: str | None = None
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_turns: int = 4  # model turns per episode at most (rollout.max_new_tokens is per turn)
+    max_episode_tokens: int = 0  # model + observation tokens after the prompt; 0 = up to rollout.max_model_len
+    max_observation_tokens: int = 64  # an observation longer than this is cut
+    observation_role: str = "tool"  # chat role of a text observation (tool or user)
+    env_workers: int = 1  # Ray actors running environments
+    env_timeout_s: float = 60.0  # per reset or step call; past it the episode ends with an error
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on held-out rows during training (rl/evaluate.py): greedy and sampled."""
+
+    every_steps: int = 0  # 0 = never; else before the first update and every N steps
+    files: list[str] = field(default_factory=list)  # JSONL/Parquet rows like task.train_files
+    n: int = 4  # sampled completions (episodes) per row, for pass@k (k = 1 and n)
+    max_rows: int = 64  # the first rows of eval.files at most
+    temperature: float = 1.0  # of the sampled ones (greedy: 0)
+    pass_threshold: float = 1.0  # a sample "passes" when its reward is at least this
 
 
 @dataclass
@@ -185,6 +210,7 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 # `configs/train.yaml` starts its defaults list with this schema.

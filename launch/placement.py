@@ -170,16 +170,18 @@ def describe_node(node: dict[str, Any]) -> dict[str, Any]:
 
 def report_placement(run_dir: str, fleet, learner, rewards, sandboxes,
                      say: Callable[[str], None] = print,
-                     placement: RolePlacement | None = None) -> list[dict[str, Any]]:
+                     placement: RolePlacement | None = None, envs=None) -> list[dict[str, Any]]:
     """Print and write where every actor landed; `placement` (make_placement's) adds each rollout
-    worker's and learner rank's placement group and bundle."""
+    worker's and learner rank's placement group and bundle. `rewards`, `sandboxes` and `envs`
+    may be None (not started)."""
     import ray
 
     nodes = {n["NodeID"]: describe_node(n) for n in ray.nodes()}
     rows: list[dict[str, Any]] = []
-    roles = [("rollout", fleet.where), ("learner", learner.where), ("reward", rewards.where())]
-    if sandboxes is not None:
-        roles.append(("sandbox", sandboxes.where()))
+    roles = [("rollout", fleet.where), ("learner", learner.where)]
+    for role, part in (("reward", rewards), ("env", envs), ("sandbox", sandboxes)):
+        if part is not None:
+            roles.append((role, part.where()))
     node_ids = list(dict.fromkeys(where["node_id"] for _, places in roles for where in places))
     node_ids.sort(key=lambda node: not nodes.get(node, {}).get("head"))  # the head first, then in order of use
     label = {node: f"node {n + 1}" for n, node in enumerate(node_ids)}

@@ -41,7 +41,8 @@ def ensure_inputs(cfg: DictConfig) -> None:
     data, a built-in reward model named by a reward function's `path` or `algorithm.critic_init`),
     then check the model folders, before Ray starts."""
     critic = [cfg.algorithm.critic_init] if cfg.algorithm.critic_init else []
-    ensure_builtin([cfg.model.path, *cfg.task.train_files, *_reward_model_paths(cfg), *critic], cfg.run.seed)
+    ensure_builtin([cfg.model.path, *cfg.task.train_files, *cfg.eval.files, *_reward_model_paths(cfg), *critic],
+                   cfg.run.seed)
     from launch.cli import require_length
 
     # A folder with config.json, whose position limit holds rollout.max_model_len tokens.
@@ -57,6 +58,7 @@ def resolve_paths(cfg: DictConfig) -> None:
         if f.kwargs and isinstance(f.kwargs.get("path"), str):
             f.kwargs.path = _abs(f.kwargs.path)
     cfg.task.train_files = [_abs(f) for f in cfg.task.train_files]
+    cfg.eval.files = [_abs(f) for f in cfg.eval.files]
     if cfg.algorithm.critic_init:
         cfg.algorithm.critic_init = _abs(cfg.algorithm.critic_init)
     cfg.run.dir = _abs(cfg.run.dir)
@@ -126,13 +128,30 @@ def build_components(cfg: TrainConfig, log=print):
     fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
                          env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log)
     rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                            base_dir=os.getcwd(), deadlines=deadlines)
+                            base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
     learner = LearnerGroup(LearnerSpec.from_config(cfg, threads), cfg.trainer.num_workers, num_cpus=1,
                            num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
                            weight_sync_method=cfg.trainer.weight_sync, actor_options=placement.learner,
                            deadlines=deadlines)
     learner.connect(fleet)
     return fleet, rewards, learner, placement
+
+
+def start_envs(cfg: TrainConfig, tokenizer):
+    """The environment actors and what the loop needs to run episodes (None without task.env)."""
+    if not cfg.task.env:
+        return None
+    from reward.envs import EnvService
+    from rl.episodes import Episodes, Limits, ObservationEncoder
+    from rl.faults import Deadlines
+
+    t, r = cfg.task, cfg.rollout
+    envs = EnvService(t.env, dict(t.env_kwargs), num_workers=t.env_workers, timeout_s=t.env_timeout_s,
+                      base_dir=os.getcwd(), deadlines=Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor,
+                                                                cfg.run.start_timeout_s))
+    limits = Limits(t.max_turns, r.max_new_tokens, t.max_episode_tokens or r.max_model_len, r.max_model_len)
+    encoder = ObservationEncoder(tokenizer, t.chat_template, t.observation_role, t.max_observation_tokens)
+    return Episodes(envs, encoder, limits, t.prompt_key)
 
 
 def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, Any]:
@@ -155,13 +174,21 @@ def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, Any]:
 def load_inputs(cfg: DictConfig):
     """Everything read from the user's files, checked before Ray starts: the reward functions
     (imported here once, so a bad name fails in seconds), the prompts and the tokenizer."""
+    from reward.loader import load_environment
     from reward.scorer import RewardScorer
     from rl.data import PromptDataset
 
-    RewardScorer(reward_specs(cfg), base_dir=os.getcwd())
+    if cfg.reward.functions:
+        RewardScorer(reward_specs(cfg), base_dir=os.getcwd())
+    if cfg.task.env:
+        load_environment(cfg.task.env, os.getcwd())
     # Every row of every file is read (the prompt column a non-empty string) before transformers loads.
-    data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, None, cfg.run.seed,
-                         cfg.rollout.max_model_len - cfg.rollout.max_new_tokens)
+    budget = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
+    data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, None, cfg.run.seed, budget,
+                         chat_template=cfg.task.chat_template)
+    eval_data = PromptDataset(cfg.eval.files, cfg.task.prompt_key, None, cfg.run.seed, budget,
+                              chat_template=cfg.task.chat_template, field="eval.files") \
+        if cfg.eval.every_steps > 0 else None
     from transformers import AutoTokenizer
 
     try:
@@ -172,8 +199,14 @@ def load_inputs(cfg: DictConfig):
         raise ConfigError(f"model.path={cfg.model.path!r}: its tokenizer does not load ({detail}); the folder "
                           "needs the tokenizer files save_pretrained writes (tokenizer.json, "
                           "tokenizer_config.json)") from None
-    data.check_lengths()  # every prompt tokenized: one too long for rollout.max_model_len fails now
-    return data.tokenizer, data
+    if cfg.task.chat_template and not data.tokenizer.chat_template:
+        raise ConfigError(f"task.chat_template=true but the tokenizer of model.path={cfg.model.path!r} has no chat "
+                          "template; set task.chat_template=false or use a chat model")
+    for part in (data, eval_data):
+        if part is not None:
+            part.tokenizer = data.tokenizer
+            part.check_lengths()  # every prompt tokenized: one too long for rollout.max_model_len fails now
+    return data.tokenizer, data, eval_data
 
 
 # Keys that may change when a run is resumed (extend it with more steps, watch it differently,
@@ -247,20 +280,22 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
     from rl.run_log import RunLog, read_metrics
     from trainer.sft import pad_id_of
 
-    tokenizer, data = inputs or load_inputs(cfg)
+    tokenizer, data, eval_data = inputs or load_inputs(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)  # typed, plain data: what the actors are built from
     start_step, kl_state = (resume_from[1].next_step, resume_from[1].kl_ctrl) if resume_from else (0, None)
     log = RunLog(cfg.run.dir, cfg.run.steps, title=cfg.algorithm.name.upper(), progress=cfg.run.progress,
                  start_step=start_step, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
                  resume=resume_from is not None or restarted)
     start_ray(cfg)
-    fleet = rewards = learner = sandboxes = None
+    fleet = rewards = learner = sandboxes = episodes = None
     stop = StopRequest()
     with stop_on_signals(stop, log.write):  # until Ray is down: a second signal stops at once
         try:
             sandboxes = start_sandbox_pool(cfg)
             fleet, rewards, learner, placement = build_components(config, log.write)
-            report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement)
+            episodes = start_envs(config, tokenizer)
+            report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement,
+                             episodes.envs if episodes else None)
             in_flight = None
             if resume_from is not None:
                 path, state = resume_from
@@ -270,7 +305,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                 ahead = f" ({len(in_flight)} batch(es) generated ahead kept)" if in_flight else ""
                 log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}{ahead}")
             run_loop(config, pad_id_of(tokenizer), data, fleet, rewards, learner, log, start_step=start_step,
-                     kl_state=kl_state, stop=stop, in_flight=in_flight)
+                     kl_state=kl_state, stop=stop, in_flight=in_flight, episodes=episodes, eval_data=eval_data)
             summary = reward_trend(read_metrics(cfg.run.dir))
             if cfg.run.save_final_model:
                 final = os.path.join(cfg.run.dir, "final_model")
@@ -286,7 +321,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             raise
         finally:
             log.close()
-            for part in (learner, rewards, fleet):
+            for part in (learner, rewards, fleet, episodes.envs if episodes else None):
                 if part is not None:
                     part.shutdown()
             if sandboxes is not None:

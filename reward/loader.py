@@ -35,6 +35,28 @@ def load_reward_function(
     spec: str, base_dir: str | None = None, *, field: str = "reward function"
 ) -> Callable[..., Any]:
     """Import the callable named by `spec`; `field` names the config entry in error messages."""
+    obj = load_object(spec, base_dir, field=field)
+    prefix = f"{field}={spec!r}"
+    if not callable(obj):
+        raise RewardLoadError(
+            f"{prefix}: {spec.rpartition(':')[2]!r} is a {type(obj).__name__}, not callable; "
+            "point at a function taking (prompts, completions, **kwargs)"
+        )
+    _check_signature(obj, prefix)
+    return obj
+
+
+def load_environment(spec: str, base_dir: str | None = None, *, field: str = "task.env") -> type:
+    """Import the environment class named by `spec` (rl/env.py): a class with a `step` method."""
+    obj = load_object(spec, base_dir, field=field)
+    if not inspect.isclass(obj) or not callable(getattr(obj, "step", None)):
+        raise RewardLoadError(f"{field}={spec!r}: {spec.rpartition(':')[2]!r} is not a class with a step(text, "
+                              "token_ids) method; point at an environment class (see rl/env.py)")
+    return obj
+
+
+def load_object(spec: str, base_dir: str | None = None, *, field: str = "reward function") -> Any:
+    """The object named by `spec` (`package.module:name` or `path/file.py:name`)."""
     prefix = f"{field}={spec!r}"
     if not isinstance(spec, str):
         raise RewardLoadError(f"{prefix}: must be a string; {_FORMS}")
@@ -60,12 +82,6 @@ def load_reward_function(
                 "fix the name after ':'"
             )
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardLoadError(
-            f"{prefix}: {attr!r} in {where} is a {type(obj).__name__}, not callable; "
-            "point at a function taking (prompts, completions, **kwargs)"
-        )
-    _check_signature(obj, prefix)
     return obj
 
 

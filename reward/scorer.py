@@ -128,7 +128,7 @@ class RewardScorer:
     ) -> tuple[list[float | None], list[str | None]]:
         """Values and error strings (one each per sample) for one reward function."""
         try:
-            return _check_values(f.name, _call(f.fn, _copy(kwargs), self.timeout_s), n)
+            return _check_values(f.name, call_with_timeout(f.fn, _copy(kwargs), self.timeout_s), n)
         except RewardCallTimeout:
             # Retrying one by one could cost n * timeout_s; the whole batch is marked instead.
             msg = f"{f.name}: {_timeout_message(self.timeout_s)} for a batch of {n} samples"
@@ -152,7 +152,7 @@ class RewardScorer:
     ) -> tuple[list[float | None], list[str | None]]:
         one = {k: [v[i]] for k, v in kwargs.items()}
         try:
-            return _check_values(f.name, _call(f.fn, one, self.timeout_s), 1)
+            return _check_values(f.name, call_with_timeout(f.fn, one, self.timeout_s), 1)
         except RewardCallTimeout:
             return [None], [f"{f.name}: {_timeout_message(self.timeout_s)}"]
         except _BadOutput as exc:
@@ -227,7 +227,7 @@ def _check_values(name: str, out: Any, n: int) -> tuple[list[float | None], list
     return result, errors
 
 
-def _call(fn: Callable[..., Any], kwargs: dict[str, list[Any]], timeout_s: float) -> Any:
+def call_with_timeout(fn: Callable[..., Any], kwargs: dict[str, list[Any]], timeout_s: float) -> Any:
     """Call `fn(**kwargs)` in a daemon thread, awaiting it there if it is async.
 
     Sync functions are bounded by joining the thread with a timeout; async ones additionally by

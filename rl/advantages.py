@@ -141,13 +141,17 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, ep
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1} over valid tokens, 0 on masked positions (the sum restarts there)."""
+    """G_t = r_t + gamma * G_{t'} over valid tokens, t' the next valid token; 0 on masked positions.
+
+    Masked positions inside a row (an episode's observation tokens) are skipped, not restarted
+    at: the return flows across them from the next model turn, undiscounted by their length."""
     mask = mask.to(token_rewards.dtype)
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros_like(token_rewards[:, 0])
     for t in reversed(range(token_rewards.shape[1])):
-        running = (token_rewards[:, t] + gamma * running) * mask[:, t]
-        returns[:, t] = running
+        m = mask[:, t]
+        running = m * (token_rewards[:, t] + gamma * running) + (1 - m) * running
+        returns[:, t] = running * m
     return returns
 
 
@@ -175,11 +179,14 @@ def gae_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2016) with a learned critic; returns (advantages, returns), both [B, T].
 
-    delta_t = r_t + gamma * V_{t+1} - V_t, where V_{t+1} = 0 past the last valid token;
-    A_t = delta_t + gamma * lam * A_{t+1}; returns R_t = A_t + V_t (the critic's target).
+    delta_t = r_t + gamma * V_{t'} - V_t, where t' is the next valid token (V = 0 past the last);
+    A_t = delta_t + gamma * lam * A_{t'}; returns R_t = A_t + V_t (the critic's target).
     lam=1 gives A_t = G_t - V_t (Monte-Carlo return minus value); lam=0 gives one-step TD.
-    Masked positions are 0. Advantages are *not* whitened here: PPO usually applies
-    `whiten(advantages, mask)` afterwards (keep `returns` from the raw advantages).
+    Masked positions inside a row (an episode's observation tokens) are skipped: value and
+    advantage carry across them from the next model turn, as verl and OpenRLHF do for multi-turn,
+    rather than the recursion restarting there. Masked positions are 0 in the outputs.
+    Advantages are *not* whitened here: PPO usually applies `whiten(advantages, mask)` afterwards
+    (keep `returns` from the raw advantages).
     """
     mask = mask.to(values.dtype)
     values = values * mask
@@ -187,8 +194,11 @@ def gae_advantages(
     next_value = torch.zeros_like(values[:, 0])
     next_adv = torch.zeros_like(values[:, 0])
     for t in reversed(range(values.shape[1])):
+        m = mask[:, t]
         delta = token_rewards[:, t] + gamma * next_value - values[:, t]
-        a_t = (delta + gamma * lam * next_adv) * mask[:, t]
+        a_t = (delta + gamma * lam * next_adv) * m
         adv[:, t] = a_t
-        next_value, next_adv = values[:, t], a_t  # both 0 at a masked position
+        # a masked position leaves both as they were: the next valid token's
+        next_value = m * values[:, t] + (1 - m) * next_value
+        next_adv = a_t + (1 - m) * next_adv
     return adv, (adv + values) * mask

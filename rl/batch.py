@@ -9,7 +9,9 @@ from rl.types import ScoredSample, TrainBatch
 
 def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mask_truncated: bool = False,
                       max_staleness: int = 0) -> TrainBatch:
-    """Right-pad prompt+completion rows; the loss covers completion tokens of scored samples only.
+    """Right-pad prompt+completion rows; the loss covers completion tokens of scored samples only
+    (an episode's model tokens: its observation tokens are masked out). Episodes also get
+    `turn_rewards`: each rewarded turn's reward on its last model token.
 
     A sample whose reward failed keeps its row (the learner's batch size stays fixed) with a zero
     loss mask, so it contributes nothing; so does a completion cut at the token budget when
@@ -29,6 +31,8 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
     loss_mask = torch.zeros((b, width - 1))
     rollout_lp = torch.zeros((b, width - 1))
     adv = torch.zeros((b, width - 1))
+    episodes = any(s.sample.turns is not None for s in scored)
+    turn_rewards = torch.zeros((b, width - 1)) if episodes else None
     for i, s in enumerate(scored):
         p, c = s.sample.prompt_ids, s.sample.completion_ids
         input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
@@ -37,7 +41,11 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
         span = slice(len(p) - 1, len(p) - 1 + len(c))
         rollout_lp[i, span] = torch.tensor(s.sample.logprobs)
         if s.error is None and c and not (mask_truncated and s.sample.finish_reason == "length"):
-            loss_mask[i, span] = 1.0
+            # an episode's observation tokens are not the model's: never in the loss
+            mine = s.sample.completion_mask
+            loss_mask[i, span] = 1.0 if mine is None else torch.tensor(mine, dtype=torch.float32)
+            for j, r in s.sample.turn_rewards() if turn_rewards is not None else ():
+                turn_rewards[i, len(p) - 1 + j] += r
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention,
@@ -46,6 +54,7 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
         advantages=adv,
         group_ids=torch.tensor([s.sample.group_id for s in scored], dtype=torch.long),
         policy_version=version,
+        turn_rewards=turn_rewards,
     )
 
 

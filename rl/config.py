@@ -405,9 +405,10 @@ def validate(cfg: Any) -> None:
                       "or algorithm.off_policy_steps=0")
     if a.max_sampling_rounds < 1:
         errors.append(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be at least 1")
-    if not cfg.reward.functions:
+    if not cfg.reward.functions and not cfg.task.env:
         errors.append("reward.functions is empty: name at least one, e.g. reward=arith or "
-                      "'reward.functions=[{fn: my_rewards.py:score}]'")
+                      "'reward.functions=[{fn: my_rewards.py:score}]' (or an environment that rewards: task.env)")
+    errors += _episode_errors(cfg)
     for i, fn in enumerate(cfg.reward.functions):
         if ":" not in fn.fn:
             errors.append(
@@ -415,3 +416,32 @@ def validate(cfg: Any) -> None:
                 "'path/to/file.py:function'"
             )
     raise_errors(errors)
+
+
+def _episode_errors(cfg: Any) -> list[str]:
+    """Checks of the multi-turn (`task.env`) and evaluation keys."""
+    t, e, errors = cfg.task, cfg.eval, []
+    if t.env is not None and ":" not in t.env:
+        errors.append(f"task.env={t.env!r}: expected 'package.module:Class' or 'path/to/file.py:Class'")
+    for key, value in (("task.max_turns", t.max_turns), ("task.env_workers", t.env_workers),
+                       ("task.max_observation_tokens", t.max_observation_tokens), ("eval.n", e.n),
+                       ("eval.max_rows", e.max_rows)):
+        if value < 1:
+            errors.append(f"{key}={value}: must be a positive integer")
+    if not t.env_timeout_s > 0:
+        errors.append(f"task.env_timeout_s={t.env_timeout_s}: must be > 0 seconds, e.g. 60")
+    if t.max_episode_tokens < 0:
+        errors.append(f"task.max_episode_tokens={t.max_episode_tokens}: must be >= 0 (0 = up to rollout.max_model_len)")
+    if t.observation_role not in ("tool", "user"):
+        errors.append(f"task.observation_role={t.observation_role!r}: choose tool or user")
+    if t.env and cfg.algorithm.overlong_buffer > 0:
+        errors.append("algorithm.overlong_buffer penalises single completions near rollout.max_new_tokens; an "
+                      "episode's length is limited by task.max_episode_tokens instead: set algorithm.overlong_buffer=0")
+    if e.every_steps < 0:
+        errors.append(f"eval.every_steps={e.every_steps}: must be >= 0 (0 = no evaluation)")
+    if e.every_steps > 0 and not e.files:
+        errors.append(f"eval.every_steps={e.every_steps} needs held-out rows: set eval.files=[path/to/test.jsonl] "
+                      "(or eval.every_steps=0)")
+    if e.temperature < 0:
+        errors.append(f"eval.temperature={e.temperature}: must be >= 0 (0 = greedy)")
+    return errors

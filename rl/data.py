@@ -251,12 +251,24 @@ class PromptDataset:
     """The RL prompts: every row of `files` is read and checked at construction (`load_columns`); the
     `tokenizer` may be set after (`.tokenizer`), before `check_lengths` or `requests`."""
 
-    def __init__(self, files: list[str], prompt_key: str, tokenizer: Any, seed: int, max_prompt_tokens: int):
-        self.table = load_columns(files, {"task.prompt_key": prompt_key}, "task.train_files",
-                                  texts=("task.prompt_key",))
+    def __init__(self, files: list[str], prompt_key: str, tokenizer: Any, seed: int, max_prompt_tokens: int,
+                 chat_template: bool = False, field: str = "task.train_files"):
+        self.table = load_columns(files, {"task.prompt_key": prompt_key}, field, texts=("task.prompt_key",))
         self.prompt_key, self.tokenizer, self.seed = prompt_key, tokenizer, seed
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.chat_template, self.field = max_prompt_tokens, chat_template, field
         self._perm_epoch, self._perm = -1, np.arange(0)
+
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        """Prompt ids: the text as it is, or (task.chat_template) as a user message through the
+        tokenizer's chat template with the generation prompt."""
+        if not self.chat_template:
+            return [list(ids) for ids in self.tokenizer(texts).input_ids]
+        out = []
+        for text in texts:
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                     tokenize=True)
+            out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+        return out
 
     def __len__(self) -> int:
         return len(self.table)
@@ -273,10 +285,10 @@ class PromptDataset:
         longest = 0
         for start in range(0, len(self), chunk):
             texts = self.table[start:start + chunk][self.prompt_key]
-            for i, ids in enumerate(self.tokenizer(texts).input_ids):
+            for i, ids in enumerate(self.encode(texts)):
                 if len(ids) > self.max_prompt_tokens:
                     shown = texts[i] if len(texts[i]) <= 60 else texts[i][:57] + "..."
-                    raise self._too_long(len(ids), f"the prompt of row {start + i} (from 0) of task.train_files, "
+                    raise self._too_long(len(ids), f"the prompt of row {start + i} (from 0) of {self.field}, "
                                                    f"{shown!r},")
                 longest = max(longest, len(ids))
         return longest
@@ -299,14 +311,21 @@ class PromptDataset:
         for i in range(prompts_per_step):
             group = round * prompts_per_step + i
             index = self._index(step * prompts_per_step + i) if extra is None else int(extra.integers(len(self)))
-            row = self.table[index]
-            text = row[self.prompt_key]
-            ids = self.tokenizer(text).input_ids
-            if len(ids) > self.max_prompt_tokens:
-                raise self._too_long(len(ids), f"the prompt of row {index} (from 0) of task.train_files")
-            metadata = {k: v for k, v in row.items() if k != self.prompt_key}
-            out.extend(
-                GenerationRequest(ids, text, group, k, derive_seed(self.seed, step, group, k), metadata)
-                for k in range(n)
-            )
+            out.extend(self._group(index, group, n, lambda k: derive_seed(self.seed, step, group, k)))
         return out
+
+    def _group(self, index: int, group: int, n: int, seed: Callable[[int], int],
+               temperature: float | None = None) -> list[GenerationRequest]:
+        row = self.table[index]
+        text = row[self.prompt_key]
+        (ids,) = self.encode([text])
+        if len(ids) > self.max_prompt_tokens:
+            raise self._too_long(len(ids), f"the prompt of row {index} (from 0) of {self.field}")
+        metadata = {k: v for k, v in row.items() if k != self.prompt_key}
+        return [GenerationRequest(ids, text, group, k, seed(k), metadata, temperature=temperature) for k in range(n)]
+
+    def eval_requests(self, rows: int, n: int, temperature: float | None, seed: int) -> list[GenerationRequest]:
+        """The first `rows` rows in file order, `n` requests each (group id = row), seeded by `seed`
+        alone: every evaluation of a run asks the same questions with the same seeds."""
+        return [r for i in range(min(rows, len(self)))
+                for r in self._group(i, i, n, lambda k, i=i: derive_seed(self.seed, seed, i, k), temperature)]

@@ -36,7 +36,11 @@ def estimate_advantages(
     old_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
+    turn_rewards: torch.Tensor | None = None,  # [B, T-1] episodes: each turn's reward on its last model token
 ) -> Estimate:
+    """Outcome estimators see each sample's total reward (an episode's turn rewards included);
+    per-token ones (REINFORCE++, GAE) get each turn's reward on the turn's last model token and
+    the rest of the total (reward functions' share) on the last one."""
     mask = mask.to(torch.float32)
     outcome = torch.where(valid.bool(), outcome.to(torch.float64), torch.zeros_like(outcome, dtype=torch.float64))
     metrics: dict[str, float] = {}
@@ -54,7 +58,12 @@ def estimate_advantages(
         extra = {"norm_by_std": settings.norm_by_std} if name == "grpo" else {}
         per_sample = ADVANTAGES.get(name)(seq_reward, group_ids, valid, **extra)
         return Estimate(per_sample.float()[:, None] * mask, None, metrics)
-    token_rewards = token_level_rewards(outcome.float(), mask, kl, kl_coef)
+    if turn_rewards is None:
+        token_rewards = token_level_rewards(outcome.float(), mask, kl, kl_coef)
+    else:
+        turns = turn_rewards.to(torch.float32) * mask
+        rest = outcome.float() - turns.sum(dim=1)
+        token_rewards = token_level_rewards(rest, mask, kl, kl_coef) + turns
     if name == "reinforce_pp":
         return Estimate(ADVANTAGES.get(name)(token_rewards, mask, settings.gamma), None, metrics)
     if name == "gae":

@@ -5,7 +5,8 @@ reward service and learner only through the small protocols below, so the same l
 colocated on a laptop or spread over a Ray cluster (and imports neither Ray nor DeepSpeed).
 With `algorithm.off_policy_steps = k > 0` generation and rewards run ahead in a background
 thread (`rl.pipeline`), up to k steps, while the learner trains; weight syncs wait for a batch
-boundary.
+boundary. With an environment (`task.env`) each sample is a multi-turn episode (`rl.episodes`);
+with `eval.every_steps` held-out rows are evaluated before the first update and every N steps.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from rl.batch import build_train_batch
 from rl.dapo import informative_groups, overlong_penalty
 from rl.data import PromptDataset
 from rl.config import AlgorithmConfig, TrainConfig
+from rl.episodes import Episodes, with_episode_rewards
 from rl.estimate import estimate_advantages
+from rl.evaluate import due, evaluate
 from rl.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
 from rl.flops import step_cost
 from rl.kl_control import KL_CONTROLLERS, kl_controller_from_dict
@@ -55,7 +58,22 @@ def make_kl_controller(a: AlgorithmConfig):
     return KL_CONTROLLERS.get("fixed")(a.kl_coef)
 
 
-def collect(cfg: TrainConfig, data: PromptDataset, fleet: Fleet, rewards: Rewards,
+class Sampler:
+    """Where samples come from and how they are scored: single completions from the fleet, or
+    whole episodes (`task.env`) whose reward adds the environment's to the reward functions'."""
+
+    def __init__(self, fleet: Fleet, rewards: Rewards | None, episodes: Episodes | None = None):
+        self.fleet, self.rewards, self.episodes = fleet, rewards, episodes
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        return self.episodes.run(requests, self.fleet.generate) if self.episodes else self.fleet.generate(requests)
+
+    def score(self, samples: list[Sample]) -> list[ScoredSample]:
+        scored = self.rewards.score(samples) if self.rewards is not None else None
+        return with_episode_rewards(samples, scored) if self.episodes else scored
+
+
+def collect(cfg: TrainConfig, data: PromptDataset, sampler: Sampler,
             step: int) -> tuple[list[ScoredSample], list[Sample], dict[str, float]]:
     """Generate and score one step's groups. With DAPO's dynamic sampling, groups whose rewards
     are all equal are set aside and more prompts are drawn (up to max_sampling_rounds); the
@@ -68,9 +86,9 @@ def collect(cfg: TrainConfig, data: PromptDataset, fleet: Fleet, rewards: Reward
     rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
     for rnd in range(rounds):
         t0 = time.perf_counter()
-        samples = fleet.generate(data.requests(step, P, n, round=rnd))
+        samples = sampler.generate(data.requests(step, P, n, round=rnd))
         t1 = time.perf_counter()
-        scored = _shape_rewards(cfg, rewards.score(samples))
+        scored = _shape_rewards(cfg, sampler.score(samples))
         timing["time/rollout_s"] += t1 - t0
         timing["time/reward_s"] += time.perf_counter() - t1
         generated += samples
@@ -141,9 +159,10 @@ def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | 
     )
 
 
-def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
-             log: RunLog, start_step: int = 0, kl_state: dict | None = None,
-             stop: StopRequest | None = None, in_flight: dict | None = None) -> list[dict[str, float]]:
+def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewards: Rewards | None,
+             learner: Learner, log: RunLog, start_step: int = 0, kl_state: dict | None = None,
+             stop: StopRequest | None = None, in_flight: dict | None = None, episodes: Episodes | None = None,
+             eval_data: PromptDataset | None = None) -> list[dict[str, float]]:
     """Run steps [start_step, run.steps) of the run `cfg` describes; returns each step's metrics.
 
     The policy version equals the number of updates so far, i.e. the step index, also on resume.
@@ -151,13 +170,15 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
     signal: RunStopped) or when every reward failed `reward.max_failed_steps` steps in a row
     (RewardsFailing); an actor lost for good ends it with an ActorFailure naming the step.
     `in_flight`: batches generated ahead before a checkpoint (asynchronous rollouts), by step.
+    `rewards`: None when only the environment rewards (`episodes`); `eval_data`: `eval.files`.
     """
     a, run = cfg.algorithm, cfg.run
     history = []
     kl_ctrl = kl_controller_from_dict(kl_state) if kl_state else make_kl_controller(a)
     version = start_step
     failing: list[str] = []  # the first reward error of each step, in a row, whose rewards all failed
-    pipeline = RolloutPipeline(lambda s: collect(cfg, data, fleet, rewards, s), a.off_policy_steps, run.steps,
+    sampler = Sampler(fleet, rewards, episodes)
+    pipeline = RolloutPipeline(lambda s: collect(cfg, data, sampler, s), a.off_policy_steps, run.steps,
                                in_flight) if a.off_policy_steps else None
 
     def save(next_step: int, with_in_flight: bool = True) -> None:
@@ -167,8 +188,10 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
 
     try:
         for step in range(start_step, run.steps):
-            metrics, scored = _step(cfg, pad_id, data, fleet, rewards, learner, log, step, version, kl_ctrl,
-                                    pipeline, save)
+            evaluated = evaluate(cfg.eval, eval_data, sampler.generate, sampler.score) \
+                if eval_data is not None and due(cfg.eval, step) else {}
+            metrics, scored = _step(cfg, pad_id, data, sampler, learner, log, step, version, kl_ctrl,
+                                    pipeline, save, evaluated)
             version += 1
             history.append(metrics)
             done = step + 1
@@ -187,15 +210,16 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
     return history
 
 
-def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewards: Rewards, learner: Learner,
+def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, learner: Learner,
           log: RunLog, step: int, version: int, kl_ctrl, pipeline: RolloutPipeline | None,
-          save) -> tuple[dict[str, float], list[ScoredSample]]:
+          save, evaluated: dict[str, float]) -> tuple[dict[str, float], list[ScoredSample]]:
     """One step trained at policy `version`: its batch (made now, or ahead by the pipeline),
-    scores, advantages, the update, the weight sync; logs and returns its metrics and samples."""
-    a = cfg.algorithm
+    scores, advantages, the update, the weight sync; logs and returns its metrics (with the
+    evaluation made before it, `evaluated`) and samples."""
+    a, fleet = cfg.algorithm, sampler.fleet
     t0 = time.perf_counter()
     try:
-        scored, samples, collect_metrics = pipeline.take(step) if pipeline else collect(cfg, data, fleet, rewards, step)
+        scored, samples, collect_metrics = pipeline.take(step) if pipeline else collect(cfg, data, sampler, step)
     except ActorFailure as err:  # a rollout worker is lost for good; the learner is whole
         save(step, with_in_flight=False)  # batches made ahead are made again on resume
         raise err.at_step(step) from None
@@ -211,7 +235,7 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewa
         t_score = time.perf_counter()
         kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
         est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_coef,
-                                  batch.old_logprobs, batch.ref_logprobs, batch.values)
+                                  batch.old_logprobs, batch.ref_logprobs, batch.values, batch.turn_rewards)
         batch.advantages, batch.returns = est.advantages, est.returns
         train_metrics = learner.train_step(batch, step, kl_coef)
         t_train = time.perf_counter()
@@ -227,7 +251,8 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewa
     if measured_kl is not None:
         kl_ctrl.update(measured_kl, len(scored))
 
-    gen_tokens = sum(len(s.completion_ids) for s in samples)
+    gen_tokens = sum(sum(s.completion_mask) if s.completion_mask is not None else len(s.completion_ids)
+                     for s in samples)  # the model's tokens (an episode's observations are not generated)
     behind = [version - s.sample.policy_version for s in scored]
     metrics = {
         **reward_metrics(scored),
@@ -249,6 +274,8 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewa
         "policy/staleness_mean": statistics.fmean(behind),
         "policy/staleness_max": float(max(behind)),
         **_cost_metrics(cfg, train_metrics, t_train - t_rew, t_sync - t0),
+        **_episode_metrics(samples),
+        **evaluated,
     }
     warning = logprob_mismatch_warning(step, metrics.get("sync/logprob_abs_diff", 0.0),
                                        cfg.trainer.logprob_warn_threshold)
@@ -272,3 +299,15 @@ def _cost_metrics(cfg: TrainConfig, train_metrics: dict[str, float], learner_s: 
         devices = cfg.trainer.num_workers + cfg.rollout.num_workers
         out["cost/step_usd"] = step_cost(step_s, devices, cfg.cluster.price_per_device_hour)
     return out
+
+
+def _episode_metrics(samples: list[Sample]) -> dict[str, float]:
+    """Turns per episode, and the share of an episode's tokens that are observations."""
+    episodes = [s for s in samples if s.turns is not None]
+    if not episodes:
+        return {}
+    turns = [sum(t.role == "model" for t in s.turns) for s in episodes]
+    obs = sum(len(s.completion_ids) - sum(s.completion_mask) for s in episodes)
+    return {"episode/turns_mean": statistics.fmean(turns), "episode/turns_max": float(max(turns)),
+            "episode/observation_tokens_frac": obs / max(1, sum(len(s.completion_ids) for s in episodes)),
+            "episode/errors_count": float(sum(s.error is not None for s in episodes))}

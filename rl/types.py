@@ -22,11 +22,17 @@ class GenerationRequest:
     sample_index: int  # 0..n-1 within the group
     seed: int  # derived from (run seed, step, group_id, sample_index): never global state
     metadata: dict[str, Any] = field(default_factory=dict)  # dataset columns, e.g. the answer
+    max_tokens: int | None = None  # this request's token budget (an episode's turn); None = rollout.max_new_tokens
+    temperature: float | None = None  # None = rollout.temperature (evaluation asks for 0: greedy)
 
 
 @dataclass
 class Sample:
-    """A sampled completion with the per-token log-probs of the policy that produced it."""
+    """A sampled completion with the per-token log-probs of the policy that produced it.
+
+    An episode (multi-turn, `rl.episodes`) is one Sample too: `completion_ids` holds every token
+    after the prompt, the model's turns exactly as sampled and the observations as tokenized once,
+    `completion_mask` marks which are the model's (1) and `turns` says where each turn lies."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -38,12 +44,36 @@ class Sample:
     group_id: int
     sample_index: int
     metadata: dict[str, Any] = field(default_factory=dict)
+    # Episodes only: 1 = model token, 0 = observation token (its log-prob is 0 and it is never
+    # trained on); None = every completion token is the model's (single turn).
+    completion_mask: list[int] | None = None
+    turns: list[Turn] | None = None  # episodes only, in order
+    error: str | None = None  # the episode failed (environment raised, hung, answered badly)
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
             raise ValueError(
                 f"Sample has {len(self.completion_ids)} completion tokens but {len(self.logprobs)} logprobs"
             )
+        if self.completion_mask is not None and len(self.completion_mask) != len(self.completion_ids):
+            raise ValueError(f"Sample has {len(self.completion_ids)} completion tokens but a mask of "
+                             f"{len(self.completion_mask)}")
+
+    def turn_rewards(self) -> list[tuple[int, float]]:
+        """(index in completion_ids of the turn's last model token, reward) of each rewarded turn."""
+        return [(t.end - 1, t.reward) for t in self.turns or () if t.role == "model" and t.reward is not None]
+
+
+@dataclass
+class Turn:
+    """One turn of an episode: completion_ids[start:end] are the model's tokens or an observation's."""
+
+    role: str  # "model" or "observation"
+    start: int
+    end: int
+    text: str
+    reward: float | None = None  # the environment's reward for this model turn
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -61,9 +91,11 @@ class ScoredSample:
 
     def to_log(self) -> dict[str, Any]:
         row = asdict(self.sample)
-        row.pop("prompt_ids")
-        row.pop("completion_ids")
-        row.pop("logprobs")
+        for key in ("prompt_ids", "completion_ids", "logprobs", "completion_mask"):
+            row.pop(key)
+        if row["turns"] is None:
+            row.pop("turns")
+        row.pop("error")  # an episode's error is the ScoredSample's (below)
         row.update(reward=self.reward, components=self.components, error=self.error)
         return row
 
@@ -72,7 +104,7 @@ class ScoredSample:
 class TrainBatch:
     """Right-padded token tensors for the learner; row i is prompt + completion of one sample.
 
-    `loss_mask[i, t]` is 1 where token t+1 of row i is a completion token, i.e. it aligns with the
+    `loss_mask[i, t]` is 1 where token t+1 of row i is a (model-sampled) completion token, i.e. it aligns with the
     log-prob of predicting input_ids[:, 1:]. All per-token tensors have shape [B, T-1].
     """
 
@@ -87,6 +119,7 @@ class TrainBatch:
     ref_logprobs: torch.Tensor | None = None  # [B, T-1], reference model, when KL is used
     values: torch.Tensor | None = None  # [B, T-1], the critic's values before the update (PPO)
     returns: torch.Tensor | None = None  # [B, T-1], the critic's targets (PPO)
+    turn_rewards: torch.Tensor | None = None  # [B, T-1], episodes: each turn's reward on its last model token
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -111,4 +144,5 @@ class TrainBatch:
             ref_logprobs=rows(self.ref_logprobs),
             values=rows(self.values),
             returns=rows(self.returns),
+            turn_rewards=rows(self.turn_rewards),
         )

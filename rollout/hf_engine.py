@@ -31,13 +31,22 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
-        samples: list[Sample] = []
-        for start in range(0, len(requests), self.batch_size):
-            samples.extend(self._generate_batch(requests[start : start + self.batch_size]))
-        return samples
+        """Batches of requests with the same budget and temperature (HF generate takes one of each)."""
+        kinds: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            kinds.setdefault((r.max_tokens, r.temperature), []).append(i)
+        samples: list[Sample | None] = [None] * len(requests)
+        for (max_tokens, temperature), index in kinds.items():
+            for start in range(0, len(index), self.batch_size):
+                part = index[start : start + self.batch_size]
+                for i, s in zip(part, self._generate_batch([requests[i] for i in part], max_tokens, temperature)):
+                    samples[i] = s
+        return samples  # type: ignore[return-value]
 
-    def _generate_batch(self, requests: list[GenerationRequest]) -> list[Sample]:
+    def _generate_batch(self, requests: list[GenerationRequest], max_tokens: int | None,
+                        temperature: float | None) -> list[Sample]:
         sampling = self.rollout
+        temperature = sampling.temperature if temperature is None else temperature
         width = max(len(r.prompt_ids) for r in requests)
         ids = torch.full((len(requests), width), self.pad_id, dtype=torch.long)
         attn = torch.zeros_like(ids)
@@ -50,11 +59,9 @@ class HFEngine:
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=attn.to(self.device),
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=0,
-            max_new_tokens=sampling.max_new_tokens,
+            **({"do_sample": True, "temperature": temperature, "top_p": sampling.top_p, "top_k": 0}
+               if temperature > 0 else {"do_sample": False}),
+            max_new_tokens=sampling.max_new_tokens if max_tokens is None else max_tokens,
             pad_token_id=self.pad_id,
             eos_token_id=sorted(self.eos_ids),
             output_scores=True,  # processed scores: after temperature/top-p, as sampled

@@ -34,7 +34,8 @@ class RolloutEngine(Protocol):
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         """One Sample per request, in request order, with per-token log-probs of the sampled
-        tokens under the engine's policy at `rollout.temperature`."""
+        tokens under the engine's policy at `rollout.temperature` (a request may carry its own
+        temperature, 0 = greedy, and token budget: `max_tokens`)."""
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights in place (HF parameter names) and tag later samples with `version`."""

@@ -111,9 +111,9 @@ class VLLMEngine:
         params = [
             SamplingParams(
                 n=1,  # one request per sample, each with its own seed: reproducible whatever the split
-                temperature=sampling.temperature,
+                temperature=sampling.temperature if req.temperature is None else req.temperature,
                 top_p=sampling.top_p,
-                max_tokens=sampling.max_new_tokens,
+                max_tokens=sampling.max_new_tokens if req.max_tokens is None else req.max_tokens,
                 seed=req.seed,
                 logprobs=0,  # the sampled token's log-prob only
             )

@@ -165,6 +165,26 @@ def test_gae_lambda_zero_is_one_step_td():
     assert ret.tolist()[0] == approx([0.6, 0.7, 1.0, 0.0], abs=1e-6)
 
 
+def test_gae_skips_observation_tokens_inside_an_episode():
+    """Model tokens at 0, 1 and 4, an observation at 2-3 (mask 0, with junk values and rewards
+    that must be ignored), then padding: the recursion carries over the gap, as on the compacted
+    trajectory [t0, t1, t4], instead of restarting at it."""
+    rewards = torch.tensor([[0.0, 0.3, 7.0, 7.0, 1.0, 5.0]])
+    values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.2, 9.0]])
+    mask = torch.tensor([[1.0, 1, 0, 0, 1, 0]])
+    adv, ret = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.8)
+    # t4: delta = 1 - 0.2 = 0.8 = A4
+    # t1: delta = 0.3 + 0.9 * 0.2 - 0.4 = 0.08; A1 = 0.08 + 0.72 * 0.8 = 0.656
+    # t0: delta = 0.9 * 0.4 - 0.5 = -0.14; A0 = -0.14 + 0.72 * 0.656 = 0.33232
+    assert adv.tolist()[0] == approx([0.33232, 0.656, 0.0, 0.0, 0.8, 0.0], abs=1e-6)
+    assert ret.tolist()[0] == approx([0.83232, 1.056, 0.0, 0.0, 1.0, 0.0], abs=1e-6)
+    compact, compact_ret = gae_advantages(rewards[:, [0, 1, 4]], values[:, [0, 1, 4]], torch.ones(1, 3), 0.9, 0.8)
+    assert adv[0, [0, 1, 4]].tolist() == approx(compact[0].tolist(), abs=1e-6)
+    # REINFORCE++'s returns skip the gap the same way: G4 = 1, G1 = 0.3 + 0.9, G0 = 0.9 * 1.2
+    g = discounted_returns(rewards, mask, gamma=0.9)
+    assert g.tolist()[0] == approx([1.08, 1.2, 0.0, 0.0, 1.0, 0.0], abs=1e-6)
+
+
 def test_gae_general_gamma_lambda():
     adv, ret = gae_advantages(GAE_REWARDS[:1], GAE_VALUES[:1], GAE_MASK[:1], gamma=0.9, lam=0.5)
     # deltas: t2 = 1 - 0.7 = 0.3; t1 = 0.9 * 0.7 - 0.6 = 0.03; t0 = 0.9 * 0.6 - 0.5 = 0.04

@@ -1,0 +1,156 @@
+"""`EnvService`: the Ray actors that run environments (rl/env.py), one instance per episode.
+
+Episodes are spread over `task.env_workers` actors by key; inside an actor each episode's
+`reset`/`step` runs in a thread of its own (so a slow sandbox call or an `async` environment does
+not hold the others up), bounded by `task.env_timeout_s`. An environment that raises, answers
+badly or overruns ends only its own episode, with the error as the answer; a whole actor that
+dies or stops answering costs the episodes it held (Ray starts it again). Like reward
+functions, the environment class is loaded inside the actors.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from rl.env import StepResult, as_step_result
+from rl.faults import Deadlines, hung
+from reward.loader import RewardLoadError, load_environment
+from reward.scorer import RewardCallTimeout, call_with_timeout
+
+
+def _error(exc: BaseException, timeout_s: float) -> str:
+    if isinstance(exc, RewardCallTimeout):
+        return f"no answer within task.env_timeout_s={timeout_s:g} s"
+    return f"{type(exc).__name__}: {exc}"
+
+
+class EnvWorker:
+    """Actor body: environment instances by episode key."""
+
+    def __init__(self, spec: str, kwargs: dict[str, Any], timeout_s: float, base_dir: str) -> None:
+        self.spec, self.kwargs, self.timeout_s, self.base_dir = spec, kwargs, timeout_s, base_dir
+        self.envs: dict[int, Any] = {}
+        self._cls: type | None = None
+        self._pool = ThreadPoolExecutor(64, thread_name_prefix="env")
+
+    def load(self) -> str:
+        if self._cls is None:
+            self._cls = load_environment(self.spec, self.base_dir)
+        return self._cls.__name__
+
+    def where(self) -> dict:
+        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "ip": ray.util.get_node_ip_address()}
+
+    def _reset_one(self, key: int, row: dict[str, Any]) -> str | None:
+        try:
+            env = self._cls(**self.kwargs)  # type: ignore[misc]
+            self.envs[key] = env
+            if callable(getattr(env, "reset", None)):
+                call_with_timeout(env.reset, {"row": row}, self.timeout_s)
+            return None
+        except BaseException as exc:  # noqa: BLE001 - recorded on the episode
+            self.envs.pop(key, None)
+            return _error(exc, self.timeout_s)
+
+    def _step_one(self, key: int, text: str, ids: list[int]) -> StepResult | str:
+        env = self.envs.get(key)
+        if env is None:
+            return "the environment of this episode is gone (its worker restarted)"
+        try:
+            return as_step_result(call_with_timeout(env.step, {"text": text, "token_ids": ids}, self.timeout_s))
+        except BaseException as exc:  # noqa: BLE001
+            return _error(exc, self.timeout_s)
+
+    def reset(self, keys: list[int], rows: list[dict[str, Any]]) -> dict[int, str | None]:
+        self.load()
+        return dict(zip(keys, self._pool.map(self._reset_one, keys, rows)))
+
+    def step(self, keys: list[int], texts: list[str], ids: list[list[int]]) -> dict[int, StepResult | str]:
+        return dict(zip(keys, self._pool.map(self._step_one, keys, texts, ids)))
+
+    def close(self, keys: list[int]) -> None:
+        for key in keys:
+            env = self.envs.pop(key, None)
+            if env is not None and callable(getattr(env, "close", None)):
+                try:
+                    env.close()
+                except Exception:  # noqa: BLE001 - the episode is over; nothing to record it on
+                    pass
+
+
+class EnvService:
+    """The driver's handle (implements `rl.episodes.Envs`): episode `key` lives on worker
+    `key % num_workers`."""
+
+    def __init__(self, spec: str, kwargs: dict[str, Any], *, num_workers: int = 1, timeout_s: float = 60.0,
+                 base_dir: str | None = None, num_cpus_per_worker: float = 0.25,
+                 deadlines: Deadlines | None = None) -> None:
+        base_dir = os.path.abspath(base_dir or os.getcwd())
+        actor = ray.remote(EnvWorker).options(num_cpus=num_cpus_per_worker, max_restarts=-1)
+        self.workers = [actor.remote(spec, kwargs, timeout_s, base_dir) for _ in range(num_workers)]
+        self.timeout_s, self.deadlines = timeout_s, deadlines or Deadlines()
+        try:
+            for ref in [w.load.remote() for w in self.workers]:
+                ray.get(ref, timeout=self.deadlines.start_s)
+        except RayTaskError as exc:
+            self.shutdown()
+            if isinstance(exc.cause, RewardLoadError):
+                raise RewardLoadError(str(exc.cause)) from None
+            raise ValueError(f"an environment worker failed to load task.env={spec!r}: {exc.cause}") from None
+
+    def _spread(self, keys: list[int], *columns: list[Any]) -> dict[int, tuple[list[int], list[list[Any]]]]:
+        parts: dict[int, tuple[list[int], list[list[Any]]]] = {}
+        for i, key in enumerate(keys):
+            mine, cols = parts.setdefault(key % len(self.workers), ([], [[] for _ in columns]))
+            mine.append(key)
+            for col, values in zip(cols, columns):
+                col.append(values[i])
+        return parts
+
+    def _call(self, method: str, keys: list[int], *columns: list[Any]) -> dict[int, Any]:
+        """One call per worker holding some of `keys`; a worker that dies or overruns the deadline
+        (a generous multiple of task.env_timeout_s) answers with an error for each of its keys."""
+        parts = self._spread(keys, *columns)
+        refs = {w: getattr(self.workers[w], method).remote(ks, *cols) for w, (ks, cols) in parts.items()}
+        deadline = max(self.deadlines.of(f"env {method}"), 2 * self.timeout_s + 30)
+        started = time.monotonic()
+        ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline)[0])
+        out: dict[int, Any] = {}
+        for w, ref in refs.items():
+            try:
+                if ref not in ready:
+                    ray.kill(self.workers[w], no_restart=False)  # Ray starts it again
+                    raise TimeoutError(hung(deadline))
+                out.update(ray.get(ref))
+            except (RayActorError, TimeoutError) as exc:
+                why = "died" if isinstance(exc, RayActorError) else "stopped answering"
+                out.update({k: f"environment worker {w} {why}: {str(exc).splitlines()[0]}" for k in parts[w][0]})
+        if len(ready) == len(refs):
+            self.deadlines.record(f"env {method}", time.monotonic() - started)
+        return out
+
+    def reset(self, keys: list[int], rows: list[dict[str, Any]]) -> dict[int, str | None]:
+        return self._call("reset", keys, rows)
+
+    def step(self, keys: list[int], texts: list[str], token_ids: list[list[int]]) -> dict[int, StepResult | str]:
+        return self._call("step", keys, texts, token_ids)
+
+    def close(self, keys: list[int]) -> None:
+        parts = self._spread(keys)
+        refs = [self.workers[w].close.remote(ks) for w, (ks, _) in parts.items()]
+        ray.wait(refs, num_returns=len(refs), timeout=30)
+
+    def where(self) -> list[dict]:
+        return ray.get([w.where.remote() for w in self.workers])
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []

@@ -1,0 +1,219 @@
+"""Multi-turn episodes, kept as token ids from start to end (DESIGN.md "Episodes").
+
+A turn is one generation request whose prompt is the whole episode so far; the sampled ids are
+appended exactly as generated (with their log-probs), the environment's answer is tokenized once
+and appended with mask 0. Nothing decoded is ever tokenized again, so the learner trains on the
+very tokens the rollout sampled, and its loss mask covers the model's tokens only.
+
+Pure code over two small protocols (a `generate` function and `Envs`); the Ray side is
+`reward.envs.EnvService`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from rl.data import derive_seed
+from rl.env import Observation, StepResult
+from rl.types import GenerationRequest, Sample, ScoredSample, Turn
+
+
+class Envs(Protocol):
+    """Environments by episode key. `reset` and `step` return, per key, None or the StepResult,
+    or the error (a string) that ends that episode."""
+
+    def reset(self, keys: list[int], rows: list[dict[str, Any]]) -> dict[int, str | None]: ...
+    def step(self, keys: list[int], texts: list[str], token_ids: list[list[int]]) -> dict[int, StepResult | str]: ...
+    def close(self, keys: list[int]) -> None: ...
+
+
+@dataclass
+class Limits:
+    max_turns: int  # model turns
+    max_new_tokens: int  # per model turn
+    max_episode_tokens: int  # model + observation tokens after the prompt
+    max_model_len: int  # prompt + episode
+
+
+class ObservationEncoder:
+    """An observation's token ids, tokenized once. With a chat template, text becomes a message
+    of `role` and messages are rendered as the template renders them after an assistant turn
+    (with the generation prompt of the next one); without, text is tokenized as it is. An
+    observation over `cap` tokens has its (last message's) content cut to fit."""
+
+    _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+    def __init__(self, tokenizer: Any, chat: bool, role: str = "tool", cap: int = 64):
+        self.tokenizer, self.chat, self.role, self.cap = tokenizer, chat, role, cap
+        if chat:
+            prefix = self._render(self._BASE, generation_prompt=False)
+            eos = tokenizer.eos_token_id
+            if eos not in prefix:
+                raise ValueError("task.chat_template=true but the tokenizer's chat template does not end an assistant "
+                                 "turn with its EOS token; set task.chat_template=false or fix the template")
+            # the model's turn ends at EOS: what the template puts after it belongs to the observation
+            self._cut = len(prefix) - prefix[::-1].index(eos)
+            self._prefix = prefix[: self._cut]
+
+    def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+    def _ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        full = self._render(self._BASE + messages, generation_prompt=True)
+        if full[: self._cut] != self._prefix:
+            raise ValueError("the chat template renders earlier turns differently once an observation follows; "
+                             "token-exact episodes need a template that only appends")
+        return full[self._cut:]
+
+    def __call__(self, obs: Observation) -> list[int]:
+        if obs is None or obs == "" or obs == []:
+            return []
+        if not self.chat:
+            if not isinstance(obs, str):
+                raise ValueError("the environment returned chat messages but task.chat_template=false; "
+                                 "return text, or set task.chat_template=true")
+            return list(self.tokenizer(obs, add_special_tokens=False).input_ids)[: self.cap]
+        messages = [{"role": self.role, "content": obs}] if isinstance(obs, str) else [dict(m) for m in obs]
+        ids = self._ids(messages)
+        if len(ids) <= self.cap:
+            return ids
+        content = self.tokenizer(messages[-1]["content"], add_special_tokens=False).input_ids
+        keep = max(0, len(content) - (len(ids) - self.cap))
+        while True:  # the template's own tokens around the content stay whole
+            messages[-1]["content"] = self.tokenizer.decode(content[:keep])
+            ids = self._ids(messages)
+            if len(ids) <= self.cap or keep == 0:
+                return ids[: self.cap] if keep == 0 else ids
+            keep -= 1
+
+
+@dataclass
+class _Episode:
+    request: GenerationRequest
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[Turn] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+    error: str | None = None
+    done: bool = False
+
+    def add(self, role: str, ids: list[int], text: str, logprobs: list[float] | None = None) -> Turn:
+        start = len(self.ids)
+        self.ids += ids
+        self.mask += [1 if role == "model" else 0] * len(ids)
+        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        self.turns.append(Turn(role, start, len(self.ids), text))
+        return self.turns[-1]
+
+    def sample(self) -> Sample:
+        r = self.request
+        model_turns = [t for t in self.turns if t.role == "model"]
+        return Sample(prompt_ids=list(r.prompt_ids), completion_ids=self.ids, logprobs=self.logprobs,
+                      finish_reason=self.finish_reason, policy_version=min(self.versions, default=0),
+                      prompt_text=r.prompt_text, completion_text=model_turns[-1].text if model_turns else "",
+                      group_id=r.group_id, sample_index=r.sample_index, metadata=r.metadata,
+                      completion_mask=self.mask, turns=self.turns, error=self.error)
+
+
+class Episodes:
+    """What the loop holds to run episodes: the environments, the observation encoder, the limits,
+    and a counter that keeps episode keys unique across batches (asynchronous rollouts and
+    evaluation run batches side by side)."""
+
+    def __init__(self, envs: Envs, encode: ObservationEncoder, limits: Limits, prompt_key: str = "prompt"):
+        self.envs, self.encode, self.limits, self.prompt_key = envs, encode, limits, prompt_key
+        self._next_key = 0
+
+    def run(self, requests: list[GenerationRequest],
+            generate: Callable[[list[GenerationRequest]], list[Sample]]) -> list[Sample]:
+        first, self._next_key = self._next_key, self._next_key + len(requests)
+        return run_episodes(requests, generate, self.envs, self.encode, self.limits, first, self.prompt_key)
+
+
+def run_episodes(requests: list[GenerationRequest], generate: Callable[[list[GenerationRequest]], list[Sample]],
+                 envs: Envs, encode: ObservationEncoder, limits: Limits, first_key: int = 0,
+                 prompt_key: str = "prompt") -> list[Sample]:
+    """One episode per request, all turns batched: each turn generates for every live episode at
+    once, then every environment answers. An episode ends when its environment says done, after
+    `max_turns` model turns (the environment still rewards the last one), when its token budget
+    is spent (finish_reason "length"), or with the error its environment raised. Episode keys are
+    `first_key + index` (unique among episodes in flight)."""
+    episodes = {first_key + i: _Episode(r) for i, r in enumerate(requests)}
+    for key, err in envs.reset(list(episodes), [{prompt_key: e.request.prompt_text, **e.request.metadata}
+                                                for e in episodes.values()]).items():
+        if err is not None:
+            episodes[key].error, episodes[key].done = f"environment reset: {err}", True
+    try:
+        for turn in range(limits.max_turns):
+            live = {k: e for k, e in episodes.items() if not e.done and _budget(e, limits) > 0}
+            for e in episodes.values():
+                if not e.done and e not in live.values():
+                    e.done, e.finish_reason = True, "length"
+            if not live:
+                break
+            asks = [GenerationRequest(e.request.prompt_ids + e.ids, e.request.prompt_text, e.request.group_id,
+                                      e.request.sample_index, derive_seed(e.request.seed, turn), e.request.metadata,
+                                      max_tokens=min(limits.max_new_tokens, _budget(e, limits)),
+                                      temperature=e.request.temperature) for e in live.values()]
+            for e, out in zip(live.values(), generate(asks)):
+                e.add("model", out.completion_ids, out.completion_text, out.logprobs)
+                e.versions.append(out.policy_version)
+                e.finish_reason = out.finish_reason
+            answers = envs.step(list(live), [e.turns[-1].text for e in live.values()],
+                                [e.ids[e.turns[-1].start:] for e in live.values()])
+            for key, e in live.items():
+                _answer(e, answers.get(key, "no answer"), turn + 1 == limits.max_turns, encode, limits)
+    finally:
+        envs.close(list(episodes))
+    return [e.sample() for e in episodes.values()]
+
+
+def _budget(e: _Episode, limits: Limits) -> int:
+    return min(limits.max_episode_tokens - len(e.ids), limits.max_model_len - len(e.request.prompt_ids) - len(e.ids))
+
+
+def _answer(e: _Episode, answer: StepResult | str, last_turn: bool, encode: ObservationEncoder,
+            limits: Limits) -> None:
+    if isinstance(answer, str):
+        e.error, e.done = f"environment step {len([t for t in e.turns if t.role == 'model'])}: {answer}", True
+        return
+    e.turns[-1].reward, e.turns[-1].info = answer.reward, answer.info
+    if answer.done or last_turn:
+        e.done = True
+        return
+    try:
+        obs = encode(answer.observation)
+    except ValueError as err:
+        e.error, e.done = f"observation: {err}", True
+        return
+    obs = obs[: max(0, _budget(e, limits))]
+    if obs:
+        text = answer.observation if isinstance(answer.observation, str) else \
+            "\n".join(m["content"] for m in answer.observation)
+        e.add("observation", obs, text)
+
+
+def with_episode_rewards(samples: list[Sample], scored: list[ScoredSample] | None) -> list[ScoredSample]:
+    """Each episode's reward: the sum of its turn rewards (component "env") plus what the reward
+    functions gave (`scored`, None when there are none). A failed episode keeps its error."""
+    out = []
+    for i, s in enumerate(samples):
+        base = scored[i] if scored is not None else None
+        if s.error is not None:
+            out.append(ScoredSample(s, None, base.components if base else {}, error=s.error))
+            continue
+        turn = [r for _, r in s.turn_rewards()]
+        env = sum(turn) if turn else None
+        components = {**(base.components if base else {}), "env": env}
+        if base is not None and base.error is not None:  # a reward function failed: never a silent 0
+            out.append(ScoredSample(s, None, components, error=base.error))
+        elif base is None and env is None:
+            out.append(ScoredSample(s, None, components, error="no reward: the environment rewarded no turn and "
+                                                               "reward.functions is empty"))
+        else:
+            out.append(ScoredSample(s, (base.reward if base is not None else 0.0) + (env or 0.0), components))
+    return out

@@ -79,6 +79,7 @@ def start_ray(cfg: DictConfig) -> None:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
     needed = cfg.rollout.num_workers + cfg.trainer.num_workers + cfg.reward.num_workers
     needed += math.ceil(cfg.sandbox.num_workers * cfg.sandbox.num_cpus_per_worker)
+    needed += math.ceil(cfg.task.env_workers * 0.25) if cfg.task.env else 0  # EnvService's actors
     num_cpus = cfg.cluster.num_cpus or max(os.cpu_count() or 1, needed)
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
 

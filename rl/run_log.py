@@ -18,12 +18,15 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     from rl.types import ScoredSample
 
-SUMMARY_KEYS = (("reward/mean", "reward {:.3f}"), ("actor/kl_nats", "kl {:.4f}"),
+SUMMARY_KEYS = (("reward/mean", "reward {:.3f}"), ("episode/turns_mean", "{:.1f} turns"),
+                ("eval/greedy_mean_reward", "eval greedy {:.3f}"), ("eval/pass_at_1", "pass@1 {:.3f}"),
+                ("actor/kl_nats", "kl {:.4f}"),
                 ("actor/kl_in_reward_nats", "kl {:.4f}"), ("rollout/tokens_per_s", "{:.0f} tok/s"),
                 ("perf/mfu", "MFU {:.0%}"), ("cost/step_usd", "${:.4f}"), ("time/step_s", "{:.1f} s"))
 # the step's time split, e.g. `(rollout 1.2 reward 0.1 score 0.0 train 1.9 sync 0.1)`
 TIME_KEYS = (("time/rollout_s", "rollout"), ("time/reward_s", "reward"), ("time/score_s", "score"),
-             ("time/train_s", "train"), ("time/sync_s", "sync"), ("time/wait_rollout_s", "waited"))
+             ("time/train_s", "train"), ("time/sync_s", "sync"), ("time/wait_rollout_s", "waited"),
+             ("time/eval_s", "eval"))
 
 
 def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:

@@ -90,6 +90,11 @@ CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
     "rollout_n_zero_reinforce_pp": (_overrides("algorithm=reinforce_pp", "rollout.n=0"), ["rollout.n=0", ">= 1"]),
     "save_every_negative": (_overrides("run.save_every=-1"), ["run.save_every=-1", ">= 0"]),
     "call_timeout_factor_below_one": (_overrides("run.call_timeout_factor=0.5"), ["run.call_timeout_factor=0.5"]),
+    "env_file_missing": (lambda tiny, tmp: [f"task.env={tmp}/no_env.py:Game", "reward.functions=[]"],
+                         ["task.env=", "no_env.py not found"]),
+    "eval_without_files": (_overrides("eval.every_steps=5"), ["eval.every_steps=5", "eval.files=["]),
+    "chat_template_without_one": (_overrides("task.chat_template=true"),
+                                  ["task.chat_template=true", "has no chat template"]),
 }
 
 

@@ -47,3 +47,21 @@ def test_invalid_samples_get_nothing():
     out = estimate_advantages(AlgorithmConfig(advantage="reinforce_pp"), torch.tensor([5.0, float("nan")]),
                               torch.tensor([True, False]), torch.tensor([0, 1]), torch.tensor([[0.0, 1, 1, 0], [0, 0, 0, 0]]))
     assert torch.isfinite(out.advantages).all() and out.advantages[1].abs().sum() == 0
+
+
+def test_episode_turn_rewards_sit_on_each_turn_s_last_token_for_gae():
+    """An episode: model tokens 1-2, an observation at 3-4, model tokens 5-6. The environment
+    rewarded turn 1 with 0.5 (on token 2) and turn 2 with 1.0; a reward function added 0.25, so
+    the total is 1.75 and the 0.25 rest goes on the last token. lam = gamma = 1, values 0: the
+    advantage is the reward-to-go, carried over the observation."""
+    mask = torch.tensor([[0.0, 1, 1, 0, 0, 1, 1, 0]])
+    turns = torch.tensor([[0.0, 0, 0.5, 0, 0, 0, 1.0, 0]])
+    s = AlgorithmConfig(advantage="gae", gamma=1.0, lam=1.0, whiten_advantages=False)
+    out = estimate_advantages(s, torch.tensor([1.75]), torch.tensor([True]), torch.tensor([0]), mask,
+                              values=torch.zeros(1, 8), turn_rewards=turns)
+    assert out.advantages.tolist()[0] == pytest.approx([0, 1.75, 1.75, 0, 0, 1.25, 1.25, 0])
+    # an outcome estimator sees the episode's total only
+    grpo = estimate_advantages(AlgorithmConfig(advantage="rloo"), torch.tensor([1.75, 0.75]),
+                               torch.tensor([True, True]), torch.tensor([0, 0]), mask.repeat(2, 1),
+                               turn_rewards=turns.repeat(2, 1))
+    assert grpo.advantages[0].tolist() == pytest.approx((mask[0] * 1.0).tolist())

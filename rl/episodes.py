@@ -11,6 +11,7 @@ Pure code over two small protocols (a `generate` function and `Envs`); the Ray s
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
@@ -126,11 +127,12 @@ class Episodes:
 
     def __init__(self, envs: Envs, encode: ObservationEncoder, limits: Limits, prompt_key: str = "prompt"):
         self.envs, self.encode, self.limits, self.prompt_key = envs, encode, limits, prompt_key
-        self._next_key = 0
+        self._next_key, self._lock = 0, threading.Lock()
 
     def run(self, requests: list[GenerationRequest],
             generate: Callable[[list[GenerationRequest]], list[Sample]]) -> list[Sample]:
-        first, self._next_key = self._next_key, self._next_key + len(requests)
+        with self._lock:  # the rollout pipeline's thread and evaluation may both start batches
+            first, self._next_key = self._next_key, self._next_key + len(requests)
         return run_episodes(requests, generate, self.envs, self.encode, self.limits, first, self.prompt_key)
 
 

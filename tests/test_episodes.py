@@ -164,6 +164,32 @@ def test_chat_observations_are_the_template_s_own_tokens_and_are_cut_to_the_cap(
         ObservationEncoder(Plain(), chat=False)([{"role": "tool", "content": "x"}])
 
 
+# A ChatML-style template (the layout Qwen-style models use): a newline after each turn's end
+# token, tool answers rendered as a user turn wrapped in <tool_response> tags.
+CHATML_LIKE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ 'user' if m['role'] == 'tool' else m['role'] }}|>\n"
+    "{% if m['role'] == 'tool' %}<tool_response>\n{{ m['content'] }}\n</tool_response>{% else %}{{ m['content'] }}"
+    "{% endif %}<|end|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def test_what_a_template_writes_after_the_end_of_turn_token_belongs_to_the_observation():
+    """The model's turn stops at its EOS; the template's newline after it is not the model's, so
+    it opens the observation: the episode is still exactly the template's rendering."""
+    from examples.tiny import build_tokenizer
+
+    tok = build_tokenizer(["12+34", "46", "\n"], chat=True, model_max_length=256)
+    tok.chat_template = CHATML_LIKE
+    user = [{"role": "user", "content": "12+34"}]
+    prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True)["input_ids"]
+    turn = tok("46", add_special_tokens=False).input_ids + [tok.eos_token_id]
+    obs = ObservationEncoder(tok, chat=True, role="tool", cap=64)("46")
+    whole = tok.apply_chat_template(user + [{"role": "assistant", "content": "46"}, {"role": "tool", "content": "46"}],
+                                    add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert prompt + turn + obs == whole
+    assert tok.convert_ids_to_tokens(obs)[:2] == ["\n", "<|user|>"]
+
+
 def test_pass_at_k_and_eval_figures_by_hand():
     assert pass_at_k(4, 0, 1) == 0.0 and pass_at_k(4, 4, 1) == 1.0
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)

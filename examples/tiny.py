@@ -22,7 +22,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from trainer.sft import sft_train
+from trainer.sft import IGNORE_INDEX, chat_example, collate_right_padded, completion_batch_loss, pad_id_of, sft_train
+from trainer.supervised import TorchStepper, lr_factor, train_loop
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
@@ -164,7 +165,48 @@ def warm_up(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts
     r, t0 = recipe, time.perf_counter()
     losses = sft_train(model, tokenizer, prompts, completions, steps=r.steps, batch_size=r.batch_size, lr=r.lr,
                        seed=seed, log_every=r.log_every, warmup_steps=min(50, r.steps // 10), stop_fn=stop_fn)
-    return losses, {
+    return losses, _sft_summary(model, tokenizer, r, losses, t0)
+
+
+def warm_up_episodes(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
+                     conversations: list[list[dict[str, str]]], recipe: Recipe, seed: int,
+                     stop_fn: Callable[[int], bool]) -> tuple[list[float], dict[str, Any]]:
+    """`warm_up` for multi-turn tasks: SFT on whole chat episodes (lists of {"role", "content"}
+    messages rendered by the tokenizer's chat template, `trainer.sft.chat_example`), the loss on
+    assistant turns only (their content and end-of-turn token), so the token ids are those the RL
+    runner builds for the same conversation. Same loop, schedule and summary fields as `warm_up`."""
+    r, t0 = recipe, time.perf_counter()
+    examples = [chat_example(tokenizer, messages) for messages in conversations]
+    warmup = min(50, r.steps // 10)
+    stepper = TorchStepper(model, lr=r.lr, lr_lambda=lambda s: lr_factor(s, r.steps, warmup), max_grad_norm=1.0)
+    losses = train_loop(stepper, len(examples), completion_batch_loss(examples, pad_id_of(tokenizer)), steps=r.steps,
+                        batch_size=r.batch_size, seed=seed, log_every=r.log_every, log_prefix="sft", stop_fn=stop_fn)
+    model.eval()
+    return losses, _sft_summary(model, tokenizer, r, losses, t0)
+
+
+@torch.no_grad()
+def episode_logprobs(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
+                     conversations: list[list[dict[str, str]]], batch_size: int = 256) -> torch.Tensor:
+    """log p(every assistant turn | the rest) per conversation, by teacher forcing: exp() of it is
+    the chance that sampling at temperature 1.0 writes exactly these assistant turns when the other
+    turns (the environment's answers) come as in the conversation; a noise-free warm-up probe."""
+    pad_id, was_training, out = pad_id_of(tokenizer), model.training, []
+    model.eval()
+    for start in range(0, len(conversations), batch_size):
+        batch = collate_right_padded([chat_example(tokenizer, m) for m in conversations[start:start + batch_size]],
+                                     pad_id)
+        logp = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+        targets = batch["labels"][:, 1:]
+        token_logp = logp.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        out.append((token_logp * (targets != IGNORE_INDEX)).sum(-1))
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def _sft_summary(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, r: Recipe, losses: list[float],
+                 t0: float) -> dict[str, Any]:
+    return {
         "params": sum(p.numel() for p in model.parameters()),
         "config": {"hidden": r.hidden, "layers": r.layers, "heads": r.heads, "vocab": len(tokenizer)},
         "sft_steps": len(losses),

@@ -1,0 +1,204 @@
+"""The built-in calculator task (examples/calculator.py): the safe evaluator, the environment,
+the data, the warm-up episodes' token ids, and (slow) the built model's success at temperature 1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from examples.calculator import (ERROR_BAD_CALL, ERROR_BAD_EXPRESSION, ERROR_UNKNOWN_TOOL, Calculator, Problem,
+                                 calculator_tokenizer, evaluate, sum_splits, write_data)
+from rl.env import StepResult, as_step_result
+
+CALL_12_34 = '<tool_call>{"name":"calculator","arguments":{"expression":"12+34"}}</tool_call>'
+
+
+def env_for(answer: str = "102") -> Calculator:
+    env = Calculator()
+    env.reset({"prompt": "12+34+56", "answer": answer})
+    return env
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("12+34", 46), ("46+56", 102), ("2*3-4", 2), ("2+3*4", 14), ("7-10", -3), (" 1 + 2 ", 3), ("007", 7),
+    ("12*10*10", 1200),
+])
+def test_evaluate(expression, value):
+    assert evaluate(expression) == value
+
+
+@pytest.mark.parametrize("expression", [
+    "", " ", "1/2", "2**3", "(1+2)", "-3", "1+", "+1", "1++2", "abc", "__import__('os')", "1e3", "1.5+1", "0x10",
+    "1" * 65, None, 5, ["1+1"],
+])
+def test_evaluate_refuses_anything_else(expression):
+    with pytest.raises(ValueError):
+        evaluate(expression)
+
+
+def test_step_runs_the_tool_call():
+    out = as_step_result(env_for().step(CALL_12_34, [1, 2, 3]))
+    assert (out.observation, out.reward, out.done) == ("46", None, False)
+    # text around the call and spaces in the JSON do not matter; arguments as a JSON string neither
+    text = 'first <tool_call> {"name": "calculator", "arguments": "{\\"expression\\": \\"46+56\\"}"} </tool_call>'
+    assert env_for().step(text, []).observation == "102"
+
+
+@pytest.mark.parametrize("text, error", [
+    ("<tool_call>{not json}</tool_call>", ERROR_BAD_CALL),
+    ('<tool_call>{"arguments":{"expression":"1+2"}}</tool_call>', ERROR_BAD_CALL),
+    ('<tool_call>{"name":"search","arguments":{"query":"1+2"}}</tool_call>', ERROR_UNKNOWN_TOOL),
+    ('<tool_call>{"name":"calculator","arguments":{"expression":"12/4"}}</tool_call>', ERROR_BAD_EXPRESSION),
+    ('<tool_call>{"name":"calculator","arguments":{"expr":"1+2"}}</tool_call>', ERROR_BAD_EXPRESSION),
+    ('<tool_call>{"name":"calculator","arguments":{"expression":12}}</tool_call>', ERROR_BAD_EXPRESSION),
+])
+def test_bad_tool_call_is_an_error_observation(text, error):
+    out = as_step_result(env_for().step(text, []))
+    assert (out.observation, out.reward, out.done) == (error, None, False)
+    assert out.observation.startswith("error: ") and out.info["error"]
+
+
+@pytest.mark.parametrize("text, reward", [("102", 1.0), (" 102\n", 1.0), ("103", 0.0), ("", 0.0), ("102 102", 0.0),
+                                          ("<tool_call>102", 0.0)])
+def test_final_answer(text, reward):
+    out = env_for().step(text, [])
+    assert isinstance(out, StepResult)
+    assert (out.observation, out.reward, out.done) == (None, reward, True)
+
+
+def test_reset_starts_a_new_episode():
+    env = env_for("102")
+    env.reset({"prompt": "10+10+10", "answer": 30})
+    assert env.step("30", []).reward == 1.0 and env.step("102", []).reward == 0.0
+
+
+def test_data_splits_are_disjoint_and_right(tmp_path):
+    train, test = sum_splits(2000, 300, seed=3)
+    assert len(train) == 2000 and len(test) == 300
+    assert not {p.prompt for p in train} & {p.prompt for p in test}
+    assert len({p.prompt for p in train + test}) == 2300
+    for p in train + test:
+        a, b, c = (int(x) for x in p.prompt.split("+"))
+        assert all(10 <= x <= 99 for x in (a, b, c)) and p.answer == str(a + b + c)
+    assert sum_splits(50, 10, seed=3) != sum_splits(50, 10, seed=4)
+    assert Problem((12, 34, 56)).to_row() == {"prompt": "12+34+56", "answer": "102"}
+
+    paths = write_data(str(tmp_path), seed=1, n_train=100, n_test=20)
+    rows = [[json.loads(line) for line in open(path)] for path in paths]
+    assert [len(r) for r in rows] == [100, 20]
+    assert set(rows[0][0]) == {"prompt", "answer"}
+    assert not {r["prompt"] for r in rows[0]} & {r["prompt"] for r in rows[1]}
+
+
+def test_worked_episode():
+    assert Problem((12, 34, 56)).episode() == [
+        {"role": "user", "content": "12+34+56"},
+        {"role": "assistant", "content": CALL_12_34},
+        {"role": "tool", "content": "46"},
+        {"role": "assistant",
+         "content": '<tool_call>{"name":"calculator","arguments":{"expression":"46+56"}}</tool_call>'},
+        {"role": "tool", "content": "102"},
+        {"role": "assistant", "content": "102"},
+    ]
+
+
+def test_warm_up_ids_are_what_the_runner_builds():
+    """The SFT example of an episode = the chat template of the whole conversation, and also the
+    runner's pieces put end to end: prompt ids, each turn's ids, each observation's ids
+    (rl.episodes.ObservationEncoder); the loss covers the assistant turns (content + <|end|>) only."""
+    from rl.episodes import ObservationEncoder
+    from trainer.sft import IGNORE_INDEX, chat_example
+
+    tok = calculator_tokenizer()
+    episode = Problem((12, 34, 56)).episode()
+    input_ids, labels = chat_example(tok, episode)
+    whole = tok.apply_chat_template(episode, tokenize=True)
+    assert input_ids == list(whole["input_ids"] if hasattr(whole, "keys") else whole)
+    assert input_ids.count(tok.bos_token_id) == 1 and input_ids[0] == tok.bos_token_id
+
+    prompt = tok.apply_chat_template(episode[:1], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    assert tok.convert_ids_to_tokens(prompt) == ["<bos>", "<|user|>", "1", "2", "+", "3", "4", "+", "5", "6",
+                                                 "<|end|>", "<|assistant|>"]
+    encode = ObservationEncoder(tok, chat=True, role="tool", cap=16)
+    turns = [list(tok(m["content"], add_special_tokens=False).input_ids) + [tok.eos_token_id]
+             for m in episode if m["role"] == "assistant"]
+    assert tok.convert_ids_to_tokens(encode("46")) == ["<|tool|>", "4", "6", "<|end|>", "<|assistant|>"]
+    runner = prompt + turns[0] + encode("46") + turns[1] + encode("102") + turns[2]
+    mask = [0] * len(prompt) + [1] * len(turns[0]) + [0] * 5 + [1] * len(turns[1]) + [0] * 6 + [1] * len(turns[2])
+    assert input_ids == runner
+    assert [int(label != IGNORE_INDEX) for label in labels] == mask
+    assert [label for label in labels if label != IGNORE_INDEX] == turns[0] + turns[1] + turns[2]
+    assert tok.decode(turns[2], skip_special_tokens=True) == "102"
+    assert tok.decode(turns[0], skip_special_tokens=True) == CALL_12_34  # the env reads what the model wrote
+    assert len(input_ids) < 128
+
+
+def test_config_composes():
+    from rl.compose import compose
+
+    cfg = compose("train", ["task=calculator"])
+    assert cfg.task.env == "examples.calculator:Calculator" and cfg.task.chat_template is True
+    assert cfg.model.path == "artifacts/tiny_calc/model" and list(cfg.reward.functions) == []
+    assert list(cfg.eval.files) == ["artifacts/tiny_calc/data/test.jsonl"] and cfg.eval.pass_threshold == 1.0
+    assert cfg.rollout.max_model_len <= 256 and cfg.task.max_turns >= 3  # the model's context; 3 turns solve it
+
+
+@pytest.mark.slow
+def test_build_solves_some_episodes(tiny_calc):
+    """The built model solves some but not all episodes at T=1 (GRPO's room), the saved model too."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from examples.calculator import sample_episodes
+
+    out, summary = tiny_calc
+    tmp_path = Path(out)
+    assert 0.1 < summary["sampled_success_t1"] < 0.8, summary
+    assert summary["sampled_answered_t1"] > 0.9 and summary["sampled_tool_calls_t1"] > 1.0, summary
+    assert summary["greedy_success"] > summary["sampled_success_t1"], summary
+    saved = json.loads((tmp_path / "prepare_summary.json").read_text())
+    assert saved["sampled_success_t1"] == summary["sampled_success_t1"]
+
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    config = model.config
+    assert config.hidden_size // config.num_attention_heads == 32  # what vLLM's CPU attention supports
+    assert config.max_position_embeddings >= 256
+    rows = [json.loads(line) for line in open(tmp_path / "data" / "test.jsonl")][:200]
+    played = sample_episodes(model, tok, rows, temperature=1.0, seed=1)
+    assert 0.1 < played["success"] < 0.8, played
+    assert sample_episodes(model, tok, rows[:50], temperature=0.0)["success"] > played["success"] - 0.1
+
+
+
+@pytest.mark.slow
+def test_calculator_task_runs_end_to_end_with_whole_episodes(tiny_calc, tmp_path):
+    """`task=calculator` through train(): vLLM plays the episodes, the Calculator runs in its Ray
+    actor, DeepSpeed trains on the model's tokens only. A short run (the 40-step run that shows
+    the reward rising is in the closing note and the task's config); samples.jsonl holds whole
+    episodes with tool calls, tool answers and turn boundaries."""
+    from launch.train import train
+    from rl.run_log import read_metrics
+    from tests.conftest import compose_config
+
+    out, _ = tiny_calc
+    cfg = compose_config(["task=calculator", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
+                          f"eval.files=[{out}/data/test.jsonl]", "eval.every_steps=3", "eval.max_rows=16",
+                          f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=4", "task.prompts_per_step=16",
+                          "run.save_every=0", "run.save_final_model=false"])
+    train(cfg)
+    metrics = read_metrics(cfg.run.dir)
+    assert len(metrics) == 4 and "eval/pass_at_1" in metrics[0] and "eval/pass_at_1" in metrics[3]
+    for m in metrics:
+        assert m["reward/errors_count"] == 0 and m["episode/errors_count"] == 0
+        assert 0 < m["reward/mean"] < 1 and m["episode/turns_mean"] > 1.5
+        assert m["sync/logprob_max_abs_diff"] < 1e-3  # learner and rollout agree on every model token
+    rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
+    solved = [r for r in rows if r["reward"] == 1.0 and len(r["turns"]) >= 5]
+    assert solved, "no solved multi-turn episode logged"
+    turns = solved[0]["turns"]
+    assert [t["role"] for t in turns[:2]] == ["model", "observation"] and "<tool_call>" in turns[0]["text"]
+    assert all(a["end"] == b["start"] for a, b in zip(turns, turns[1:]))

@@ -22,8 +22,7 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from trainer.sft import IGNORE_INDEX, chat_example, collate_right_padded, completion_batch_loss, pad_id_of, sft_train
-from trainer.supervised import TorchStepper, lr_factor, train_loop
+from trainer.sft import chat_example, example_logprobs, pad_id_of, sft_train, train_examples
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
@@ -177,31 +176,18 @@ def warm_up_episodes(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast
     runner builds for the same conversation. Same loop, schedule and summary fields as `warm_up`."""
     r, t0 = recipe, time.perf_counter()
     examples = [chat_example(tokenizer, messages) for messages in conversations]
-    warmup = min(50, r.steps // 10)
-    stepper = TorchStepper(model, lr=r.lr, lr_lambda=lambda s: lr_factor(s, r.steps, warmup), max_grad_norm=1.0)
-    losses = train_loop(stepper, len(examples), completion_batch_loss(examples, pad_id_of(tokenizer)), steps=r.steps,
-                        batch_size=r.batch_size, seed=seed, log_every=r.log_every, log_prefix="sft", stop_fn=stop_fn)
-    model.eval()
+    losses = train_examples(model, examples, pad_id_of(tokenizer), steps=r.steps, batch_size=r.batch_size, lr=r.lr,
+                            seed=seed, log_every=r.log_every, warmup_steps=min(50, r.steps // 10), stop_fn=stop_fn)
     return losses, _sft_summary(model, tokenizer, r, losses, t0)
 
 
-@torch.no_grad()
 def episode_logprobs(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast,
                      conversations: list[list[dict[str, str]]], batch_size: int = 256) -> torch.Tensor:
     """log p(every assistant turn | the rest) per conversation, by teacher forcing: exp() of it is
     the chance that sampling at temperature 1.0 writes exactly these assistant turns when the other
     turns (the environment's answers) come as in the conversation; a noise-free warm-up probe."""
-    pad_id, was_training, out = pad_id_of(tokenizer), model.training, []
-    model.eval()
-    for start in range(0, len(conversations), batch_size):
-        batch = collate_right_padded([chat_example(tokenizer, m) for m in conversations[start:start + batch_size]],
-                                     pad_id)
-        logp = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-        targets = batch["labels"][:, 1:]
-        token_logp = logp.log_softmax(-1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        out.append((token_logp * (targets != IGNORE_INDEX)).sum(-1))
-    model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0)
+    return example_logprobs(model, [chat_example(tokenizer, m) for m in conversations], pad_id_of(tokenizer),
+                            batch_size)
 
 
 def _sft_summary(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, r: Recipe, losses: list[float],

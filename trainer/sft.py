@@ -193,13 +193,19 @@ def sequence_logprobs(
     exp() of it is the exact chance that sampling at temperature 1.0 returns that completion:
     a noise-free stand-in for sampled accuracy.
     """
-    pad_id = pad_id_of(tokenizer)
+    examples = [build_example(*tokenize_pair(tokenizer, p, c)) for p, c in zip(prompts, completions)]
+    return example_logprobs(model, examples, pad_id_of(tokenizer), batch_size)
+
+
+@torch.no_grad()
+def example_logprobs(model: torch.nn.Module, examples: list[tuple[list[int], list[int]]], pad_id: int,
+                     batch_size: int = 512) -> torch.Tensor:
+    """Sum of the log-probs of each example's labelled tokens (labels != -100), by teacher forcing."""
     was_training = model.training
     model.eval()
     out: list[torch.Tensor] = []
-    for start in range(0, len(prompts), batch_size):
-        pairs = zip(prompts[start : start + batch_size], completions[start : start + batch_size])
-        batch = collate_right_padded([build_example(*tokenize_pair(tokenizer, p, c)) for p, c in pairs], pad_id)
+    for start in range(0, len(examples), batch_size):
+        batch = collate_right_padded(examples[start : start + batch_size], pad_id)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         logp = logits[:, :-1].float().log_softmax(-1)
         targets = batch["labels"][:, 1:]
@@ -238,8 +244,29 @@ def sft_train(
         raise ValueError(
             f"need equally many prompts and completions (> 0), got {len(prompts)} and {len(completions)}"
         )
-    pad_id = pad_id_of(tokenizer)
     examples = [build_example(*tokenize_pair(tokenizer, p, c)) for p, c in zip(prompts, completions)]
+    return train_examples(model, examples, pad_id_of(tokenizer), steps=steps, batch_size=batch_size, lr=lr,
+                          seed=seed, log_every=log_every, weight_decay=weight_decay, warmup_steps=warmup_steps,
+                          log_fn=log_fn, stop_fn=stop_fn)
+
+
+def train_examples(
+    model: torch.nn.Module,
+    examples: list[tuple[list[int], list[int]]],
+    pad_id: int,
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    seed: int = 0,
+    log_every: int = 0,
+    weight_decay: float = 0.0,
+    warmup_steps: int = 0,
+    log_fn: Callable[[str], None] = print,
+    stop_fn: Callable[[int], bool] | None = None,
+) -> list[float]:
+    """`sft_train` on examples already tokenized and masked ((input_ids, labels) rows, e.g.
+    `chat_example`'s multi-turn ones)."""
     stepper = TorchStepper(
         model, lr=lr, weight_decay=weight_decay, lr_lambda=lambda s: lr_factor(s, steps, warmup_steps), max_grad_norm=1.0
     )

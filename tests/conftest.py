@@ -45,6 +45,15 @@ def tiny_calc(tmp_path_factory) -> tuple[str, dict]:
 
 
 @pytest.fixture(scope="session")
+def tiny_code_agent(tmp_path_factory) -> tuple[str, dict]:
+    """The built-in code agent task and its tiny chat model (dir, build summary), built once."""
+    from examples.code_agent import build
+
+    out = tmp_path_factory.mktemp("tiny_code_agent")
+    return str(out), build(str(out), seed=0, log_every=0)
+
+
+@pytest.fixture(scope="session")
 def tiny_code(tmp_path_factory) -> tuple[str, dict]:
     """The built-in tiny code model and code speed-up task (dir, build summary), built once."""
     from examples.code_speedup import build as build_tiny_code

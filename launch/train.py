@@ -135,6 +135,11 @@ def build_components(cfg: TrainConfig, log=print):
                            weight_sync_method=cfg.trainer.weight_sync, actor_options=placement.learner,
                            deadlines=deadlines)
     learner.connect(fleet)
+    if cfg.model.lora.rank > 0:
+        counts, lora = learner.parameter_counts(), cfg.model.lora
+        log(f"LoRA rank {lora.rank} on {','.join(lora.target_modules)}: {counts['trainable']:,.0f} trainable "
+            f"parameters of {counts['total']:,.0f} ({counts['trainable'] / counts['total']:.2%}); a weight sync "
+            f"sends {learner.sync_bytes() / 2**10:,.1f} KiB instead of {counts['total_bytes'] / 2**10:,.1f} KiB")
     return fleet, rewards, learner, placement
 
 
@@ -310,9 +315,12 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             summary = reward_trend(read_metrics(cfg.run.dir))
             if cfg.run.save_final_model:
                 final = os.path.join(cfg.run.dir, "final_model")
-                learner.save_pretrained(final)
+                adapter = os.path.join(cfg.run.dir, "final_adapter") if cfg.model.lora.rank > 0 else None
+                learner.save_pretrained(final, adapter)  # with LoRA: merged, and the adapters alone
                 tokenizer.save_pretrained(final)
                 summary["final_model"] = final
+                if adapter:
+                    summary["final_adapter"] = adapter
             summary = log.finish(summary)
             print_summary(summary, cfg.run.dir)
             return summary

@@ -68,10 +68,21 @@ class AlgorithmConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft) instead of full fine-tuning: the learner trains and syncs only them."""
+
+    rank: int = 0  # 0 = full fine-tuning; > 0 = train LoRA adapters of this rank only
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
 class ModelConfig:
     path: str = "artifacts/tiny/model"  # a local HF folder; this default one is built when missing
     dtype: str = "float32"  # float32 | bfloat16, for learner and rollout alike
     gradient_checkpointing: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -409,6 +420,7 @@ def validate(cfg: Any) -> None:
         errors.append("reward.functions is empty: name at least one, e.g. reward=arith or "
                       "'reward.functions=[{fn: my_rewards.py:score}]' (or an environment that rewards: task.env)")
     errors += _episode_errors(cfg)
+    errors += _lora_errors(cfg)
     for i, fn in enumerate(cfg.reward.functions):
         if ":" not in fn.fn:
             errors.append(
@@ -416,6 +428,23 @@ def validate(cfg: Any) -> None:
                 "'path/to/file.py:function'"
             )
     raise_errors(errors)
+
+
+def _lora_errors(cfg: Any) -> list[str]:
+    lora = cfg.model.lora
+    if lora.rank == 0:
+        return []
+    errors = []
+    if lora.rank < 0:
+        errors.append(f"model.lora.rank={lora.rank}: must be >= 0 (0 = full fine-tuning), e.g. model.lora.rank=8")
+    if lora.alpha <= 0:
+        errors.append(f"model.lora.alpha={lora.alpha}: must be > 0, e.g. model.lora.alpha=16")
+    if not 0 <= lora.dropout < 1:
+        errors.append(f"model.lora.dropout={lora.dropout}: must be in [0, 1), e.g. model.lora.dropout=0.0")
+    if not lora.target_modules:
+        errors.append("model.lora.target_modules is empty: name the linear layers to adapt, e.g. "
+                      "model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj]")
+    return errors
 
 
 def _episode_errors(cfg: Any) -> list[str]:

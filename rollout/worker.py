@@ -8,6 +8,7 @@ import time
 import torch
 
 from rl import weight_sync
+from rl.lora import AdapterMerger, kept_weight_names
 from rl.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 
@@ -24,9 +25,32 @@ def make_engine(spec: RolloutSpec, seed: int):
     raise ValueError(f"rollout.backend={spec.rollout.backend!r}: choose vllm or hf")
 
 
+def adapter_merger(spec: RolloutSpec) -> AdapterMerger | None:
+    """With `model.lora`: the base weights of the targeted (and stacked) modules, read from the
+    model's safetensors files, that every LoRA sync is merged into; else None (full syncs)."""
+    cfg = spec.model.lora
+    if cfg.rank <= 0:
+        return None
+    import glob
+
+    from safetensors import safe_open
+
+    dtype, device = getattr(torch, spec.model.dtype), "cuda" if torch.cuda.is_available() else "cpu"
+    base: dict[str, torch.Tensor] = {}
+    for path in sorted(glob.glob(os.path.join(spec.model.path, "*.safetensors"))):
+        with safe_open(path, "pt") as f:
+            for name in kept_weight_names(f.keys(), cfg.target_modules):
+                base[name] = f.get_tensor(name).to(device, dtype)
+    if not base:
+        raise ValueError(f"model.lora.target_modules={list(cfg.target_modules)}: no such weights in the "
+                         f"safetensors files of {spec.model.path}")
+    return AdapterMerger(base, cfg.alpha / cfg.rank)
+
+
 class RolloutWorker:
     def __init__(self, spec: RolloutSpec, index: int = 0):
         self.engine = make_engine(spec, seed=spec.seed + index)
+        self._merger = adapter_merger(spec)
         self._group = None
         self._metas: list[weight_sync.WeightMeta] = []
         self.last_sync: dict[str, float] = {}
@@ -60,7 +84,7 @@ class RolloutWorker:
         started = time.perf_counter()
         tensors = weight_sync.receive(self._group, self._metas, device, stats=stats)
         try:
-            self.engine.update_weights(tensors, version)
+            self.engine.update_weights(self._merged(tensors), version)
         finally:
             # A load that failed part-way still takes the remaining buckets, so rank 0's broadcast
             # completes (and the group stays usable) instead of waiting out its timeout.
@@ -76,7 +100,11 @@ class RolloutWorker:
         return self.last_sync
 
     def load_weights_from_object(self, state: dict[str, torch.Tensor], version: int) -> None:
-        self.engine.update_weights(state.items(), version)
+        self.engine.update_weights(self._merged(state.items()), version)
+
+    def _merged(self, tensors):
+        """Full weights as sent, or LoRA adapters merged into the kept base weights."""
+        return tensors if self._merger is None else self._merger.merged(tensors)
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -169,8 +169,16 @@ class LearnerGroup:
     def load_checkpoint(self, path: str) -> None:
         self._get([w.load_checkpoint.remote(path) for w in self.workers], "load_checkpoint", self.deadlines.start_s)
 
-    def save_pretrained(self, path: str) -> None:
-        self._get([w.save_pretrained.remote(path) for w in self.workers], "save_pretrained")
+    def parameter_counts(self) -> dict[str, float]:
+        """Rank 0's trainable and total parameters and model bytes (`LearnerWorker.parameter_counts`)."""
+        return self._get([self.workers[0].parameter_counts.remote()], "parameter_counts")[0]
+
+    def sync_bytes(self) -> float:
+        """Bytes one weight sync moves: the whole model, or with LoRA the adapters."""
+        return float(sum(m.nbytes for m in self.metas))
+
+    def save_pretrained(self, path: str, adapter_path: str | None = None) -> None:
+        self._get([w.save_pretrained.remote(path, adapter_path) for w in self.workers], "save_pretrained")
 
     def shutdown(self) -> None:
         for w in self.workers:

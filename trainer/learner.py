@@ -22,8 +22,9 @@ from rl.importance import importance_weights
 from rl.kl import KL_ESTIMATORS
 from rl.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
 from rl.types import TrainBatch
-from rl import weight_sync
+from rl import lora, weight_sync
 from trainer.engine import build_engine, ds_config, zero3_load_config
+from trainer.engine import full_state_dict as whole_state_dict
 from trainer.logprobs import token_logprobs
 
 
@@ -134,9 +135,13 @@ class LearnerWorker:
         torch.manual_seed(spec.seed)
         ds_config = deepspeed_config(spec, world_size)
         dtype = getattr(torch, spec.model.dtype)
-        self.engine = self._trainable(lambda: AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype),
-                                      ds_config, spec.algorithm.lr)
-        self.ref = self._reference(dtype) if spec.algorithm.kl_coef > 0 else None
+        self.lora = spec.model.lora.rank > 0
+        self.engine = self._trainable(
+            lambda: self._with_adapters(AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype)),
+            ds_config, spec.algorithm.lr)
+        # With LoRA the reference policy is the same engine with its adapters off: no second copy.
+        self.uses_ref = spec.algorithm.kl_coef > 0
+        self.ref = self._reference(dtype) if self.uses_ref and not self.lora else None
         self.critic = None
         if spec.algorithm.critic:
             from transformers import AutoModelForTokenClassification
@@ -148,12 +153,28 @@ class LearnerWorker:
                     spec.algorithm.critic_init or spec.model.path, num_labels=1, dtype=dtype)
 
             self.critic = self._trainable(value_model, deepspeed_config(spec, world_size), spec.algorithm.critic_lr)
-        self._named_params = [(n, p) for n, p in self.engine.module.named_parameters()]
+        # What a weight sync sends: every parameter, or with LoRA only the adapters (by wire name).
+        self._named_params = ([(lora.wire_name(n), p) for n, p in self.engine.module.named_parameters()
+                               if p.requires_grad] if self.lora else list(self.engine.module.named_parameters()))
         self._sync_group = None
         self._scored_sums: dict[str, float] = {}
         self._model_config = self.engine.module.config.to_dict()
         self._dtype = dtype
         self.peak_tflops = spec.peak_tflops  # 0: measured at the first update (when the rollout engines are idle)
+
+    def _with_adapters(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model as loaded, or with `model.lora` set, wrapped by peft: LoRA matrices on the
+        target modules are the only trainable parameters (so the only ones in the optimizer)."""
+        if not self.lora:
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        cfg = self.spec.model.lora
+        try:
+            return get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                                                    target_modules=list(cfg.target_modules), bias="none"))
+        except ValueError as err:  # e.g. a target module the model does not have
+            raise ValueError(f"model.lora.target_modules={list(cfg.target_modules)}: {err}") from None
 
     def _trainable(self, load_model, ds_config: dict[str, Any], lr: float):
         """A DeepSpeed engine with torch AdamW and linear lr warm-up: Adam's first updates are
@@ -217,7 +238,7 @@ class LearnerWorker:
         forward supplies them). Kept on CPU, full width; the driver estimates advantages from them."""
         width = batch.input_ids.shape[1] - 1
         old = torch.zeros((len(batch), width))
-        ref = torch.zeros((len(batch), width)) if self.ref is not None else None
+        ref = torch.zeros((len(batch), width)) if self.uses_ref else None
         values = torch.zeros((len(batch), width)) if self.critic is not None else None
         entropy = torch.zeros((len(batch), width))
         recompute = self.spec.recompute_old_logprobs
@@ -235,7 +256,7 @@ class LearnerWorker:
                     put(old, rows, lp)
                     put(entropy, rows, e)
                 if ref is not None:
-                    put(ref, rows, token_logprobs(self.ref, ids, am, self.spec.temperature)[0])
+                    put(ref, rows, self._ref_logprobs(ids, am))
                 if values is not None:
                     put(values, rows, self._values(self.critic, ids, am))
         self.engine.train()
@@ -246,6 +267,13 @@ class LearnerWorker:
         if batch.values is not None:
             self._scored_sums["critic/values_mean"] = float((batch.values * mask).sum())
         return batch
+
+    def _ref_logprobs(self, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
+        """The reference policy's log-probs: its own engine, or (LoRA) the policy with adapters off."""
+        if self.ref is not None:
+            return token_logprobs(self.ref, ids, am, self.spec.temperature)[0]
+        with self.engine.module.disable_adapter():
+            return token_logprobs(self.engine, ids, am, self.spec.temperature)[0]
 
     @staticmethod
     def _values(critic, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
@@ -273,7 +301,7 @@ class LearnerWorker:
         spec = self.spec
         kl_coef = spec.algorithm.kl_coef if kl_coef is None else kl_coef
         needs_score = (spec.recompute_old_logprobs and batch.old_logprobs is None) or \
-            (self.ref is not None and batch.ref_logprobs is None) or (self.critic is not None and batch.values is None)
+            (self.uses_ref and batch.ref_logprobs is None) or (self.critic is not None and batch.values is None)
         if needs_score:  # called without the driver's score phase (tests, tools)
             batch = self.score(batch)
         mask = batch.loss_mask
@@ -374,6 +402,14 @@ class LearnerWorker:
 
         return deepspeed.zero.GatheredParameters([self._named_params[i][1] for i in names], modifier_rank=None)
 
+    def parameter_counts(self) -> dict[str, float]:
+        """Trainable and total parameters and the model's bytes (what a full weight sync moves)."""
+        params = list(self.engine.module.parameters())
+        numel = [getattr(p, "ds_numel", p.numel()) for p in params]
+        return {"trainable": float(sum(n for n, p in zip(numel, params) if p.requires_grad)),
+                "total": float(sum(numel)),
+                "total_bytes": float(sum(n * p.element_size() for n, p in zip(numel, params)))}
+
     def weight_metas(self) -> list[weight_sync.WeightMeta]:
         return [
             weight_sync.WeightMeta(name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
@@ -423,8 +459,27 @@ class LearnerWorker:
             if loaded is None:
                 raise FileNotFoundError(f"no learner checkpoint under {where}")
 
-    def save_pretrained(self, path: str) -> None:
-        """Write the policy as a transformers folder (safetensors) that vLLM and HF load directly."""
-        state = self.full_state_dict()
-        if self.rank == 0:
-            self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+    def save_pretrained(self, path: str, adapter_path: str | None = None) -> None:
+        """Write the policy as a transformers folder (safetensors) that vLLM and HF load directly;
+        with LoRA that is the base model with the adapters merged in, and `adapter_path` gets the
+        adapters alone as a peft folder (`PeftModel.from_pretrained(base, adapter_path)`)."""
+        if not self.lora:
+            state = self.full_state_dict()
+            if self.rank == 0:
+                self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
+            return
+        state = whole_state_dict(self.engine.module, self.spec.trainer.zero_stage)  # collective under ZeRO-3
+        if self.rank != 0:
+            return
+        peft_model = self.engine.module
+        adapters = {name: t for name, t in state.items() if ".lora_" in name}
+        base = {name.removeprefix("base_model.model.").replace(".base_layer.", "."): t
+                for name, t in state.items() if ".lora_" not in name}
+        cfg = self.spec.model.lora
+        merger = lora.AdapterMerger({n: base[n] for n in lora.kept_weight_names(base, cfg.target_modules)},
+                                    cfg.alpha / cfg.rank)
+        merged = dict(base)
+        merged.update(merger.merged((lora.wire_name(n), t) for n, t in adapters.items()))
+        peft_model.get_base_model().save_pretrained(path, state_dict=merged, safe_serialization=True)
+        if adapter_path:
+            peft_model.save_pretrained(adapter_path, state_dict=adapters, safe_serialization=True)

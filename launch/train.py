@@ -49,6 +49,28 @@ def ensure_inputs(cfg: DictConfig) -> None:
     require_length(cfg.model.path, require_model(cfg.model.path), cfg.rollout.max_model_len)
     for path in critic:
         require_model(path, "algorithm.critic_init")
+    if cfg.model.lora.rank > 0:
+        require_lora_targets(cfg.model.path, list(cfg.model.lora.target_modules))
+
+
+def require_lora_targets(model_path: str, targets: list[str]) -> None:
+    """Every `model.lora.target_modules` entry names linear layers of the checkpoint (peft would
+    find out only inside the learner actor, and the rollout side merges into their weights)."""
+    import glob
+
+    from safetensors import safe_open
+
+    from rl.lora import kept_weight_names
+
+    names: list[str] = []
+    for path in glob.glob(os.path.join(model_path, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            names += list(f.keys())
+    missing = [t for t in targets if not kept_weight_names(names, [t])]
+    if missing:
+        layers = sorted({n.removesuffix(".weight").rpartition(".")[2] for n in names if n.endswith("_proj.weight")})
+        raise ConfigError(f"model.lora.target_modules={targets}: {', '.join(missing)} not found among the weights "
+                          f"of model.path={model_path} (safetensors); its projections are {', '.join(layers)}")
 
 
 def resolve_paths(cfg: DictConfig) -> None:

@@ -95,6 +95,8 @@ CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
     "eval_without_files": (_overrides("eval.every_steps=5"), ["eval.every_steps=5", "eval.files=["]),
     "chat_template_without_one": (_overrides("task.chat_template=true"),
                                   ["task.chat_template=true", "has no chat template"]),
+    "lora_target_not_in_model": (_overrides("model.lora.rank=8", "model.lora.target_modules=[q_proj,qkv]"),
+                                 ["model.lora.target_modules=['q_proj', 'qkv']", "qkv not found", "v_proj"]),
 }
 
 

@@ -175,27 +175,29 @@ def test_build_solves_some_episodes(tiny_calc):
 
 
 @pytest.mark.slow
-def test_calculator_task_runs_end_to_end_with_whole_episodes(tiny_calc, tmp_path):
+def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_path):
     """`task=calculator` through train(): vLLM plays the episodes, the Calculator runs in its Ray
-    actor, DeepSpeed trains on the model's tokens only. A short run (the 40-step run that shows
-    the reward rising is in the closing note and the task's config); samples.jsonl holds whole
-    episodes with tool calls, tool answers and turn boundaries."""
+    actor, DeepSpeed trains on the model's tokens only, and the reward rises over 40 steps (16
+    prompts each, half the task config's batch); samples.jsonl holds whole episodes with tool
+    calls, tool answers and turn boundaries; eval runs before the first update and every 20 steps."""
     from launch.train import train
     from rl.run_log import read_metrics
     from tests.conftest import compose_config
+    from tests.test_e2e import _assert_reward_rises
 
     out, _ = tiny_calc
     cfg = compose_config(["task=calculator", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
-                          f"eval.files=[{out}/data/test.jsonl]", "eval.every_steps=3", "eval.max_rows=16",
-                          f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=4", "task.prompts_per_step=16",
+                          f"eval.files=[{out}/data/test.jsonl]", "eval.every_steps=20", "eval.max_rows=16",
+                          f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=40", "task.prompts_per_step=16",
                           "run.save_every=0", "run.save_final_model=false"])
     train(cfg)
     metrics = read_metrics(cfg.run.dir)
-    assert len(metrics) == 4 and "eval/pass_at_1" in metrics[0] and "eval/pass_at_1" in metrics[3]
+    assert len(metrics) == 40 and all("eval/pass_at_1" in metrics[i] for i in (0, 20))
     for m in metrics:
         assert m["reward/errors_count"] == 0 and m["episode/errors_count"] == 0
         assert 0 < m["reward/mean"] < 1 and m["episode/turns_mean"] > 1.5
         assert m["sync/logprob_max_abs_diff"] < 1e-3  # learner and rollout agree on every model token
+    _assert_reward_rises(metrics)
     rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
     solved = [r for r in rows if r["reward"] == 1.0 and len(r["turns"]) >= 5]
     assert solved, "no solved multi-turn episode logged"

@@ -23,7 +23,7 @@ class AlgorithmConfig:
     gamma: float = 1.0  # reinforce_pp, gae
     lam: float = 0.95  # gae
     whiten_advantages: bool = True  # gae: normalise advantages over the batch (PPO)
-    policy_loss: str = "ppo_clip"  # ppo_clip | ppo_dual_clip | gspo (rl/losses.py)
+    policy_loss: str = "ppo_clip"  # ppo_clip | ppo_dual_clip | gspo | cispo (rl/losses.py)
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2  # > clip_eps_low: DAPO's clip-higher
@@ -208,6 +208,11 @@ class RunConfig:
     call_timeout_s: float = 300.0  # deadline of an actor call at least; past it the actor counts as hung
     call_timeout_factor: float = 10.0  # ...or this many times the slowest earlier call of the same kind
     start_timeout_s: float = 900.0  # deadline of actor start-up (model load, engine and DeepSpeed set-up)
+    # metric sinks (rl/loggers.py): tensorboard, jsonl (always written), wandb (offline unless
+    # WANDB_MODE=online), mlflow (a file store in <run>/mlruns unless mlflow_tracking_uri is set)
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
+    project: str = "rlpost"  # the wandb project and MLflow experiment
+    mlflow_tracking_uri: str = ""
 
 
 @dataclass
@@ -234,7 +239,7 @@ class ConfigError(ValueError):
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.advantage": ("grpo", "rloo", "reinforce_pp", "gae"),
-    "algorithm.policy_loss": ("ppo_clip", "ppo_dual_clip", "gspo"),
+    "algorithm.policy_loss": ("ppo_clip", "ppo_dual_clip", "gspo", "cispo"),
     "algorithm.kl_ctrl": ("fixed", "adaptive"),
     "algorithm.kl_estimator": ("k1", "k2", "k3", "k3_clamped"),
     "algorithm.importance_correction": ("none", "token_tis", "seq_mask", "behaviour_clip"),
@@ -421,6 +426,12 @@ def validate(cfg: Any) -> None:
                       "'reward.functions=[{fn: my_rewards.py:score}]' (or an environment that rewards: task.env)")
     errors += _episode_errors(cfg)
     errors += _lora_errors(cfg)
+    from rl.loggers import LOGGERS
+
+    unknown = [name for name in cfg.run.loggers if name not in LOGGERS]
+    if unknown:
+        errors.append(f"run.loggers={list(cfg.run.loggers)}: unknown {', '.join(map(repr, unknown))}; choose from "
+                      f"{', '.join(LOGGERS)}, e.g. run.loggers=[tensorboard,jsonl,wandb]")
     for i, fn in enumerate(cfg.reward.functions):
         if ":" not in fn.fn:
             errors.append(

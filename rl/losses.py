@@ -148,6 +148,26 @@ def gspo_loss(
     return _clipped_surrogate(torch.exp(token_log_ratio), advantages, clip_eps_low, clip_eps_high)
 
 
+@POLICY_LOSSES.register("cispo")
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_eps_low: float = 1.0,
+    clip_eps_high: float = 0.28,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update, per token:
+    -sg(clip(r, 1-el, 1+eh)) * A * logp with r = exp(logp - old_logp). Every token keeps its
+    gradient (-clip(r) * A on logp), where PPO's clip drops the gradient of tokens out of the band,
+    often the rare tokens that matter; the paper sets no lower bound (el=1: weights >= 0) and tunes
+    eh. `mask` is accepted for a uniform signature and unused. Returns (per-token loss, 0/1 flag
+    of tokens whose weight was clipped)."""
+    ratio = torch.exp(logp - old_logp).detach()
+    weight = torch.clamp(ratio, 1.0 - clip_eps_low, 1.0 + clip_eps_high)
+    return -weight * advantages * logp, (weight != ratio).to(logp.dtype)
+
+
 def entropy_from_logits(logits: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token entropy H_t = logsumexp(z) - sum_v softmax(z)_v z_v of logits [B, T, V] -> [B, T].
 

@@ -13,14 +13,14 @@ from rl.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
 
-ALGORITHMS = ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo", "gspo"]
+ALGORITHMS = ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo", "gspo", "cispo"]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_algorithm_runs(make_config, algorithm):
     overrides = [f"algorithm={algorithm}", "run.steps=6", "task.prompts_per_step=16", "run.save_every=0",
                  "run.save_final_model=false"]
-    if algorithm in ("dr_grpo", "dapo", "gspo"):  # KL-free by design; add a small KL term to check it is logged
+    if algorithm in ("dr_grpo", "dapo", "gspo", "cispo"):  # KL-free by design; add a small KL term to check it is logged
         overrides.append("algorithm.kl_coef=0.001")
     if algorithm in ("reinforce_pp", "grpo"):  # the adaptive KL controller steers the coefficient towards the
         # target, with the KL in the reward (reinforce_pp) and in the loss (grpo)

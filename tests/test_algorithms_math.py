@@ -41,7 +41,7 @@ approx = pytest.approx
 def test_registries_list_every_algorithm():
     assert ADVANTAGES.names() == ["gae", "grpo", "reinforce_pp", "rloo"]
     assert sorted(ADVANTAGE_INPUTS) == ADVANTAGES.names()
-    assert POLICY_LOSSES.names() == ["gspo", "ppo_clip", "ppo_dual_clip"]
+    assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo_clip", "ppo_dual_clip"]
     assert KL_ESTIMATORS.names() == ["k1", "k2", "k3", "k3_clamped"]
     assert KL_CONTROLLERS.names() == ["adaptive", "fixed"]
     assert ADVANTAGES.get("rloo") is rloo_advantages
@@ -393,3 +393,42 @@ def test_adaptive_kl_controller_state_survives_resume():
 def test_adaptive_kl_controller_rejects_bad_target():
     with pytest.raises(ValueError, match="target_kl"):
         AdaptiveKLController(0.1, 0.0, 100)
+
+
+# CISPO: three tokens with log-ratios ln 0.5, 0, ln 2 (r = 0.5, 1, 2), advantages 1, -2, 3.
+CISPO_OLD = torch.zeros(1, 3)
+CISPO_LOGP = torch.tensor([[math.log(0.5), 0.0, math.log(2.0)]])
+CISPO_ADV = torch.tensor([[1.0, -2.0, 3.0]])
+
+
+def test_cispo_loss_and_flags_by_hand():
+    """el=0.2, eh=0.28: weights clip(0.5)=0.8, 1, clip(2)=1.28; loss_t = -w_t * A_t * logp_t:
+    -0.8*1*ln0.5 = 0.554518, -1*(-2)*0 = 0, -1.28*3*ln2 = -2.661685; tokens 0 and 2 clipped."""
+    loss, flags = POLICY_LOSSES.get("cispo")(CISPO_LOGP, CISPO_OLD, CISPO_ADV, 0.2, 0.28)
+    assert loss.tolist()[0] == pytest.approx([0.554518, 0.0, -2.661685], abs=1e-6)
+    assert flags.tolist() == [[1.0, 0.0, 1.0]]
+    # the defaults (el=1: no lower bound, eh=0.28): r=0.5 is kept, so only token 2 is clipped
+    loss, flags = POLICY_LOSSES.get("cispo")(CISPO_LOGP, CISPO_OLD, CISPO_ADV)
+    assert loss[0, 0].item() == pytest.approx(-0.5 * math.log(0.5), abs=1e-6) and flags.tolist() == [[0.0, 0.0, 1.0]]
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens_where_ppo_drops_it():
+    """d loss_t / d logp_t = -w_t * A_t for every token, clipped ones too (the weight is a
+    constant): -0.8, 2, -3.84. PPO's clip gives token 2 (r=2 > 1.28, A>0) no gradient at all."""
+    logp = CISPO_LOGP.clone().requires_grad_(True)
+    loss, _ = POLICY_LOSSES.get("cispo")(logp, CISPO_OLD, CISPO_ADV, 0.2, 0.28)
+    loss.sum().backward()
+    assert logp.grad.tolist()[0] == pytest.approx([-0.8, 2.0, -3.84], abs=1e-6)
+    ppo_logp = CISPO_LOGP.clone().requires_grad_(True)
+    ppo, _ = POLICY_LOSSES.get("ppo_clip")(ppo_logp, CISPO_OLD, CISPO_ADV, 0.2, 0.28)
+    ppo.sum().backward()
+    assert ppo_logp.grad[0, 2].item() == 0.0
+
+
+def test_cispo_config_composes():
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["algorithm=cispo"])
+    a = cfg.algorithm
+    assert (a.policy_loss, a.advantage, a.loss_agg, a.kl_coef) == ("cispo", "grpo", "token_mean", 0.0)
+    assert (a.clip_eps_low, a.clip_eps_high) == (1.0, 0.28)

@@ -293,6 +293,17 @@ def check_run_dir(cfg: DictConfig, overrides: list[str] | None = None):
     return found
 
 
+def write_report_or_warn(run_dir: str) -> None:
+    """report.png and report.md (`launch.report`); a report that fails never fails the run."""
+    from launch.report import write_report
+
+    try:
+        png, _ = write_report(run_dir)
+        print(f"Report: {png} (and report.md)", flush=True)
+    except Exception as err:  # noqa: BLE001 - the run's results are written already
+        print(f"warning: no report for {run_dir}: {type(err).__name__}: {err}", flush=True)
+
+
 def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = False) -> dict[str, Any]:
     """Run one experiment from a validated, path-resolved config; returns the run summary.
 
@@ -313,7 +324,9 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
     start_step, kl_state = (resume_from[1].next_step, resume_from[1].kl_ctrl) if resume_from else (0, None)
     log = RunLog(cfg.run.dir, cfg.run.steps, title=cfg.algorithm.name.upper(), progress=cfg.run.progress,
                  start_step=start_step, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
-                 resume=resume_from is not None or restarted)
+                 resume=resume_from is not None or restarted, loggers=list(cfg.run.loggers),
+                 config=OmegaConf.to_container(cfg, resolve=True),
+                 sink_options={"project": cfg.run.project, "mlflow_tracking_uri": cfg.run.mlflow_tracking_uri})
     start_ray(cfg)
     fleet = rewards = learner = sandboxes = episodes = None
     stop = StopRequest()
@@ -345,6 +358,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                     summary["final_adapter"] = adapter
             summary = log.finish(summary)
             print_summary(summary, cfg.run.dir)
+            write_report_or_warn(cfg.run.dir)
             return summary
         except BaseException as err:
             if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")) and read_metrics(cfg.run.dir):

@@ -13,7 +13,7 @@ import math
 import os
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
     from rl.types import ScoredSample
@@ -65,17 +65,23 @@ def _on_terminal() -> bool:
 
 
 class RunLog:
-    """Appends to <run>/metrics.jsonl, <run>/samples.jsonl and TensorBoard events in <run>/tb.
+    """Appends to <run>/metrics.jsonl and <run>/samples.jsonl, and sends every row to the metric
+    sinks `loggers` names (`rl.loggers`: TensorBoard events in <run>/tb, wandb, MLflow).
 
     `config_yaml` (when given) is written to <run>/config.yaml; a new run (`resume=False`) refuses
-    a directory that already holds one. `line(step, total, values)` formats a step's console line.
+    a directory that already holds one. `config` (the resolved config as a dict) goes to the
+    sinks, `sink_options` to `rl.loggers.make_sinks`. `line(step, total, values)` formats a
+    step's console line.
     """
 
     def __init__(self, run_dir: str, total_steps: int, *, title: str = "GRPO", progress: bool = True,
                  start_step: int = 0, config_yaml: str | None = None, resume: bool = False,
-                 line: Callable[[int, int, dict[str, float]], str] = summary_line):
-        from torch.utils.tensorboard import SummaryWriter
+                 line: Callable[[int, int, dict[str, float]], str] = summary_line,
+                 loggers: Sequence[str] = ("tensorboard", "jsonl"), config: dict[str, Any] | None = None,
+                 sink_options: dict[str, Any] | None = None):
         from tqdm import tqdm
+
+        from rl.loggers import make_sinks
 
         if not resume:
             refuse_existing_run(run_dir)
@@ -86,7 +92,7 @@ class RunLog:
                 f.write(config_yaml)
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
         self._samples: Any = None
-        self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
+        self._sinks = make_sinks(loggers, run_dir, config or {}, **(sink_options or {}))
         self._bar = tqdm(total=total_steps, initial=start_step, desc=title, unit="step",
                          disable=not (progress and _on_terminal()), dynamic_ncols=True)
         self.started = time.perf_counter()
@@ -96,10 +102,9 @@ class RunLog:
         step, `echo` prints the row's one-line summary."""
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in values.items()}
         self._metrics.write(json.dumps({"step": step, **clean}) + "\n")
-        for k, v in clean.items():
-            if v is not None:
-                self._tb.add_scalar(k, v, step)
-        self._tb.flush()
+        finite = {k: v for k, v in clean.items() if v is not None}
+        for sink in self._sinks:
+            sink.log(step, finite)
         if advance:
             self._bar.update(1)
         if echo:
@@ -125,13 +130,17 @@ class RunLog:
         summary = {**summary, "time/total_s": round(time.perf_counter() - self.started, 2)}
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        for sink in self._sinks:
+            sink.log_summary(summary)
         self.close()
         return summary
 
     def close(self) -> None:
         """Flush and close everything (again: a no-op)."""
         self._bar.close()
-        self._tb.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
         self._metrics.close()
         if self._samples is not None:
             self._samples.close()

@@ -1,0 +1,202 @@
+"""`python -m launch.report RUN_DIR`: a picture and a page of any run, finished or in progress.
+
+Writes `<run>/report.png` (reward and its components, KL, entropy, response length, the time
+split of every step, eval metrics when the run has them) and `<run>/report.md` (the summary
+table, the config keys that differ from the defaults, a few sample generations, the picture).
+It reads only the run directory's files: metrics.jsonl (a half-written last line of a run in
+progress is skipped), summary.json (absent while the run goes on: the table is computed from the
+metrics), config.yaml and samples.jsonl. Every RL run writes its report at its end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+from rl.loggers import flatten
+
+TIME_PARTS = ("time/rollout_s", "time/reward_s", "time/score_s", "time/train_s", "time/sync_s", "time/eval_s")
+# (title, y label, metric keys: the first one present of each tuple is drawn)
+PANELS: tuple[tuple[str, str, tuple[tuple[str, ...], ...]], ...] = (
+    ("KL to the reference", "nats per token", (("actor/kl_nats", "actor/kl_in_reward_nats"),)),
+    ("Entropy of the policy", "nats per token", (("actor/entropy_nats",),)),
+    ("Response length", "tokens", (("rollout/completion_len_tokens",),)),
+)
+
+
+def read_rows(run_dir: str) -> list[dict[str, Any]]:
+    """metrics.jsonl rows by step (a step redone after a resume: its latest row); a line that does
+    not parse (the one a running run is writing) is skipped."""
+    by_step: dict[int, dict[str, Any]] = {}
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{run_dir} holds no metrics.jsonl: not a run directory, or no step has ended yet")
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and "step" in row:
+                by_step[int(row["step"])] = row
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"] + 1, r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+
+def reward_components(rows: list[dict[str, Any]]) -> list[str]:
+    """The per-function reward means (`reward/<fn>_mean`), in first-seen order."""
+    keys = dict.fromkeys(k for r in rows for k in r if k.startswith("reward/") and k.endswith("_mean")
+                         and k != "reward/mean")
+    return list(keys)
+
+
+def draw(rows: list[dict[str, Any]], path: str, title: str) -> None:
+    """report.png: a 2x3 grid of the run's curves (steps counted from 1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    fig.suptitle(title)
+    ax = axes[0][0]
+    ax.plot(*_series(rows, "reward/mean"), label="reward (weighted sum)", linewidth=2, color="black")
+    for key in reward_components(rows):
+        ax.plot(*_series(rows, key), label=key.removeprefix("reward/").removesuffix("_mean"), alpha=0.8)
+    ax.set(title="Reward (mean over samples)", xlabel="step", ylabel="reward")
+    ax.legend(fontsize=8)
+    for ax, (name, unit, choices) in zip((axes[0][1], axes[0][2], axes[1][0]), PANELS):
+        for keys in choices:
+            key = next((k for k in keys if any(k in r for r in rows)), None)
+            if key is not None:
+                ax.plot(*_series(rows, key), label=key)
+                ax.legend(fontsize=8)
+        ax.set(title=name, xlabel="step", ylabel=unit)
+    ax = axes[1][1]
+    bottom = [0.0] * len(rows)
+    steps = [r["step"] + 1 for r in rows]
+    for key in TIME_PARTS:
+        values = [float(r.get(key) or 0.0) for r in rows]
+        if any(values):
+            ax.bar(steps, values, bottom=bottom, label=key.removeprefix("time/").removesuffix("_s"), width=0.9)
+            bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set(title="Time per step, by phase", xlabel="step", ylabel="seconds")
+    ax.legend(fontsize=8)
+    ax = axes[1][2]
+    eval_keys = sorted(dict.fromkeys(k for r in rows for k in r if k.startswith("eval/") and not k.endswith("_count")))
+    for key in eval_keys:
+        ax.plot(*_series(rows, key), marker="o", label=key.removeprefix("eval/"))
+    if eval_keys:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no evaluation in this run\n(eval.files, eval.every_steps)", ha="center", va="center",
+                transform=ax.transAxes, color="gray")
+    ax.set(title="Evaluation on held-out rows", xlabel="step", ylabel="value")
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def summary_table(rows: list[dict[str, Any]], summary: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """(name, value) lines: summary.json's scalars, or while running the figures so far."""
+    n = min(5, len(rows))
+    rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), (int, float))]
+    out = [("steps done", str(len(rows))),
+           ("status", "finished" if summary and "ended_early" not in summary else
+            f"ended early: {summary['ended_early']}" if summary else "in progress (no summary.json yet)")]
+    if rewards:
+        out += [(f"reward, first {n} steps", f"{statistics.fmean(rewards[:n]):.4f}"),
+                (f"reward, last {n} steps", f"{statistics.fmean(rewards[-n:]):.4f}")]
+    for key, value in flatten(summary or {}).items():
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            out.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
+    steps = [r.get("time/step_s") for r in rows if isinstance(r.get("time/step_s"), (int, float))]
+    if steps:
+        out.append(("mean step time (s)", f"{statistics.fmean(steps):.2f}"))
+    return out
+
+
+def config_diff(run_dir: str) -> list[tuple[str, Any, Any]]:
+    """(key, default, this run's) for every config key whose value differs from the defaults
+    (`configs/train.yaml` composed with no overrides); run.dir is left out."""
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return []
+    from omegaconf import OmegaConf
+
+    from rl.compose import compose
+
+    ran = flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
+    defaults = flatten(OmegaConf.to_container(compose("train", []), resolve=False))
+    keys = [k for k in dict.fromkeys([*defaults, *ran]) if k != "run.dir" and defaults.get(k) != ran.get(k)]
+    return [(k, defaults.get(k, "(absent)"), ran.get(k, "(absent)")) for k in keys]
+
+
+def sample_lines(run_dir: str, keep: int = 4) -> list[dict[str, Any]]:
+    """The first `keep` logged samples of the last step that has any."""
+    path = os.path.join(run_dir, "samples.jsonl")
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    if not rows:
+        return []
+    last = max(r.get("step", 0) for r in rows)
+    return [r for r in rows if r.get("step", 0) == last][:keep]
+
+
+def _cell(value: Any, width: int = 300) -> str:
+    text = str(value).replace("|", "\\|").replace("\n", "\\n")
+    return text if len(text) <= width else text[:width] + "..."
+
+
+def write_report(run_dir: str) -> tuple[str, str]:
+    """Write report.png and report.md into `run_dir`; returns their paths."""
+    rows = read_rows(run_dir)
+    summary_path = os.path.join(run_dir, "summary.json")
+    summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
+    png, md = os.path.join(run_dir, "report.png"), os.path.join(run_dir, "report.md")
+    draw(rows, png, f"{os.path.basename(os.path.abspath(run_dir))}: {len(rows)} steps")
+    lines = [f"# Run report: {os.path.abspath(run_dir)}", "", "| | |", "|---|---|"]
+    lines += [f"| {name} | {_cell(value)} |" for name, value in summary_table(rows, summary)]
+    lines += ["", "![curves](report.png)", "", "## Config: what differs from the defaults", ""]
+    diff = config_diff(run_dir)
+    lines += ([f"- `{k}`: {_cell(d, 80)} -> {_cell(v, 80)}" for k, d, v in diff] if diff
+              else ["(the defaults)"])
+    lines += ["", "## Sample generations (last logged step)", "", "| prompt | completion | reward |", "|---|---|---|"]
+    for s in sample_lines(run_dir):
+        completion = s.get("completion_text") or " ".join(t.get("text", "") for t in s.get("turns") or [])
+        reward = s.get("reward")
+        lines.append(f"| {_cell(s.get('prompt_text', ''))} | {_cell(completion)} | "
+                     f"{'error: ' + _cell(s['error']) if s.get('error') else reward} |")
+    with open(md, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return png, md
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launch.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="a run directory (finished or in progress)")
+    args = parser.parse_args(argv)
+    try:
+        png, md = write_report(args.run_dir)
+    except FileNotFoundError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(f"Wrote {png} and {md}")
+
+
+if __name__ == "__main__":
+    main()

@@ -58,55 +58,70 @@ def reward_components(rows: list[dict[str, Any]]) -> list[str]:
     return list(keys)
 
 
+def _legend(ax: Any) -> None:
+    """A legend only where something was drawn (an empty one warns and shows a blank box)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+
+
 def draw(rows: list[dict[str, Any]], path: str, title: str) -> None:
     """report.png: a 2x3 grid of the run's curves (steps counted from 1)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
     fig.suptitle(title)
+    for ax in axes.flat:  # steps are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    marker = "o" if len(rows) <= 30 else None  # a run of one or two steps still shows its points
     ax = axes[0][0]
-    ax.plot(*_series(rows, "reward/mean"), label="reward (weighted sum)", linewidth=2, color="black")
+    ax.plot(*_series(rows, "reward/mean"), label="reward (weighted sum)", linewidth=2, color="black", marker=marker)
     for key in reward_components(rows):
-        ax.plot(*_series(rows, key), label=key.removeprefix("reward/").removesuffix("_mean"), alpha=0.8)
+        ax.plot(*_series(rows, key), label=key.removeprefix("reward/").removesuffix("_mean"), alpha=0.8,
+                marker=marker, markersize=4)
     ax.set(title="Reward (mean over samples)", xlabel="step", ylabel="reward")
-    ax.legend(fontsize=8)
+    _legend(ax)
     for ax, (name, unit, choices) in zip((axes[0][1], axes[0][2], axes[1][0]), PANELS):
         for keys in choices:
             key = next((k for k in keys if any(k in r for r in rows)), None)
             if key is not None:
-                ax.plot(*_series(rows, key), label=key)
-                ax.legend(fontsize=8)
+                ax.plot(*_series(rows, key), label=key, marker=marker)
+                _legend(ax)
         ax.set(title=name, xlabel="step", ylabel=unit)
     ax = axes[1][1]
     bottom = [0.0] * len(rows)
     steps = [r["step"] + 1 for r in rows]
-    for key in TIME_PARTS:
+    for i, key in enumerate(TIME_PARTS):  # one colour per phase in every report
         values = [float(r.get(key) or 0.0) for r in rows]
         if any(values):
-            ax.bar(steps, values, bottom=bottom, label=key.removeprefix("time/").removesuffix("_s"), width=0.9)
+            ax.bar(steps, values, bottom=bottom, label=key.removeprefix("time/").removesuffix("_s"), width=0.9,
+                   color=f"C{i}")
             bottom = [b + v for b, v in zip(bottom, values)]
     ax.set(title="Time per step, by phase", xlabel="step", ylabel="seconds")
-    ax.legend(fontsize=8)
+    if any(bottom):  # headroom above the bars for the legend
+        ax.set_ylim(0, max(bottom) * 1.3)
+        ax.legend(fontsize=8, ncol=3, loc="upper center")
     ax = axes[1][2]
-    eval_keys = sorted(dict.fromkeys(k for r in rows for k in r if k.startswith("eval/") and not k.endswith("_count")))
+    eval_keys = sorted(dict.fromkeys(k for r in rows for k in r if k.startswith("eval/")
+                                       and not k.endswith("_count") and k != "eval/tokens"))
     for key in eval_keys:
         ax.plot(*_series(rows, key), marker="o", label=key.removeprefix("eval/"))
     if eval_keys:
-        ax.legend(fontsize=8)
+        _legend(ax)
     else:
         ax.text(0.5, 0.5, "no evaluation in this run\n(eval.files, eval.every_steps)", ha="center", va="center",
                 transform=ax.transAxes, color="gray")
-    ax.set(title="Evaluation on held-out rows", xlabel="step", ylabel="value")
+    ax.set(title="Evaluation on held-out rows", xlabel="step", ylabel="mean reward or fraction")
     fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
 def summary_table(rows: list[dict[str, Any]], summary: dict[str, Any] | None) -> list[tuple[str, str]]:
     """(name, value) lines: summary.json's scalars, or while running the figures so far."""
-    n = min(5, len(rows))
+    n = max(1, min(5, len(rows) // 2))  # first and last steps do not overlap
     rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), (int, float))]
     out = [("steps done", str(len(rows))),
            ("status", "finished" if summary and "ended_early" not in summary else
@@ -123,9 +138,16 @@ def summary_table(rows: list[dict[str, Any]], summary: dict[str, Any] | None) ->
     return out
 
 
+def config_app(config: dict[str, Any]) -> str:
+    """Which entry point wrote a run's config: `train` (RL), `train_rm` or `train_sft`."""
+    if "algorithm" in config or "optim" not in config:
+        return "train"
+    return "train_rm" if "loss" in config else "train_sft"
+
+
 def config_diff(run_dir: str) -> list[tuple[str, Any, Any]]:
     """(key, default, this run's) for every config key whose value differs from the defaults
-    (`configs/train.yaml` composed with no overrides); run.dir is left out."""
+    (`configs/<app>.yaml` composed with no overrides, <app> the run's kind); run.dir is left out."""
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
         return []
@@ -133,8 +155,9 @@ def config_diff(run_dir: str) -> list[tuple[str, Any, Any]]:
 
     from rl.compose import compose
 
-    ran = flatten(OmegaConf.to_container(OmegaConf.load(path), resolve=False))
-    defaults = flatten(OmegaConf.to_container(compose("train", []), resolve=False))
+    tree: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    ran = flatten(tree)
+    defaults = flatten(OmegaConf.to_container(compose(config_app(tree), []), resolve=False))
     keys = [k for k in dict.fromkeys([*defaults, *ran]) if k != "run.dir" and defaults.get(k) != ran.get(k)]
     return [(k, defaults.get(k, "(absent)"), ran.get(k, "(absent)")) for k in keys]
 

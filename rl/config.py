@@ -14,6 +14,8 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from rl.loggers import logger_errors
+
 
 @dataclass
 class AlgorithmConfig:
@@ -426,12 +428,7 @@ def validate(cfg: Any) -> None:
                       "'reward.functions=[{fn: my_rewards.py:score}]' (or an environment that rewards: task.env)")
     errors += _episode_errors(cfg)
     errors += _lora_errors(cfg)
-    from rl.loggers import LOGGERS
-
-    unknown = [name for name in cfg.run.loggers if name not in LOGGERS]
-    if unknown:
-        errors.append(f"run.loggers={list(cfg.run.loggers)}: unknown {', '.join(map(repr, unknown))}; choose from "
-                      f"{', '.join(LOGGERS)}, e.g. run.loggers=[tensorboard,jsonl,wandb]")
+    errors += logger_errors(cfg.run.loggers)
     for i, fn in enumerate(cfg.reward.functions):
         if ":" not in fn.fn:
             errors.append(

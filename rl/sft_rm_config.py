@@ -14,6 +14,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from rl.config import ModelConfig, check_schema, raise_errors
+from rl.loggers import logger_errors
 
 
 @dataclass
@@ -43,6 +44,9 @@ class SupervisedRunConfig:
     eval_every: int = 0  # evaluate every N steps as well as after every epoch; 0 = epochs only
     save_final_model: bool = True
     progress: bool = True
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # as the RL run's (rl/loggers.py)
+    project: str = "rlpost"
+    mlflow_tracking_uri: str = ""
 
 
 @dataclass
@@ -102,7 +106,7 @@ ConfigStore.instance().store(name="train_sft_schema", node=TrainSFTConfig)
 
 
 def _common_errors(cfg: Any) -> list[str]:
-    errors: list[str] = []
+    errors: list[str] = logger_errors(cfg.run.loggers)
     if cfg.model.dtype not in ("float32", "bfloat16"):
         errors.append(f"model.dtype={cfg.model.dtype!r}: choose one of float32, bfloat16")
     if cfg.trainer.zero_stage not in (0, 1, 2, 3):

@@ -221,7 +221,9 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
     o = cfg.optim
     steps, per_epoch = schedule(o.epochs, n_train, o.batch_size)
     writer = RunLog(cfg.run.dir, steps, title=title, progress=cfg.run.progress,
-                    config_yaml=OmegaConf.to_yaml(cfg, resolve=True), line=row_line(title))
+                    config_yaml=OmegaConf.to_yaml(cfg, resolve=True), line=row_line(title),
+                    loggers=list(cfg.run.loggers), config=OmegaConf.to_container(cfg, resolve=True),
+                    sink_options={"project": cfg.run.project, "mlflow_tracking_uri": cfg.run.mlflow_tracking_uri})
     try:
         config = ds_config(
             micro_batch_size=o.micro_batch_size,

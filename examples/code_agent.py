@@ -44,7 +44,7 @@ from tokenizers import decoders, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from examples.code_speedup import (CORRECT_KINDS, DEFAULT_MIX, KINDS, CodeProblem, all_code_problems, code_corpus,
-                                   code_speedup_splits)
+                                   code_speedup_splits, kinds_stop_fn)
 from examples.tiny import (Recipe, build_model, build_tokenizer, episode_logprobs, main, save_model, warm_up_episodes,
                            write_jsonl, write_summary)
 from reward.code_speedup import SandboxFailure, judge, speedup_to_reward
@@ -209,16 +209,8 @@ def build(
         rng = random.Random(seed)
         episodes = [worked_episode(p, rng, max_turns) for p in train for _ in range(episodes_per_problem)]
         probes: list[dict[str, float]] = []
-
-        def reached_target(done: int) -> bool:
-            if not 0 < target_correct <= 1 or done % r.probe_every:
-                return False
-            probs = first_turn_kinds(model, tokenizer, train)
-            probes.append({"step": done, **{k: round(v, 4) for k, v in probs.items()}})
-            if r.log_every:
-                print(f"probe step {done}: " + " ".join(f"{k} {v:.3f}" for k, v in probs.items()), flush=True)
-            return probs["correct"] >= target_correct and min(probs["medium"], probs["fast"]) >= target_faster
-
+        reached_target = kinds_stop_fn(lambda: first_turn_kinds(model, tokenizer, train), probes, r,
+                                       target_correct, target_faster)
         _, sft_summary = warm_up_episodes(model, tokenizer, episodes, r, seed, stop_fn=reached_target)
         saved = save_model(out, model, tokenizer, seed, train, test)
         summary: dict[str, Any] = {

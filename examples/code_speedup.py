@@ -505,6 +505,25 @@ def sampled_kinds(
     }
 
 
+def kinds_stop_fn(kinds: Callable[[], dict[str, float]], probes: list[dict[str, float]], recipe: Recipe,
+                  target_correct: float, target_faster: float) -> Callable[[int], bool]:
+    """The code tasks' warm-up stop test (`stop_fn(done_steps)`): every `recipe.probe_every`
+    steps it records `kinds()` (the chance of each variant kind, and `correct`) in `probes` and
+    stops once `correct` reaches `target_correct` and `medium` and `fast` each `target_faster`
+    (target_correct 0 or above 1: never)."""
+
+    def reached(done: int) -> bool:
+        if not 0 < target_correct <= 1 or done % recipe.probe_every:
+            return False
+        probs = kinds()
+        probes.append({"step": done, **{k: round(v, 4) for k, v in probs.items()}})
+        if recipe.log_every:
+            print(f"probe step {done}: " + " ".join(f"{k} {v:.3f}" for k, v in probs.items()), flush=True)
+        return probs["correct"] >= target_correct and min(probs["medium"], probs["fast"]) >= target_faster
+
+    return reached
+
+
 RECIPE = Recipe(probe_every=25, batch_size=32)  # size and warm-up of the tiny code model (examples.tiny.Recipe)
 
 
@@ -544,15 +563,8 @@ def build(
         model = build_model(tokenizer, seed, hidden=r.hidden, layers=r.layers, heads=r.heads, max_positions=MAX_POSITIONS)
         examples = sft_examples(train, seed=seed, per_problem=per_problem, mix=mix)
         probes: list[dict[str, float]] = []
-
-        def reached_target(done: int) -> bool:
-            if not 0 < target_correct <= 1 or done % r.probe_every:
-                return False
-            probs = kind_probabilities(model, tokenizer, train)
-            probes.append({"step": done, **{k: round(v, 4) for k, v in probs.items()}})
-            if r.log_every:
-                print(f"probe step {done}: " + " ".join(f"{k} {v:.3f}" for k, v in probs.items()), flush=True)
-            return probs["correct"] >= target_correct and min(probs["medium"], probs["fast"]) >= target_faster
+        reached_target = kinds_stop_fn(lambda: kind_probabilities(model, tokenizer, train), probes, r,
+                                       target_correct, target_faster)
 
         _, sft_summary = warm_up(model, tokenizer, [p for p, _ in examples], [c for _, c in examples], r, seed,
                                  stop_fn=reached_target)

@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from examples import ensure_builtin
 from launch.cli import INPUT_ERRORS, fail, require_model
 from launch.console import quiet_driver
+from launch.plan import preflight  # the memory plan (rl/memory_plan.py), checked before Ray starts
 from rl.config import ConfigError, TrainConfig, validate
 
 
@@ -396,6 +397,7 @@ def main(cfg: DictConfig) -> None:
         validate(cfg)
         check_host(cfg)
         ensure_inputs(cfg)
+        preflight(cfg)  # a run that cannot fit its memory is refused here, naming the fix
         resolve_paths(cfg)
         resume_from = check_run_dir(cfg, overrides)
         inputs = load_inputs(cfg)

@@ -22,8 +22,23 @@ def compose(app: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:
     any bad field)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
 
+    if GlobalHydra.instance().is_initialized():  # inside a @hydra.main app (launch.train's report):
+        return _compose_in_own_context(app, overrides)  # leave its Hydra state as it is
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
         cfg = hydra_compose(app, overrides=list(overrides))
     VALIDATORS[app](cfg)
     return cfg
+
+
+def _compose_in_own_context(app: str, overrides: list[str] | tuple[str, ...]) -> Any:
+    """`compose` while another Hydra app holds the global state: set it aside, compose, put it back."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    saved = GlobalHydra.instance().hydra
+    GlobalHydra.instance().clear()
+    try:
+        return compose(app, overrides)
+    finally:  # Hydra's initialize restores a copy of the singleton on exit: set the state on that one
+        GlobalHydra.instance().hydra = saved

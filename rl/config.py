@@ -180,6 +180,12 @@ class ClusterConfig:
     placement: str = "pack"
     peak_tflops: float = 0.0  # per device, for MFU; 0 = the learner measures its matmul peak at start
     price_per_device_hour: float = 0.0  # for the per-step cost metric (cost/step_usd); 0 = not shown
+    # Preflight memory plan (rl/memory_plan.py, `python -m launch.plan`): launch.train refuses a run
+    # that cannot fit, before Ray starts. memory_gib: RAM of the machine the roles share (0 = detect
+    # this one's); gpu_memory_gib: memory of one GPU (0 = detect it with nvidia-smi, else unchecked).
+    memory_gib: float = 0.0
+    gpu_memory_gib: float = 0.0
+    preflight: bool = True  # false: skip the check
 
 
 @dataclass
@@ -294,6 +300,8 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "trainer.max_tokens_per_micro_batch": (0, True, None, "0 (rows) or 8192"),
     "cluster.peak_tflops": (0, True, None, "0 (measure) or 312"),
     "cluster.price_per_device_hour": (0, True, None, "0 or 2.5"),
+    "cluster.memory_gib": (0, True, None, "0 (detect) or 24"),  # preflight plan
+    "cluster.gpu_memory_gib": (0, True, None, "0 (detect) or 80"),  # preflight plan
     "run.log_samples_per_step": (0, True, None, "4"),
     "run.max_restarts": (0, True, None, "0"),
     "run.call_timeout_s": (0, False, None, "300"),

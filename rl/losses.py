@@ -7,7 +7,8 @@ exactly the gradient of the unsplit loss.
 
 Every registered policy loss is called as
     fn(logp, old_logp, advantages, clip_eps_low, clip_eps_high, mask=mask) -> (loss [B,T], clipped [B,T])
-where `clipped` is a 0/1 flag of tokens whose gradient the clipping removed (for `actor/clip_frac`).
+where `clipped` is a 0/1 flag of tokens whose gradient the clipping removed (for `actor/clip_frac`;
+for `cispo`, which removes no gradient, the tokens whose importance weight was clipped).
 """
 
 from __future__ import annotations

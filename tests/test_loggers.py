@@ -152,4 +152,5 @@ def test_a_run_with_every_logger_writes_them_all_and_its_report(make_config):
     from matplotlib.image import imread
 
     assert imread(os.path.join(run_dir, "report.png")).shape[:2] == (640, 1200)
-    assert "| steps done | 3 |" in open(os.path.join(run_dir, "report.md")).read()
+    report = open(os.path.join(run_dir, "report.md")).read()
+    assert "| steps done | 3 |" in report and "- `run.steps`: 60 -> 3" in report

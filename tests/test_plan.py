@@ -1,0 +1,298 @@
+"""The preflight planner (rl/memory_plan.py, launch/plan.py): its arithmetic written out by hand for
+three configurations, the refusal of a run that cannot fit (before Ray starts, naming the fix),
+and its estimate against the peak memory of a real run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rl.memory_plan import GIB, LEARNER_RUNTIME_GIB, ModelShape, Settings, make_plan
+from test_bad_inputs import RAY_STARTED
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Llama-3.2-1B's shape (config.json keys as transformers writes them).
+LLAMA_1B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048,
+            "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 64, "vocab_size": 128256, "max_position_embeddings": 131072,
+            "tie_word_embeddings": True}
+# A 3B one (Llama-3.2-3B's shape).
+LLAMA_3B = {**LLAMA_1B, "hidden_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 24,
+            "head_dim": 128}
+
+# Parameters of LLAMA_1B, by hand:
+EMBED = 128256 * 2048                                  # 262,668,288 (tied: the LM head is the same matrix)
+LAYER = (2048 * 2048      # q_proj: 32 heads x 64
+         + 2 * 2048 * 512  # k_proj, v_proj: 8 KV heads x 64
+         + 2048 * 2048    # o_proj
+         + 3 * 2048 * 8192  # gate, up, down
+         + 2 * 2048)      # two RMSNorms  -> 60,821,504
+P = EMBED + 16 * LAYER + 2048                           # + final norm = 1,235,814,400
+
+
+def act_per_token_layer(seq: int) -> int:
+    """Activation elements one LLAMA_1B layer keeps per token (50,336 at 128 tokens)."""
+    return (6 * 2048     # two RMSNorms: input, normalised input, output
+            + 2 * 2048   # q and the attention output (32 x 64)
+            + 2 * 512    # k, v (8 x 64)
+            + 4 * 8192   # gate, up, SiLU(gate), product
+            + 32 + seq)  # log-sum-exp per head, mask ~ sequence length
+
+
+def test_parameter_count_by_hand():
+    assert P == 1_235_814_400  # Llama-3.2-1B's published count
+    shape = ModelShape.from_config(LLAMA_1B)
+    assert shape.params() == P
+    # LoRA rank 16 on q,k,v,o: 16 layers x 16 x ((2048+2048) + 2 x (2048+512) + (2048+2048))
+    assert shape.lora_params(16) == 16 * 16 * (4096 + 2 * 2560 + 4096) == 3_407_872
+
+
+def test_zero0_fp32_one_rank_by_hand():
+    """Full fine-tune in float32 with the client optimizer as it is (ZeRO-0), no reference model."""
+    s = Settings(dtype="float32", zero_stage=0, learners=1, prompts_per_step=1, n=4, micro_batch_size=4,
+                 max_model_len=128, kl_coef=0.0, entropy=False, memory_gib=0)
+    plan = make_plan(ModelShape.from_config(LLAMA_1B), s, host_bytes=24 * GIB)
+    parts = plan.role("learner").parts
+    tokens = 4 * 128                                   # one micro-batch: 4 rows of 128 tokens
+    expected = {
+        "policy weights": 4 * P,                       # fp32
+        "policy gradients": 4 * P,                     # whole, fp32
+        "policy AdamW m, v (fp32)": 8 * P,             # two moments, not partitioned at ZeRO-0
+        "policy AdamW step temporary": 4 * P,          # foreach AdamW's sqrt(v)
+        "activations": act_per_token_layer(128) * tokens * 16 * 4 + 3 * 2048 * tokens * 4,  # + final norm
+        "logits": tokens * 128256 * (3 * 4 + 4),       # three fp32 copies + the lm_head's fp32 output
+        "process runtime (torch, DeepSpeed, Ray)": LEARNER_RUNTIME_GIB * GIB,
+    }
+    assert parts == pytest.approx(expected)
+    assert plan.role("learner").per_process == pytest.approx(20 * P + expected["activations"] + expected["logits"]
+                                                             + LEARNER_RUNTIME_GIB * GIB)
+    assert expected["activations"] == 1_661_992_960  # 50,336 x 512 x 16 x 4 + 12,582,912: 1.55 GiB
+    # 20 x P = 23.02 GiB of weights and AdamW state alone: with activations, logits and the runtime
+    # the learner needs 26.2 GiB, more than the 24 GiB machine has
+    assert plan.role("learner").per_process / GIB == pytest.approx(26.2, abs=0.05)
+    assert plan.fits is False
+
+
+def test_zero2_bf16_two_ranks_by_hand():
+    """bfloat16, ZeRO-2 over 2 ranks, a reference model (kl_coef > 0), gradient checkpointing."""
+    s = Settings(dtype="bfloat16", zero_stage=2, learners=2, prompts_per_step=4, n=4, micro_batch_size=8,
+                 max_model_len=128, kl_coef=0.001, gradient_checkpointing=True, entropy=True)
+    plan = make_plan(ModelShape.from_config(LLAMA_1B), s, host_bytes=64 * GIB)
+    parts = plan.role("learner").parts
+    assert plan.micro_batch_rows == 8                  # 16 samples / 2 ranks = 8 rows, one micro-batch
+    tokens = 8 * 128
+    expected = {
+        "policy weights": 2 * P,                       # bf16, whole on each rank
+        "policy gradients": 500_000_000 * 2,           # bf16, through one reduce bucket (5e8 elements)
+        "policy fp32 gradient partition": 4 * P / 2,   # this rank's half
+        "policy fp32 master copy": 4 * P / 2,
+        "policy AdamW m, v (fp32)": 8 * P / 2,
+        "policy AdamW step temporary": 4 * P / 2,
+        # checkpointed: each layer's input, one layer's activations while it recomputes, final norm
+        "activations (checkpointed)": (tokens * 2048 * 16 * 2 + act_per_token_layer(128) * tokens * 2
+                                       + 3 * 2048 * tokens * 2),
+        # three fp32 copies + the bf16 output, + exp() and its product for the entropy metric
+        "logits": tokens * 128256 * (3 * 4 + 2) + tokens * 128256 * 8,
+        "reference weights": 2 * P,                    # bf16, not sharded below ZeRO-3
+        "process runtime (torch, DeepSpeed, Ray)": LEARNER_RUNTIME_GIB * GIB,
+    }
+    assert parts == pytest.approx(expected)
+    assert plan.role("learner").count == 2
+
+
+def test_zero3_offload_on_gpus_by_hand():
+    """float32, ZeRO-3 over 4 GPU ranks, optimizer offloaded to the host, 80 GiB devices."""
+    s = Settings(dtype="float32", zero_stage=3, learners=4, prompts_per_step=8, n=4, micro_batch_size=2,
+                 max_model_len=256, kl_coef=0.001, offload_optimizer=True, entropy=False,
+                 gpus_per_learner=1, gpus_per_rollout_worker=1, gpu_memory_gib=80)
+    plan = make_plan(ModelShape.from_config(LLAMA_1B), s, host_bytes=0, gpu_bytes=80 * GIB)
+    learner = plan.role("learner")
+    tokens = 2 * 256                                   # 32 samples / 4 ranks = 8 rows, micro-batches of 2
+    assert plan.micro_batch_rows == 2
+    device = {
+        "policy weights": 4 * P / 4,                   # partitioned over 4 ranks
+        "policy gradients": 500_000_000 * 4,           # one fp32 reduce bucket
+        "activations": act_per_token_layer(256) * tokens * 16 * 4 + 3 * 2048 * tokens * 4,
+        "logits": tokens * 128256 * 16,
+        "reference weights": 4 * P / 4,                # ZeRO-3 partitions the reference too
+        "CUDA context": 1 * GIB,
+    }
+    host = {
+        "policy fp32 gradient partition, offloaded": 4 * P / 4,
+        "policy fp32 master copy, offloaded": 4 * P / 4,
+        "policy AdamW m, v (fp32), offloaded": 8 * P / 4,
+        "policy AdamW step temporary, offloaded": 4 * P / 4,
+        "process runtime (torch, DeepSpeed, Ray)": LEARNER_RUNTIME_GIB * GIB,
+    }
+    assert learner.parts == pytest.approx(device)
+    assert learner.host_parts == pytest.approx(host)
+    check = next(c for c in plan.checks if c.what.startswith("learner"))
+    assert check.need == pytest.approx(sum(device.values())) and check.capacity == 80 * GIB and check.fits
+    # the rollout engine gets 0.5 x 80 GiB: the KV cache is what the fp32 weights and CUDA context leave
+    rollout = plan.role("rollout")
+    assert rollout.parts["KV cache (what gpu_memory_utilization leaves)"] == pytest.approx(40 * GIB - 4 * P - GIB)
+
+
+def test_activation_model_matches_what_autograd_saves():
+    """`activation_elements` against the bytes of the tensors autograd keeps for backward
+    (saved_tensors_hooks, unique storages, parameters excluded) of a real Llama: per layer the
+    difference between 2 and 1 layers."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.logprobs import token_logprobs
+
+    def saved_bytes(layers: int, hidden: int, inter: int, heads: int, rows: int, seq: int) -> int:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=16, hidden_size=hidden, intermediate_size=inter,
+                                             num_hidden_layers=layers, num_attention_heads=heads,
+                                             num_key_value_heads=heads, max_position_embeddings=256))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids, am = torch.randint(0, 16, (rows, seq)), torch.ones(rows, seq, dtype=torch.long)
+        am[0, -3:] = 0  # padding, as in training batches
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            token_logprobs(model, ids, am)
+        return sum(v for k, v in seen.items() if k not in params)
+
+    for hidden, inter, heads, seq in ((256, 512, 4, 32), (256, 1024, 8, 64)):
+        per_layer = saved_bytes(2, hidden, inter, heads, 4, seq) - saved_bytes(1, hidden, inter, heads, 4, seq)
+        shape = ModelShape(hidden=hidden, layers=1, heads=heads, kv_heads=heads, head_dim=hidden // heads,
+                           intermediate=inter, vocab=16)
+        assert shape.activation_elements(4 * seq, seq) * 4 == pytest.approx(per_layer, rel=0.01), (hidden, seq)
+
+
+def _run(module: str, overrides: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", module, *overrides], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+    return proc, time.perf_counter() - start
+
+
+def test_3b_full_finetune_on_24_gib_is_refused_before_anything_starts(tmp_path):
+    """A 3B full fine-tune (float32, default task) on a 24 GiB machine: both launch.plan and
+    launch.train exit 2 with one error line naming the memory and the override that fits; the
+    model folder holds only config.json, so nothing but the plan could have run."""
+    model = tmp_path / "llama3b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(LLAMA_3B))
+    overrides = [f"model.path={model}", "cluster.memory_gib=24", f"run.dir={tmp_path}/run", "run.progress=false"]
+    for module in ("launch.plan", "launch.train"):
+        proc, wall = _run(module, overrides, tmp_path)
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 2, output
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, proc.stderr
+        error = errors[0]
+        assert "host RAM" in error and "GiB but has 24.00 GiB" in error, error
+        assert "model.lora.rank=16" in error and "model.dtype=bfloat16" in error and "would fit" in error, error
+        assert "Memory per role (GiB)" in proc.stdout and "DOES NOT FIT" in proc.stdout  # the table
+        assert "Traceback" not in output
+        assert RAY_STARTED not in output
+        print(f"{module}: {wall:.1f} s: {error}")
+        assert wall < 15, f"{module} took {wall:.1f} s"
+    # the suggested overrides make the plan fit
+    fix = error.split("; ")[1].split(" would fit")[0].split()
+    proc, _ = _run("launch.plan", overrides + fix, tmp_path)
+    assert proc.returncode == 0 and "Verdict: fits." in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_preflight_can_be_skipped():
+    from launch.plan import preflight
+    from rl.compose import compose
+
+    cfg = compose("train", ["cluster.preflight=false", "cluster.memory_gib=0.5"])
+    assert preflight(cfg) is None
+
+
+class PeakSampler:
+    """The peak resident memory (VmHWM) of each actor of a run, read from /proc while it runs
+    (the actors' pids are in <run>/actors.json)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir, self.peaks, self._stop = run_dir, {}, threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rows = json.loads((self.run_dir / "actors.json").read_text())
+            except (OSError, ValueError):
+                rows = []
+            for row in rows:
+                try:
+                    with open(f"/proc/{row['pid']}/status") as f:
+                        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+                except (OSError, StopIteration):
+                    continue
+                key = (row["role"], row["index"])
+                self.peaks[key] = max(self.peaks.get(key, 0), kib * 1024)
+            self._stop.wait(0.25)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.mark.slow
+def test_plan_within_25_percent_of_a_real_runs_peak_memory(tmp_path):
+    """A 56.7M-parameter Llama (random weights, the tiny task's 16-token tokenizer, so the weights,
+    optimizer and activations dominate, not the logits) for 2 GRPO steps: the planner's learner and
+    rollout figures against the peak RSS of the learner and rollout actors. Every arith prompt is 7
+    tokens, so rollout.max_model_len = 7 + max_new_tokens is the length the planner assumes."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from examples import ensure_builtin
+    from launch.plan import plan_run
+    from rl.compose import compose
+
+    ensure_builtin(["artifacts/tiny/model", "artifacts/tiny/data/train.jsonl"], 0)
+    tok = AutoTokenizer.from_pretrained(ROOT / "artifacts/tiny/model")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
+        num_key_value_heads=12, max_position_embeddings=64, pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id))
+    folder = tmp_path / "m57"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    del model
+    run_dir = tmp_path / "run"
+    overrides = [f"model.path={folder}", "rollout.max_new_tokens=25", "rollout.max_model_len=32",
+                 "task.prompts_per_step=8", "rollout.n=4", "run.steps=2", "run.save_every=0",
+                 "run.save_final_model=false", f"run.dir={run_dir}", "run.progress=false"]
+    plan, _ = plan_run(compose("train", overrides))
+    assert plan.params == 56_660_736 and plan.fits
+    with PeakSampler(run_dir) as sampler:
+        proc = subprocess.run([sys.executable, "-m", "launch.train", *overrides], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # the run's report, drawn inside the Hydra app, holds the config diff (composed beside Hydra's state)
+    assert "warning: no report" not in proc.stdout
+    assert "- `run.steps`: 60 -> 2" in (run_dir / "report.md").read_text()
+    measured = {role: sampler.peaks[(role, 0)] for role in ("learner", "rollout")}
+    planned = {role: plan.total((role,)) for role in ("learner", "rollout")}
+    report = {role: f"planned {planned[role] / GIB:.2f} GiB, measured {measured[role] / GIB:.2f} GiB"
+              for role in planned}
+    print(report)
+    for role in planned:
+        assert abs(planned[role] - measured[role]) <= 0.25 * measured[role], report
+    total_planned, total_measured = sum(planned.values()), sum(measured.values())
+    assert abs(total_planned - total_measured) <= 0.25 * total_measured, report

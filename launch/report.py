@@ -158,8 +158,19 @@ def config_diff(run_dir: str) -> list[tuple[str, Any, Any]]:
     tree: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     ran = flatten(tree)
     defaults = flatten(OmegaConf.to_container(compose(config_app(tree), []), resolve=False))
-    keys = [k for k in dict.fromkeys([*defaults, *ran]) if k != "run.dir" and defaults.get(k) != ran.get(k)]
+    keys = [k for k in dict.fromkeys([*defaults, *ran])
+            if k != "run.dir" and not _same_value(defaults.get(k), ran.get(k))]
     return [(k, defaults.get(k, "(absent)"), ran.get(k, "(absent)")) for k in keys]
+
+
+def _same_value(default: Any, ran: Any) -> bool:
+    """Equal, or the same path: launch.train writes a relative default path made absolute."""
+    if isinstance(default, list) and isinstance(ran, list) and len(default) == len(ran):
+        return all(_same_value(d, r) for d, r in zip(default, ran))
+    if isinstance(default, str) and isinstance(ran, str) and default and not os.path.isabs(default) \
+            and os.path.isabs(ran):
+        return os.path.normpath(ran).endswith(os.sep + os.path.normpath(default))
+    return default == ran
 
 
 def sample_lines(run_dir: str, keep: int = 4) -> list[dict[str, Any]]:

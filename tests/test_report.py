@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.report import main, read_rows, reward_components, write_report
+from launch.report import config_diff, main, read_rows, reward_components, write_report
 
 
 def _run_dir(tmp_path: Path, *, with_eval: bool, finished: bool) -> Path:
@@ -85,3 +85,18 @@ def test_a_supervised_run_is_compared_with_its_own_defaults(tmp_path):
     page = Path(write_report(str(run))[1]).read_text()
     assert "- `optim.lr`: 0.001 -> 0.01" in page and "- `data.format`: completion -> chat" in page
     assert "log_every" not in page and "algorithm" not in page
+
+
+def test_a_default_path_made_absolute_by_the_launch_is_no_difference(tmp_path):
+    """launch.train writes paths made absolute: the default `artifacts/tiny/model` launched from the
+    repository is the same setting; another folder is a difference."""
+    run = tmp_path / "rl"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "reward/mean": 0.5}) + "\n")
+    (run / "config.yaml").write_text(
+        "model:\n  path: /home/me/rlpost/artifacts/tiny/model\ntask:\n  train_files:\n"
+        "  - /home/me/rlpost/artifacts/tiny/data/train.jsonl\nrun:\n  steps: 60\n")
+    diff = {key: (default, ran) for key, default, ran in config_diff(str(run))}
+    assert "model.path" not in diff and "task.train_files" not in diff
+    (run / "config.yaml").write_text("model:\n  path: /data/other/model\n")
+    assert {key for key, _, _ in config_diff(str(run))} >= {"model.path"}

@@ -80,8 +80,10 @@ class Calculator(Environment):
     """One episode of the calculator task (`task.env: examples.calculator:Calculator`).
 
     A turn with a tool call is answered with the tool's result (or an `error: ...` text) and the
-    episode goes on; a turn without one is the final answer: reward 1.0 if it equals the row's
-    `answer` (both stripped), else 0.0, and the episode ends. Only a turn's first call is run.
+    episode goes on, with reward 0.0 (so an episode that `task.max_turns` or the token budget cuts
+    off before an answer earns 0, not "no reward"); a turn without one is the final answer: reward
+    1.0 if it equals the row's `answer` (both stripped), else 0.0, and the episode ends. Only a
+    turn's first call is run.
     """
 
     def reset(self, row: dict[str, Any]) -> None:
@@ -91,18 +93,18 @@ class Calculator(Environment):
         try:
             calls = parse_tool_calls(text)
         except BadToolCall as err:
-            return StepResult(ERROR_BAD_CALL, info={"error": str(err)})
+            return StepResult(ERROR_BAD_CALL, reward=0.0, info={"error": str(err)})
         if not calls:
             answer = getattr(self, "answer", None)
             return StepResult(None, reward=float(answer is not None and text.strip() == answer), done=True)
         call = calls[0]
         if call.name != TOOL:
-            return StepResult(ERROR_UNKNOWN_TOOL, info={"error": f"unknown tool {call.name!r}"})
+            return StepResult(ERROR_UNKNOWN_TOOL, reward=0.0, info={"error": f"unknown tool {call.name!r}"})
         try:
             value = evaluate(call.arguments.get("expression"))
         except ValueError as err:
-            return StepResult(ERROR_BAD_EXPRESSION, info={"error": str(err)})
-        return StepResult(str(value), info={"expression": call.arguments["expression"]})
+            return StepResult(ERROR_BAD_EXPRESSION, reward=0.0, info={"error": str(err)})
+        return StepResult(str(value), reward=0.0, info={"expression": call.arguments["expression"]})
 
 
 # ---- data ------------------------------------------------------------------------------------

@@ -150,13 +150,15 @@ def build_components(cfg: TrainConfig, log=print):
         env.update(vllm_env(cfg.rollout.kv_cache_gib, threads))
     placement = make_placement(cfg, log)
     fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
-                         env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log)
+                         env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log,
+                         wait=False)  # the engines start while the learner does
     rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
                             base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
     learner = LearnerGroup(LearnerSpec.from_config(cfg, threads), cfg.trainer.num_workers, num_cpus=1,
                            num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
                            weight_sync_method=cfg.trainer.weight_sync, actor_options=placement.learner,
                            deadlines=deadlines)
+    fleet.wait_started()
     learner.connect(fleet)
     if cfg.model.lora.rank > 0:
         counts, lora = learner.parameter_counts(), cfg.model.lora

@@ -45,9 +45,12 @@ class RolloutFleet:
         actor_options: list[dict[str, Any]] | None = None,
         deadlines: Deadlines | None = None,
         log: Callable[[str], None] = print,
+        wait: bool = True,
     ):
         """`spec.rollout.num_workers` RolloutWorker actors, worker i seeded with run.seed + i;
-        `actor_options[i]` adds Ray options for worker i (its placement-group bundle)."""
+        `actor_options[i]` adds Ray options for worker i (its placement-group bundle). `wait=False`
+        returns while the engines start, so the caller can start the learner meanwhile; call
+        `wait_started()` before using the fleet."""
         base: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         if env_vars:
             base["runtime_env"] = {"env_vars": env_vars}
@@ -61,7 +64,12 @@ class RolloutFleet:
         self.on_replace: Callable[[], None] | None = None
         self.workers = [self._start(i) for i in range(n)]
         self.where: list[dict[str, Any]] = [{} for _ in range(n)]
-        self._started(range(n))
+        if wait:
+            self.wait_started()
+
+    def wait_started(self) -> None:
+        """Wait for every worker's engine to be up (start-up errors surface here)."""
+        self._started(range(len(self.workers)))
 
     def _start(self, i: int):
         return self._remote.options(**self._options[i]).remote(self.spec, i)

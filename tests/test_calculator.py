@@ -39,7 +39,7 @@ def test_evaluate_refuses_anything_else(expression):
 
 def test_step_runs_the_tool_call():
     out = as_step_result(env_for().step(CALL_12_34, [1, 2, 3]))
-    assert (out.observation, out.reward, out.done) == ("46", None, False)
+    assert (out.observation, out.reward, out.done) == ("46", 0.0, False)
     # text around the call and spaces in the JSON do not matter; arguments as a JSON string neither
     text = 'first <tool_call> {"name": "calculator", "arguments": "{\\"expression\\": \\"46+56\\"}"} </tool_call>'
     assert env_for().step(text, []).observation == "102"
@@ -55,7 +55,7 @@ def test_step_runs_the_tool_call():
 ])
 def test_bad_tool_call_is_an_error_observation(text, error):
     out = as_step_result(env_for().step(text, []))
-    assert (out.observation, out.reward, out.done) == (error, None, False)
+    assert (out.observation, out.reward, out.done) == (error, 0.0, False)
     assert out.observation.startswith("error: ") and out.info["error"]
 
 

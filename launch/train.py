@@ -152,13 +152,13 @@ def build_components(cfg: TrainConfig, log=print):
     fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
                          env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log,
                          wait=False)  # the engines start while the learner does
-    rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                            base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
     learner = LearnerGroup(LearnerSpec.from_config(cfg, threads), cfg.trainer.num_workers, num_cpus=1,
                            num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
                            weight_sync_method=cfg.trainer.weight_sync, actor_options=placement.learner,
                            deadlines=deadlines)
-    fleet.wait_started()
+    rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                            base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
+    fleet.wait_started()  # the engines took longest to start: the learner and rewards started meanwhile
     learner.connect(fleet)
     if cfg.model.lora.rank > 0:
         counts, lora = learner.parameter_counts(), cfg.model.lora

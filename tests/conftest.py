@@ -154,7 +154,7 @@ class RayCluster:
                 proc.terminate()
             except psutil.Error:
                 pass
-        for proc in psutil.wait_procs(list(procs.values()), timeout=10)[1]:
+        for proc in psutil.wait_procs(list(procs.values()), timeout=3)[1]:  # then SIGKILL
             try:
                 proc.kill()
             except psutil.Error:

@@ -58,8 +58,7 @@ def plan_run(cfg: Any) -> tuple[Plan, tuple[list[str], Plan] | None]:
     s = Settings.from_config(cfg)
     host, gpu = capacities(cfg, s)
     plan = make_plan(shape, s, host, gpu)
-    has_lora = hasattr(cfg.model, "lora")
-    return plan, (None if plan.fits else find_fix(shape, s, host, gpu, has_lora=has_lora))
+    return plan, (None if plan.fits else find_fix(shape, s, host, gpu))
 
 
 def _g(x: float) -> str:
@@ -129,7 +128,7 @@ def summary_line(plan: Plan) -> str:
 def preflight(cfg: Any) -> Plan | None:
     """launch.train's check before Ray starts: print the table and raise a ConfigError naming the
     numbers and the fix when the run cannot fit (nothing when `cluster.preflight=false`)."""
-    if not getattr(cfg.cluster, "preflight", True):
+    if not cfg.cluster.preflight:
         return None
     plan, fix = plan_run(cfg)
     if not plan.fits:

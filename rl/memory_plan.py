@@ -211,16 +211,12 @@ class Settings:
 
     @classmethod
     def from_config(cls, cfg: Any) -> Settings:
-        """From a TrainConfig (typed or Hydra's DictConfig). Keys added after this module (LoRA,
-        cluster.memory_gib...) are read when the config has them."""
+        """From a TrainConfig (typed or Hydra's DictConfig)."""
         a, m, r, t, c = cfg.algorithm, cfg.model, cfg.rollout, cfg.trainer, cfg.cluster
-        lora = getattr(m, "lora", None)
         fused_old = not (a.ppo_epochs > 1 or a.mini_batches > 1 or (a.kl_in_reward and a.kl_coef > 0))
         return cls(
             dtype=m.dtype, gradient_checkpointing=bool(m.gradient_checkpointing),
-            lora_rank=int(getattr(lora, "rank", 0) or 0) if lora is not None else 0,
-            lora_targets=tuple(getattr(lora, "target_modules", DEFAULT_LORA_TARGETS)) if lora is not None
-            else DEFAULT_LORA_TARGETS,
+            lora_rank=int(m.lora.rank), lora_targets=tuple(m.lora.target_modules),
             learners=t.num_workers, zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size,
             max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, offload_optimizer=bool(t.offload_optimizer),
             ref_offload=bool(t.ref_offload), kl_coef=float(a.kl_coef), critic=bool(a.critic),
@@ -231,8 +227,7 @@ class Settings:
             gpu_memory_utilization=float(r.gpu_memory_utilization), sleep_between_steps=bool(r.sleep_between_steps),
             reward_workers=cfg.reward.num_workers if cfg.reward.functions else 0,
             gpus_per_learner=float(c.gpus_per_learner), gpus_per_rollout_worker=float(c.gpus_per_rollout_worker),
-            memory_gib=float(getattr(c, "memory_gib", 0.0) or 0.0),
-            gpu_memory_gib=float(getattr(c, "gpu_memory_gib", 0.0) or 0.0),
+            memory_gib=float(c.memory_gib), gpu_memory_gib=float(c.gpu_memory_gib),
             peak_tflops=float(c.peak_tflops), price_per_device_hour=float(c.price_per_device_hour))
 
     @property
@@ -535,7 +530,7 @@ def make_plan(shape: ModelShape, s: Settings, host_bytes: float, gpu_bytes: floa
 
 # ---- fixes ---------------------------------------------------------------------------------
 
-def _moves(s: Settings, has_lora: bool) -> list[dict[str, Any]]:
+def _moves(s: Settings) -> list[dict[str, Any]]:
     """Single changes that lower memory, the least intrusive first."""
     moves: list[dict[str, Any]] = []
     if not s.gradient_checkpointing:
@@ -550,7 +545,7 @@ def _moves(s: Settings, has_lora: bool) -> list[dict[str, Any]]:
         moves.append({"micro_batch_size": max(1, s.micro_batch_rows() // 4)})
     if not s.on_gpu and s.kv_cache_gib > 1:
         moves.append({"kv_cache_gib": 1})
-    if has_lora and s.lora_rank == 0:
+    if s.lora_rank == 0:
         moves.append({"lora_rank": 16})
     if s.dtype == "float32":
         moves.append({"dtype": "bfloat16"})
@@ -566,10 +561,10 @@ def overrides_of(change: dict[str, Any]) -> list[str]:
 
 
 def find_fix(shape: ModelShape, s: Settings, host_bytes: float, gpu_bytes: float = 0.0,
-             has_lora: bool = True, max_changes: int = 4) -> tuple[list[str], Plan] | None:
+             max_changes: int = 4) -> tuple[list[str], Plan] | None:
     """The fewest changes (then the least intrusive, `_moves` order) after which the plan fits:
     (overrides, that plan), or None when no combination of up to `max_changes` does."""
-    moves = _moves(s, has_lora)
+    moves = _moves(s)
     for k in range(1, max_changes + 1):
         for combo in itertools.combinations(moves, k):
             change: dict[str, Any] = {}

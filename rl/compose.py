@@ -24,21 +24,14 @@ def compose(app: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    if GlobalHydra.instance().is_initialized():  # inside a @hydra.main app (launch.train's report):
-        return _compose_in_own_context(app, overrides)  # leave its Hydra state as it is
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-        cfg = hydra_compose(app, overrides=list(overrides))
-    VALIDATORS[app](cfg)
-    return cfg
-
-
-def _compose_in_own_context(app: str, overrides: list[str] | tuple[str, ...]) -> Any:
-    """`compose` while another Hydra app holds the global state: set it aside, compose, put it back."""
-    from hydra.core.global_hydra import GlobalHydra
-
+    # Inside a @hydra.main app (launch.train writing its report) Hydra's global state is taken: set
+    # it aside and put it back after (Hydra's initialize restores a copy of the singleton on exit).
     saved = GlobalHydra.instance().hydra
     GlobalHydra.instance().clear()
     try:
-        return compose(app, overrides)
-    finally:  # Hydra's initialize restores a copy of the singleton on exit: set the state on that one
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+            cfg = hydra_compose(app, overrides=list(overrides))
+    finally:
         GlobalHydra.instance().hydra = saved
+    VALIDATORS[app](cfg)
+    return cfg

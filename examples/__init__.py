@@ -4,7 +4,9 @@
 - `examples.code_speedup`: make a slow C function faster, a tiny code model (`task=code_speedup`);
 - `examples.preference`: "closer to the true sum is better" pairs and a tiny reward model (`reward=model`);
 - `examples.calculator`: multi-step sums with a calculator tool, a tiny chat model that calls it (`task=calculator`);
-- `examples.code_agent`: the code speed-up task as an episode with sandbox feedback (`task=code_agent`).
+- `examples.code_agent`: the code speed-up task as an episode with sandbox feedback (`task=code_agent`);
+- `examples.smollm2`: the real pretrained SmolLM2-135M-Instruct, built from a PyPI package (`model=smollm2`);
+- `examples.math_chat`: arithmetic and word problems for an instruct model, checked by math-verify (`task=math_chat`).
 
 They live here, above every library layer, because they are what a user's own task looks like:
 a module that writes data, builds (or names) a model and picks reward functions, using `rl`,
@@ -28,6 +30,8 @@ BUILTIN_DIRS = {
     os.path.normpath("artifacts/tiny_rm"): "examples.preference",
     os.path.normpath("artifacts/tiny_calc"): "examples.calculator",
     os.path.normpath("artifacts/tiny_code_agent"): "examples.code_agent",
+    os.path.normpath("artifacts/smollm2-135m-instruct"): "examples.smollm2",
+    os.path.normpath("artifacts/math_chat"): "examples.math_chat",
 }
 
 
@@ -50,7 +54,7 @@ def ensure_builtin(paths: Iterable[str], seed: int = 0) -> list[str]:
         wanted[root] = wanted.get(root, False) or not data_only
     for root, whole in wanted.items():
         module = importlib.import_module(BUILTIN_DIRS[root])
-        what = "task and its tiny model" if whole else "task data"
+        what = getattr(module, "BUILD_WHAT", "task and its tiny model") if whole else "task data"
         print(f"Building the built-in {module.__name__.split('.')[-1]} {what} in {root}/ (first run only)", flush=True)
         if whole:
             module.build(root, seed=seed)

@@ -74,6 +74,7 @@ def evaluate(expression: str) -> int:
 ERROR_BAD_CALL = "error: bad tool call"
 ERROR_UNKNOWN_TOOL = "error: unknown tool"
 ERROR_BAD_EXPRESSION = "error: bad expression"
+WRONG_ANSWER = "wrong answer, try again"  # only with retries > 0 (task.env_kwargs)
 
 
 class Calculator(Environment):
@@ -83,11 +84,17 @@ class Calculator(Environment):
     episode goes on, with reward 0.0 (so an episode that `task.max_turns` or the token budget cuts
     off before an answer earns 0, not "no reward"); a turn without one is the final answer: reward
     1.0 if it equals the row's `answer` (both stripped), else 0.0, and the episode ends. Only a
-    turn's first call is run.
+    turn's first call is run. `retries` (task.env_kwargs): a wrong answer is told so (a tool turn,
+    `WRONG_ANSWER`, reward 0.0) and the model answers again, up to that many times.
     """
+
+    def __init__(self, retries: int = 0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.retries = retries
 
     def reset(self, row: dict[str, Any]) -> None:
         self.answer = str(row["answer"]).strip()
+        self.retries_left = self.retries
 
     def step(self, text: str, token_ids: list[int]) -> StepResult:
         try:
@@ -96,7 +103,11 @@ class Calculator(Environment):
             return StepResult(ERROR_BAD_CALL, reward=0.0, info={"error": str(err)})
         if not calls:
             answer = getattr(self, "answer", None)
-            return StepResult(None, reward=float(answer is not None and text.strip() == answer), done=True)
+            right = answer is not None and text.strip() == answer
+            if not right and getattr(self, "retries_left", 0) > 0:
+                self.retries_left -= 1
+                return StepResult(WRONG_ANSWER, reward=0.0)
+            return StepResult(None, reward=float(right), done=True)
         call = calls[0]
         if call.name != TOOL:
             return StepResult(ERROR_UNKNOWN_TOOL, reward=0.0, info={"error": f"unknown tool {call.name!r}"})

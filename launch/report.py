@@ -209,11 +209,13 @@ def write_report(run_dir: str) -> tuple[str, str]:
     diff = config_diff(run_dir)
     lines += ([f"- `{k}`: {_cell(d, 80)} -> {_cell(v, 80)}" for k, d, v in diff] if diff
               else ["(the defaults)"])
-    lines += ["", "## Sample generations (last logged step)", "", "| prompt | completion | reward |", "|---|---|---|"]
+    lines += ["", "## Sample generations (last logged step)", "",
+              "| prompt | completion | data (dataset columns) | reward |", "|---|---|---|---|"]
     for s in sample_lines(run_dir):
         completion = s.get("completion_text") or " ".join(t.get("text", "") for t in s.get("turns") or [])
         reward = s.get("reward")
-        lines.append(f"| {_cell(s.get('prompt_text', ''))} | {_cell(completion)} | "
+        data = ", ".join(f"{k}={v}" for k, v in (s.get("data") or {}).items())
+        lines.append(f"| {_cell(s.get('prompt_text', ''))} | {_cell(completion)} | {_cell(data)} | "
                      f"{'error: ' + _cell(s['error']) if s.get('error') else reward} |")
     with open(md, "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -15,7 +15,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from examples import ensure_builtin
-from launch.cli import INPUT_ERRORS, fail, require_model
+from launch.cli import INPUT_ERRORS, fail, require_model, require_writable
 from launch.console import quiet_driver
 from launch.plan import preflight  # the memory plan (rl/memory_plan.py), checked before Ray starts
 from rl.config import ConfigError, TrainConfig, validate
@@ -189,9 +189,14 @@ def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, Any]:
     """Mean reward (and each reward function's mean) over the first and the last k steps."""
     rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
     k = min(k, len(rewards) // 2) or 1
-    out: dict[str, Any] = {"steps_run": len(history), "steps_averaged": k,
+    out: dict[str, Any] = {"steps_run": sum("time/step_s" in m for m in history), "steps_averaged": k,
                            "first_steps_reward_mean": statistics.fmean(rewards[:k]) if rewards else None,
                            "last_steps_reward_mean": statistics.fmean(rewards[-k:]) if rewards else None}
+    for key in sorted({key for m in history for key in m if key.startswith("eval/") and not key.endswith("_count")}):
+        values = [(m["step"], m[key]) for m in history if key in m]
+        if len(values) >= 2:  # before the first update and after the last (or the last one made)
+            out.setdefault("eval", {})[key] = {"first_step": values[0][0], "first": values[0][1],
+                                               "last_step": values[-1][0], "last": values[-1][1]}
     names = sorted({key for m in history for key in m if key.startswith("reward/") and key.endswith("_mean")})
     for key in names:
         values = [m[key] for m in history if key in m]
@@ -209,8 +214,7 @@ def load_inputs(cfg: DictConfig):
     from reward.scorer import RewardScorer
     from rl.data import PromptDataset
 
-    if cfg.reward.functions:
-        RewardScorer(reward_specs(cfg), base_dir=os.getcwd())
+    scorer = RewardScorer(reward_specs(cfg), base_dir=os.getcwd()) if cfg.reward.functions else None
     if cfg.task.env:
         load_environment(cfg.task.env, os.getcwd())
     # Every row of every file is read (the prompt column a non-empty string) before transformers loads.
@@ -237,7 +241,24 @@ def load_inputs(cfg: DictConfig):
         if part is not None:
             part.tokenizer = data.tokenizer
             part.check_lengths()  # every prompt tokenized: one too long for rollout.max_model_len fails now
+            if scorer is not None:
+                require_reward_columns(cfg, scorer, part)
+    if cfg.task.env:  # the chat template must render observations in task.observation_role
+        from rl.episodes import ObservationEncoder
+
+        ObservationEncoder(data.tokenizer, cfg.task.chat_template, cfg.task.observation_role,
+                           cfg.task.max_observation_tokens)
     return data.tokenizer, data, eval_data
+
+
+def require_reward_columns(cfg: DictConfig, scorer, data) -> None:
+    """Every column a reward function requires (e.g. math_answer's `answer`) is in the data."""
+    columns = [c for c in data.table.column_names if c != cfg.task.prompt_key]
+    for i, lacking in scorer.missing_columns(columns).items():
+        fn = cfg.reward.functions[i].fn
+        raise ConfigError(f"reward.functions[{i}].fn={fn} needs the dataset column(s) {', '.join(lacking)}, which "
+                          f"{data.field}={list(data.files)} lack(s) (columns: {', '.join(columns) or 'none'}); add "
+                          f"them to every row, or choose a reward function that does not need them")
 
 
 # Keys that may change when a run is resumed (extend it with more steps, watch it differently,
@@ -265,6 +286,7 @@ def check_run_dir(cfg: DictConfig, overrides: list[str] | None = None):
     value (a run saved every 5 steps keeps saving every 5). None: take `cfg` as it is."""
     from rl import checkpoint
 
+    require_writable(cfg.run.dir)
     saved_path = os.path.join(cfg.run.dir, "config.yaml")
     if not cfg.run.resume:
         if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
@@ -385,6 +407,11 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
     print(f"Reward mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}. Run directory: {run_dir}")
     for name, trend in summary.get("components", {}).items():
         print(f"  {name}: first steps {trend['first_steps_mean']:.3f} -> last steps {trend['last_steps_mean']:.3f}")
+    for key in ("eval/greedy_pass_frac", "eval/pass_at_1"):
+        if key in summary.get("eval", {}):
+            e = summary["eval"][key]
+            print(f"Held-out {key.removeprefix('eval/')}: {e['first']:.3f} after {e['first_step']} updates -> "
+                  f"{e['last']:.3f} after {e['last_step']} updates")
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)

@@ -38,3 +38,85 @@ def format_number(
         float(reason == "stop" and _INTEGER.fullmatch(text.strip()) is not None)
         for text, reason in zip(completions, finish_reasons, strict=True)
     ]
+
+
+# ---- math answers (math-verify) -----------------------------------------------------------------
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+_BOXED = "\\boxed{"
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` in `text` (braces balanced), or None."""
+    start = text.rfind(_BOXED)
+    if start < 0:
+        return None
+    depth, i = 1, start + len(_BOXED)
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i:j]
+    return None
+
+
+def final_answer(text: str) -> str | None:
+    """The completion's final answer: the last `\\boxed{}`, else its last number (thousands
+    separators dropped), else None."""
+    boxed = last_boxed(text)
+    if boxed is not None and boxed.strip():
+        return boxed.strip()
+    numbers = _NUMBER.findall(text.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
+def _quiet_math_verify() -> None:
+    """math-verify warns once per process that its timeout is off: we bound the call ourselves."""
+    import logging
+
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def _math_value(text: str) -> list:
+    """math-verify's parse of an answer (LaTeX or a plain expression). Its signal-based timeout
+    only works in the main thread and reward functions run in worker threads: the reward's
+    `timeout_s` bounds the call instead."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse
+
+    _quiet_math_verify()
+    return parse(f"${text}$", extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()],
+                 parsing_timeout=None)
+
+
+def math_answer(prompts: list[str], completions: list[str], answer: list[Any], **kwargs: Any) -> list[float | None]:
+    """1.0 when the completion's final answer (`final_answer`: the last `\\boxed{}`, else the last
+    number) equals the `answer` column symbolically (math-verify: `1/2`, `0.5` and
+    `\\frac{1}{2}` are equal), else 0.0; None for a row whose answer is None. The dataset must
+    have an `answer` column (checked before the run starts)."""
+    from math_verify import verify
+
+    out: list[float | None] = []
+    for text, gold in zip(completions, answer, strict=True):
+        if gold is None:
+            out.append(None)
+            continue
+        found = final_answer(text)
+        if found is None:
+            out.append(0.0)
+            continue
+        target, given = _math_value(str(gold)), _math_value(found)
+        out.append(float(bool(target) and bool(given) and verify(target, given, timeout_seconds=None)))
+    return out
+
+
+def math_format(prompts: list[str], completions: list[str], *, finish_reasons: list[str],
+                **kwargs: Any) -> list[float | None]:
+    """1.0 when generation stopped by itself and the completion ends with its final answer (a
+    `\\boxed{}` or a number as the last thing written, a closing period allowed), else 0.0."""
+    out: list[float | None] = []
+    for text, reason in zip(completions, finish_reasons, strict=True):
+        tail = text.strip().rstrip(".").rstrip()
+        ends_with_answer = tail.endswith("}") and last_boxed(tail) is not None or \
+            bool(re.search(r"-?\d+(?:\.\d+)?(?:/\d+)?$", tail.replace(",", "")))
+        out.append(float(reason == "stop" and ends_with_answer))
+    return out

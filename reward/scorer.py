@@ -93,6 +93,22 @@ class RewardScorer:
     def names(self) -> list[str]:
         return [f.name for f in self.functions]
 
+    def missing_columns(self, columns: list[str]) -> dict[int, list[str]]:
+        """By function index, the dataset columns a function requires (arguments without a
+        default, other than the per-sample ones and its config kwargs) that `columns` lacks."""
+        missing: dict[int, list[str]] = {}
+        for i, f in enumerate(self.functions):
+            try:
+                params = inspect.signature(f.fn).parameters.values()
+            except (TypeError, ValueError):  # a builtin or C function: nothing to tell
+                continue
+            needed = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in RESERVED_KWARGS
+                      and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+            lacking = [name for name in needed if name not in columns]
+            if lacking:
+                missing[i] = lacking
+        return missing
+
     def score(self, samples: list[Sample]) -> list[ScoredSample]:
         """One batched call per function; a failing batch is retried per sample to isolate errors."""
         if not samples:

@@ -147,7 +147,7 @@ class EvalConfig:
 
     every_steps: int = 0  # 0 = never; else before the first update and every N steps
     files: list[str] = field(default_factory=list)  # JSONL/Parquet rows like task.train_files
-    n: int = 4  # sampled completions (episodes) per row, for pass@k (k = 1 and n)
+    n: int = 4  # sampled completions (episodes) per row, for pass@k (k = 1 and n); 0 = greedy only
     max_rows: int = 64  # the first rows of eval.files at most
     temperature: float = 1.0  # of the sampled ones (greedy: 0)
     pass_threshold: float = 1.0  # a sample "passes" when its reward is at least this
@@ -469,8 +469,7 @@ def _episode_errors(cfg: Any) -> list[str]:
     if t.env is not None and ":" not in t.env:
         errors.append(f"task.env={t.env!r}: expected 'package.module:Class' or 'path/to/file.py:Class'")
     for key, value in (("task.max_turns", t.max_turns), ("task.env_workers", t.env_workers),
-                       ("task.max_observation_tokens", t.max_observation_tokens), ("eval.n", e.n),
-                       ("eval.max_rows", e.max_rows)):
+                       ("task.max_observation_tokens", t.max_observation_tokens), ("eval.max_rows", e.max_rows)):
         if value < 1:
             errors.append(f"{key}={value}: must be a positive integer")
     if not t.env_timeout_s > 0:
@@ -487,6 +486,8 @@ def _episode_errors(cfg: Any) -> list[str]:
     if e.every_steps > 0 and not e.files:
         errors.append(f"eval.every_steps={e.every_steps} needs held-out rows: set eval.files=[path/to/test.jsonl] "
                       "(or eval.every_steps=0)")
+    if e.n < 0:
+        errors.append(f"eval.n={e.n}: must be >= 0 (0 = greedy answers only, no sampled ones)")
     if e.temperature < 0:
         errors.append(f"eval.temperature={e.temperature}: must be >= 0 (0 = greedy)")
     return errors

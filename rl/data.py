@@ -254,6 +254,7 @@ class PromptDataset:
     def __init__(self, files: list[str], prompt_key: str, tokenizer: Any, seed: int, max_prompt_tokens: int,
                  chat_template: bool = False, field: str = "task.train_files"):
         self.table = load_columns(files, {"task.prompt_key": prompt_key}, field, texts=("task.prompt_key",))
+        self.files = list(files)
         self.prompt_key, self.tokenizer, self.seed = prompt_key, tokenizer, seed
         self.max_prompt_tokens, self.chat_template, self.field = max_prompt_tokens, chat_template, field
         self._perm_epoch, self._perm = -1, np.arange(0)

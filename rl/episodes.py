@@ -56,6 +56,21 @@ class ObservationEncoder:
             # the model's turn ends at EOS: what the template puts after it belongs to the observation
             self._cut = len(prefix) - prefix[::-1].index(eos)
             self._prefix = prefix[: self._cut]
+            self._check_role()
+
+    def _check_role(self) -> None:
+        """The template must render a text observation's role with its content (some templates
+        raise on roles they do not know, others drop them silently)."""
+        fix = (f"set task.observation_role to a role the template renders (tool or user), or use a model whose "
+               "template has that role")
+        try:  # two contents of different lengths (any tokenizer, unknown words too, tells them apart)
+            short, long = (self._ids([{"role": self.role, "content": text}]) for text in ("1", "2 2 2 2"))
+        except Exception as err:  # noqa: BLE001 - jinja's TemplateError, the template's own raise_exception...
+            raise ValueError(f"task.observation_role={self.role!r}: the tokenizer's chat template cannot render a "
+                             f"{self.role!r} message ({type(err).__name__}: {err}); {fix}") from None
+        if short == long:
+            raise ValueError(f"task.observation_role={self.role!r}: the tokenizer's chat template drops "
+                             f"{self.role!r} messages, so the model would never see an observation; {fix}")
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)

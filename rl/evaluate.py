@@ -1,5 +1,5 @@
 """Evaluation during training: held-out rows (`eval.files`), answered greedily once and sampled
-`eval.n` times, scored like training samples (reward functions, or an episode's environment).
+`eval.n` times (0: greedy only), scored like training samples (reward functions, or an episode's environment).
 
 Logged in the step's metrics (so in metrics.jsonl and TensorBoard) before that step's update:
 `eval/greedy_mean_reward`, `eval/sampled_mean_reward`, `eval/greedy_pass_frac` and
@@ -61,9 +61,10 @@ def evaluate(settings: EvalConfig, data: PromptDataset, generate: Callable[[list
     """One evaluation of the current policy; the same rows and seeds every time."""
     t0 = time.perf_counter()
     greedy_requests = data.eval_requests(settings.max_rows, 1, 0.0, seed=1)
-    sampled_requests = data.eval_requests(settings.max_rows, settings.n, settings.temperature, seed=2)
     # two batches: a row's greedy and sampled requests share their (group, index) keys
-    greedy, sampled = score(generate(greedy_requests)), score(generate(sampled_requests))
+    greedy = score(generate(greedy_requests))
+    sampled = score(generate(data.eval_requests(settings.max_rows, settings.n, settings.temperature, seed=2))) \
+        if settings.n > 0 else []
     metrics = eval_metrics(greedy, sampled, settings.n, settings.pass_threshold)
     metrics["time/eval_s"] = time.perf_counter() - t0
     return metrics

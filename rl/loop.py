@@ -6,7 +6,8 @@ colocated on a laptop or spread over a Ray cluster (and imports neither Ray nor 
 With `algorithm.off_policy_steps = k > 0` generation and rewards run ahead in a background
 thread (`rl.pipeline`), up to k steps, while the learner trains; weight syncs wait for a batch
 boundary. With an environment (`task.env`) each sample is a multi-turn episode (`rl.episodes`);
-with `eval.every_steps` held-out rows are evaluated before the first update and every N steps.
+with `eval.every_steps` held-out rows are evaluated before the first update, every N steps and
+after the last one.
 """
 
 from __future__ import annotations
@@ -204,6 +205,12 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
                 raise RewardsFailing(len(failing), failing[0], done)
             if stopping and done < run.steps:
                 raise RunStopped(stop.reason, done)
+        if eval_data is not None and cfg.eval.every_steps > 0 and start_step < run.steps:
+            # the trained policy's own evaluation: a row of its own, at step run.steps
+            final = evaluate(cfg.eval, eval_data, sampler.generate, sampler.score)
+            log.metrics(run.steps, final, advance=False, echo=False)
+            log.write(f"evaluation after step {run.steps}: " + " | ".join(
+                f"{k.removeprefix('eval/')} {v:.3f}" for k, v in final.items() if not k.endswith("_count")))
     finally:
         if pipeline:
             pipeline.close()

@@ -14,7 +14,8 @@ learner ranks, the data-parallel world; `_trainable_parts` has DeepSpeed's detai
   the fp32 state to host memory (on a CPU box that is the same RAM);
 - activations of one micro-batch (rows x max_model_len tokens) kept for backward
   (`ModelShape.activation_elements`), or with gradient checkpointing each layer's input plus one
-  layer's activations while it recomputes; logits: rows x tokens x vocab in fp32 copies
+  layer's activations while it recomputes; logits: the LM head runs on at most
+  `LOGPROB_CHUNK_TOKENS` tokens at a time (trainer/logprobs.py), whose logits live in fp32 copies
   (`LOGIT_FP32_COPIES`) plus one in the model dtype (+2 fp32 copies for the entropy);
 - reference policy (algorithm.kl_coef > 0 and no LoRA: with LoRA it is the policy with its
   adapters off) and critic (algorithm.critic: the backbone with a one-output head, trained like
@@ -50,9 +51,11 @@ REWARD_WORKER_RUNTIME_GIB = 0.30
 # kind; the usual 0.5-1 GiB, the high end).
 GPU_RUNTIME_GIB = 1.0
 
-# Training keeps log-softmax's fp32 output and, in backward, its gradient and the gradient of the
-# temperature-scaled logits (trainer/logprobs.py): three fp32 copies, plus the lm_head's output
-# (or its gradient) in the model dtype.
+# The learner's LM head runs on this many tokens at a time, under activation checkpointing
+# (trainer/logprobs.py): a micro-batch's full [rows, tokens, vocab] logits never exist.
+LOGPROB_CHUNK_TOKENS = 1024
+# While one chunk is recomputed in backward: its fp32 logits (temperature-scaled) and their
+# gradient, logsumexp's temporary, plus the lm_head's output (or its gradient) in the model dtype.
 LOGIT_FP32_COPIES = 3
 
 # Efficiency assumed for the step-time estimate, as a fraction of the matmul peak, measured here on
@@ -376,7 +379,7 @@ def learner_role(shape: ModelShape, s: Settings) -> Role:
     else:
         act = layer * shape.layers + final_norm
     device["activations" + (" (checkpointed)" if s.gradient_checkpointing else "")] = act
-    logit_elems = tokens * shape.vocab
+    logit_elems = min(tokens, LOGPROB_CHUNK_TOKENS) * shape.vocab
     device["logits"] = logit_elems * (LOGIT_FP32_COPIES * 4 + w) + (logit_elems * 8 if s.entropy else 0)
     if s.kl_coef > 0 and s.lora_rank == 0:
         ref = params * w / (n if s.zero_stage == 3 or s.ref_offload else 1)

@@ -90,14 +90,16 @@ class ScoredSample:
     error: str | None = None
 
     def to_log(self) -> dict[str, Any]:
-        row = asdict(self.sample)
-        for key in ("prompt_ids", "completion_ids", "logprobs", "completion_mask"):
-            row.pop(key)
-        if row["turns"] is None:
-            row.pop("turns")
-        row.pop("error")  # an episode's error is the ScoredSample's (below)
-        row.update(reward=self.reward, components=self.components, error=self.error)
-        return row
+        """The sample log's row: prompt, completion, the dataset columns the reward saw (`data`,
+        e.g. the answer), reward and its components, error; then the rest of the sample."""
+        rest = asdict(self.sample)
+        for key in ("prompt_ids", "completion_ids", "logprobs", "completion_mask", "error"):
+            rest.pop(key)  # an episode's error is the ScoredSample's (below)
+        if rest["turns"] is None:
+            rest.pop("turns")
+        row = {"prompt_text": rest.pop("prompt_text"), "completion_text": rest.pop("completion_text"),
+               "data": rest.pop("metadata"), "reward": self.reward, "components": self.components, "error": self.error}
+        return {**row, **rest}
 
 
 @dataclass

@@ -40,11 +40,12 @@ def adapter_merger(spec: RolloutSpec) -> AdapterMerger | None:
     for path in sorted(glob.glob(os.path.join(spec.model.path, "*.safetensors"))):
         with safe_open(path, "pt") as f:
             for name in kept_weight_names(f.keys(), cfg.target_modules):
-                base[name] = f.get_tensor(name).to(device, dtype)
+                weight = f.get_tensor(name)  # kept as stored (fp32 when it is): merged, then cast once
+                base[name] = weight.to(device, torch.float32 if weight.dtype == torch.float32 else dtype)
     if not base:
         raise ValueError(f"model.lora.target_modules={list(cfg.target_modules)}: no such weights in the "
                          f"safetensors files of {spec.model.path}")
-    return AdapterMerger(base, cfg.alpha / cfg.rank)
+    return AdapterMerger(base, cfg.alpha / cfg.rank, dtype)
 
 
 class RolloutWorker:

@@ -58,6 +58,32 @@ def _overrides(*overrides: str) -> Callable[[str, Path], list[str]]:
     return lambda tiny, tmp: list(overrides)
 
 
+def _gguf(folder: bool) -> Callable[[str, Path], list[str]]:
+    """model.path naming a GGUF checkpoint: the file itself, or a folder holding only it."""
+
+    def setup(tiny: str, tmp: Path) -> list[str]:
+        (tmp / "smol").mkdir()
+        (tmp / "smol" / "model.Q4_1.gguf").write_bytes(b"GGUF" + bytes(60))
+        return [f"model.path={tmp / 'smol' if folder else tmp / 'smol' / 'model.Q4_1.gguf'}"]
+
+    return setup
+
+
+# A chat template that knows user and assistant turns only (as some models' templates do).
+TWO_ROLE_TEMPLATE = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant'] %}"
+                     "{{ raise_exception('role ' ~ m['role'] ~ ' is not supported') }}{% endif %}"
+                     "{{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def _two_role_chat_model(tiny: str, tmp: Path) -> list[str]:
+    """The tiny model with TWO_ROLE_TEMPLATE, running the calculator environment (tool observations)."""
+    model = tmp / "model"
+    shutil.copytree(f"{tiny}/model", model)
+    (model / "chat_template.jinja").write_text(TWO_ROLE_TEMPLATE)
+    return [f"model.path={model}", "task.chat_template=true", "task.env=examples.calculator:Calculator",
+            "reward.functions=[]", "task.observation_role=tool"]
+
+
 # id -> (what the case sets up: overrides, given the tiny task dir and a temp dir; text the error names)
 CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
     "prompt_empty_in_row_4": (_line(4, '{"prompt": "", "answer": "3"}'),
@@ -95,6 +121,18 @@ CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
     "eval_without_files": (_overrides("eval.every_steps=5"), ["eval.every_steps=5", "eval.files=["]),
     "chat_template_without_one": (_overrides("task.chat_template=true"),
                                   ["task.chat_template=true", "has no chat template"]),
+    "model_path_is_a_gguf_file": (_gguf(folder=False), ["model.path=", "GGUF", "python -m launch.convert_gguf",
+                                                        "model.Q4_1-hf"]),
+    "model_path_is_a_gguf_folder": (_gguf(folder=True), ["model.path=", "GGUF", "python -m launch.convert_gguf"]),
+    "math_answer_without_answer_column": (
+        lambda tiny, tmp: [_data(tmp, '{"prompt": "1+2="}\n{"prompt": "3+4="}\n'),
+                           "reward.functions=[{fn: reward.builtin:math_answer}]"],
+        ["reward.functions[0].fn=reward.builtin:math_answer", "needs the dataset column(s) answer",
+         "task.train_files="]),
+    "observation_role_not_in_template": (_two_role_chat_model,
+                                         ["task.observation_role='tool'", "cannot render", "role tool is not supported"]),
+    "run_dir_not_writable": (_overrides("run.dir=/proc/rlpost-run"), ["run.dir=/proc/rlpost-run", "cannot write"]),
+    "run_dir_below_a_file": (lambda tiny, tmp: [f"run.dir={tiny}/data/train.jsonl/run"], ["is a file, not a folder"]),
     "lora_target_not_in_model": (_overrides("model.lora.rank=8", "model.lora.target_modules=[q_proj,qkv]"),
                                  ["model.lora.target_modules=['q_proj', 'qkv']", "qkv not found", "v_proj"]),
 }
@@ -104,7 +142,7 @@ CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
 def test_bad_input_fails_fast_naming_the_field(case, tiny_dir, tmp_path):
     setup, expected = CASES[case]
     overrides = [f"model.path={tiny_dir}/model", f"task.train_files=[{tiny_dir}/data/train.jsonl]",
-                 *setup(tiny_dir, tmp_path), f"run.dir={tmp_path}/run", "run.progress=false"]
+                 f"run.dir={tmp_path}/run", "run.progress=false", *setup(tiny_dir, tmp_path)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "launch.train", *overrides], cwd=tmp_path,

@@ -84,6 +84,20 @@ def test_merged_weights_reproduce_the_peft_forward():
         list(AdapterMerger({}, 1.0).merged(adapter[:2]))
 
 
+def test_bf16_engine_merges_from_the_fp32_base_rounding_once():
+    """A bf16 engine gets round(W0 + delta) from the checkpoint's fp32 W0, not round(round(W0) +
+    delta): an update smaller than half a bf16 step of W0 survives in the first, not the second."""
+    w0 = torch.full((4, 4), 1.0 + 3 * 2**-10)  # between two bf16 values (1.0 and 1 + 2**-7): rounds to 1.0
+    a, b = torch.eye(2, 4), torch.full((4, 2), 2**-9)  # B @ A adds 2**-9 to the first two columns
+    merger = AdapterMerger({"m.q_proj.weight": w0, "m.k_proj.weight": w0}, scaling=1.0, dtype=torch.bfloat16)
+    merged = dict(merger.merged([("m.q_proj.lora_A", a), ("m.q_proj.lora_B", b)]))
+    assert merged["m.q_proj.weight"].dtype == merged["m.k_proj.weight"].dtype == torch.bfloat16
+    assert torch.equal(merged["m.q_proj.weight"], (w0 + b @ a).to(torch.bfloat16))
+    assert (merged["m.q_proj.weight"][:, :2] == 1.0 + 2**-7).all()  # 1 + 2**-8 = 1 + 5 * 2**-10 rounds up: the update survives
+    twice = (w0.to(torch.bfloat16).float() + b @ a).to(torch.bfloat16)
+    assert (twice[:, :2] == 1.0).all()  # rounded twice: 1.0, + 2**-9 -> 1.0 again: the update is lost
+
+
 def test_lora_config_errors():
     from rl.config import ConfigError
     from tests.conftest import compose_config

@@ -30,7 +30,8 @@ def _run_dir(tmp_path: Path, *, with_eval: bool, finished: bool) -> Path:
     (run / "config.yaml").write_text("algorithm:\n  name: grpo\n  lr: 0.002\nrun:\n  steps: 6\n  dir: /x\n")
     (run / "samples.jsonl").write_text(
         json.dumps({"step": 4, "prompt_text": "2+2=", "completion_text": "4", "reward": 1.1, "error": None}) + "\n"
-        + json.dumps({"step": 5, "prompt_text": "7+5=", "completion_text": "12", "reward": 1.1, "error": None}) + "\n"
+        + json.dumps({"step": 5, "prompt_text": "7+5=", "completion_text": "12", "data": {"answer": "12"},
+                     "reward": 1.1, "error": None}) + "\n"
         + json.dumps({"step": 5, "prompt_text": "9+9=", "completion_text": "oops", "reward": None,
                       "error": "ValueError: no number"}) + "\n")
     if finished:
@@ -57,7 +58,7 @@ def test_report_writes_a_picture_and_a_page(tmp_path, with_eval, finished):
         assert "in progress (no summary.json yet)" in page
     assert "- `algorithm.lr`: 0.001 -> 0.002" in page and "- `run.steps`: 60 -> 6" in page
     assert "run.dir" not in page
-    assert "| 7+5= | 12 | 1.1 |" in page and "| 9+9= | oops | error: ValueError: no number |" in page
+    assert "| 7+5= | 12 | answer=12 | 1.1 |" in page and "| 9+9= | oops |  | error: ValueError: no number |" in page
     assert "2+2=" not in page  # only the last logged step's samples
 
 

@@ -251,12 +251,14 @@ class LearnerWorker:
             for rows in self._micro_batches(batch, torch.arange(len(batch)), forward_only=True):
                 mb = batch.select(rows)
                 ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
+                where = self._to_device(mb.loss_mask) > 0  # only the trained tokens' log-probs are used
                 if recompute:
-                    lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True)
+                    lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True,
+                                           positions=where)
                     put(old, rows, lp)
                     put(entropy, rows, e)
                 if ref is not None:
-                    put(ref, rows, self._ref_logprobs(ids, am))
+                    put(ref, rows, self._ref_logprobs(ids, am, where))
                 if values is not None:
                     put(values, rows, self._values(self.critic, ids, am))
         self.engine.train()
@@ -268,12 +270,12 @@ class LearnerWorker:
             self._scored_sums["critic/values_mean"] = float((batch.values * mask).sum())
         return batch
 
-    def _ref_logprobs(self, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
+    def _ref_logprobs(self, ids: torch.Tensor, am: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """The reference policy's log-probs: its own engine, or (LoRA) the policy with adapters off."""
         if self.ref is not None:
-            return token_logprobs(self.ref, ids, am, self.spec.temperature)[0]
+            return token_logprobs(self.ref, ids, am, self.spec.temperature, positions=where)[0]
         with self.engine.module.disable_adapter():
-            return token_logprobs(self.engine, ids, am, self.spec.temperature)[0]
+            return token_logprobs(self.engine, ids, am, self.spec.temperature, positions=where)[0]
 
     @staticmethod
     def _values(critic, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
@@ -345,7 +347,7 @@ class LearnerWorker:
         fused = mb.old_logprobs is None
         logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature,
                                        with_entropy=a.entropy_coef > 0 or (fused and first_pass),
-                                       entropy_grad=a.entropy_coef > 0)
+                                       entropy_grad=a.entropy_coef > 0, positions=mask > 0)
         old = logp.detach() if fused else self._to_device(mb.old_logprobs)
         if fused and first_pass:
             _add_mismatch(sums, old.cpu(), mb.rollout_logprobs, mb.loss_mask)

@@ -1,8 +1,42 @@
-"""Per-token log-probs and entropy of a causal LM on right-padded sequences."""
+"""Per-token log-probs and entropy of a causal LM on right-padded sequences, without ever
+holding the full `[rows, tokens, vocab]` logits.
+
+A real vocabulary (49k-150k entries) makes the LM head the largest activation by far: 32 rows of
+128 tokens over 49,152 entries are 0.8 GB in fp32, times the copies a plain `log_softmax` makes.
+Here the model runs up to its final hidden states only; the LM head is applied to the positions
+that are asked for (the completion tokens: prompts are never trained on), a chunk of tokens at a
+time, each chunk under activation checkpointing, so its logits exist only while that chunk's
+log-probs are computed (and again, briefly, in the backward pass).
+"""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
+from torch.utils.checkpoint import checkpoint
+
+from rl.memory_plan import LOGPROB_CHUNK_TOKENS as CHUNK_TOKENS  # 1024 x 49,152 x 4 bytes = 200 MB in fp32
+
+
+def _head_of(model: torch.nn.Module) -> torch.nn.Module:
+    """The LM head (output embeddings) of a model, a peft wrapper or a DeepSpeed engine."""
+    inner = getattr(model, "module", model)  # DeepSpeedEngine.module
+    return inner.get_output_embeddings()
+
+
+def _chunk_logprobs(head: torch.nn.Module, temperature: float, with_entropy: bool, hidden: torch.Tensor,
+                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) and the entropy (zeros unless `with_entropy`) of `hidden` [N, H] rows, in fp32."""
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return logp, torch.zeros_like(logp)
+    probs = torch.softmax(logits, dim=-1)
+    return logp, lse - (probs * logits).sum(-1)
 
 
 def token_logprobs(
@@ -12,20 +46,47 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     entropy_grad: bool = True,
+    positions: torch.Tensor | None = None,
+    chunk_tokens: int = CHUNK_TOKENS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t in 0..T-2, shape [B, T-1].
+    """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t in 0..T-2, shape [B, T-1] (fp32).
 
     Logits are divided by the sampling temperature so the values match what the rollout engine
     reports for the tokens it sampled (vLLM `processed_logprobs`, HF processed scores).
-    `entropy_grad=False`: the entropy is a metric only (no graph is kept for it).
+    `positions` ([B, T-1] bool): where the values are computed (0 elsewhere); default every
+    position whose next token is real (`attention_mask[:, 1:]`). The learner asks for the loss
+    mask's positions only. `entropy_grad=False`: the entropy is a metric only (no gradient).
+
+    The model is called as usual (so a DeepSpeed engine's forward hooks run) for its last hidden
+    states (`output_hidden_states`, with the logits of one position only); the LM head then runs
+    on `chunk_tokens` selected tokens at a time.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float() / temperature
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    entropy = None
-    if with_entropy:
-        source = logp_all if entropy_grad else logp_all.detach()
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = -(source.exp() * source).sum(-1)
-    return logp, entropy
+    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
+                logits_to_keep=1)
+    hidden = out.hidden_states[-1][:, :-1]
+    if positions is None:
+        positions = attention_mask[:, 1:].bool()
+    positions = positions.bool()
+    rows, targets = hidden[positions], input_ids[:, 1:][positions]
+    head = _head_of(model)
+    step = partial(_chunk_logprobs, head, temperature, with_entropy)
+    recompute = torch.is_grad_enabled() and rows.requires_grad
+    # Non-reentrant checkpointing keeps one backward graph, so a trained head tied to the input
+    # embedding gets one gradient, reduced once by ZeRO (reentrant: two, which ZeRO-1/2 refuse).
+    # But ZeRO-3 does not gather a frozen weight again when it recomputes under it: a frozen head
+    # (LoRA) recomputes reentrantly, as an ordinary forward pass inside the backward.
+    reentrant = not any(p.requires_grad for p in head.parameters())
+    logps, entropies = [], []
+    for start in range(0, rows.shape[0], chunk_tokens):
+        part = (rows[start:start + chunk_tokens], targets[start:start + chunk_tokens])
+        lp, ent = checkpoint(step, *part, use_reentrant=reentrant) if recompute else step(*part)
+        logps.append(lp)
+        entropies.append(ent if entropy_grad else ent.detach())
+    shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+
+    def spread(values: list[torch.Tensor]) -> torch.Tensor:
+        if not values:  # nothing asked for: zeros, still attached to the graph (a backward must reach the model)
+            return torch.zeros(shape, dtype=torch.float32, device=hidden.device) + hidden.sum().float() * 0
+        return torch.zeros(shape, dtype=torch.float32, device=hidden.device).masked_scatter(positions, torch.cat(values))
+
+    return spread(logps), spread(entropies) if with_entropy else None

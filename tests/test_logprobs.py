@@ -1,0 +1,124 @@
+"""The learner's chunked log-probs (trainer/logprobs.py): the same values and gradients as a plain
+full-vocabulary log-softmax, with the LM head applied a chunk of tokens at a time, and the same
+first update through a DeepSpeed engine (ZeRO-2 and ZeRO-3, tied embeddings, LoRA)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from trainer.logprobs import token_logprobs
+
+CONFIG = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+              num_key_value_heads=2, tie_word_embeddings=True)
+
+
+def _model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**CONFIG)).float()
+
+
+def _full_vocab(model, ids, am, temperature):
+    """The reference: every position's logits at once, log-softmax in fp32."""
+    logits = model(input_ids=ids, attention_mask=am).logits[:, :-1].float() / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def test_chunked_values_and_gradients_equal_the_full_vocabulary_computation():
+    ids = torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    am[1, 7:] = 0  # a right-padded row
+    where = am[:, 1:].bool().clone()
+    where[:, :3] = False  # the "prompt": not asked for
+    weights = torch.randn(3, 9, generator=torch.Generator().manual_seed(2)) * where
+    ref_model, model = _model(), _model()
+    lp0, ent0 = _full_vocab(ref_model, ids, am, 0.7)
+    ((lp0 * weights).sum() + (ent0 * weights).sum()).backward()
+    lp, ent = token_logprobs(model, ids, am, 0.7, with_entropy=True, positions=where, chunk_tokens=4)
+    ((lp * weights).sum() + (ent * weights).sum()).backward()
+    assert torch.allclose(lp, lp0 * where, atol=1e-5) and torch.allclose(ent, ent0 * where, atol=1e-5)
+    assert (lp[~where] == 0).all()
+    grads = {n: p.grad for n, p in ref_model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[name], atol=1e-5), name
+    # default positions: every real next token; a metric-only entropy carries no gradient
+    lp_all, ent_all = token_logprobs(model, ids, am, 0.7, with_entropy=True, entropy_grad=False)
+    assert torch.allclose(lp_all, lp0.detach() * am[:, 1:], atol=1e-5) and not ent_all.requires_grad
+
+
+def test_no_position_asked_for_still_reaches_the_model():
+    model = _model()
+    ids = torch.randint(0, 300, (2, 6))
+    lp, _ = token_logprobs(model, ids, torch.ones_like(ids), positions=torch.zeros(2, 5, dtype=torch.bool))
+    assert (lp == 0).all() and lp.requires_grad
+    lp.sum().backward()  # a zero gradient, but a backward pass (DeepSpeed's hooks need one)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+# One DeepSpeed engine per process (ZeRO's global state): each case runs in its own interpreter.
+ENGINE_CASE = textwrap.dedent('''
+    import sys, torch
+    from tests.test_logprobs import CONFIG, _full_vocab
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from trainer.engine import build_engine, ds_config, init_single_process
+    from trainer.logprobs import token_logprobs
+    stage, lora = int(sys.argv[1]), sys.argv[2] == "lora"
+
+    def load():
+        torch.manual_seed(0)
+        m = LlamaForCausalLM(LlamaConfig(**CONFIG)).float()
+        if lora:
+            from peft import LoraConfig, get_peft_model
+            m = get_peft_model(m, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+            for name, p in m.named_parameters():
+                if "lora_B" in name:
+                    torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(3))
+        return m
+
+    ids = torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    where = torch.ones(3, 9, dtype=torch.bool)
+    where[:, :3] = False
+    weights = torch.randn(3, 9, generator=torch.Generator().manual_seed(2)) * where
+    # the reference: plain torch, full-vocabulary log-softmax
+    ref = load()
+    lp0, _ = _full_vocab(ref, ids, am, 1.0)
+    (lp0 * weights).sum().backward()
+    init_single_process()
+    engine = build_engine(load, ds_config(micro_batch_size=3, gradient_accumulation_steps=1, zero_stage=stage,
+                                          dtype="float32"), lr=1e-2, weight_decay=0.0, lr_lambda=lambda s: 1.0)
+    lp, _ = token_logprobs(engine, ids, am, positions=where, chunk_tokens=4)
+    assert torch.allclose(lp, lp0.detach() * where, atol=1e-5)
+    engine.backward((lp * weights).sum())
+    from deepspeed.utils import safe_get_full_grad
+    after = dict(engine.module.named_parameters())
+    worst, compared = 0.0, 0
+    for name, p in ref.named_parameters():
+        if p.grad is None:
+            continue
+        grad = safe_get_full_grad(after[name])  # gathered and reduced as DeepSpeed holds it
+        worst = max(worst, float((grad - p.grad).abs().max()))
+        compared += 1
+    print("compared", compared, "max |gradient difference|", worst)
+    assert compared and worst < 1e-5, worst
+    engine.step()
+''')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,lora", [(2, "full"), (3, "full"), (2, "lora"), (3, "lora")])
+def test_deepspeed_update_through_chunked_logprobs_equals_torch(stage, lora):
+    """The tied embedding gets one gradient (ZeRO-1/2 refuse a second reduction), ZeRO-3 gathers
+    the head when it recomputes, a frozen head (LoRA) works under both: the gradients DeepSpeed
+    holds after a backward through the chunked log-probs are plain torch's with full logits."""
+    from tests.conftest import ROOT
+
+    proc = subprocess.run([sys.executable, "-c", ENGINE_CASE, str(stage), lora], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

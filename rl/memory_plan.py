@@ -51,8 +51,9 @@ REWARD_WORKER_RUNTIME_GIB = 0.30
 # kind; the usual 0.5-1 GiB, the high end).
 GPU_RUNTIME_GIB = 1.0
 
-# The learner's LM head runs on this many tokens at a time, under activation checkpointing
-# (trainer/logprobs.py): a micro-batch's full [rows, tokens, vocab] logits never exist.
+# The learner's LM head runs on this many of a micro-batch's scored tokens (the model's own, not
+# the prompt's) at a time, under activation checkpointing (trainer/logprobs.py): a micro-batch's
+# full [rows, tokens, vocab] logits never exist.
 LOGPROB_CHUNK_TOKENS = 1024
 # While one chunk is recomputed in backward: its fp32 logits (temperature-scaled) and their
 # gradient, logsumexp's temporary, plus the lm_head's output (or its gradient) in the model dtype.
@@ -191,6 +192,7 @@ class Settings:
     prompts_per_step: int = 32
     n: int = 8
     max_new_tokens: int = 8
+    max_turns: int = 1  # model turns per episode (task.max_turns with an environment)
     max_model_len: int = 128
     kv_cache_gib: float = 1.0
     gpu_memory_utilization: float = 0.5
@@ -226,7 +228,8 @@ class Settings:
             entropy=a.entropy_coef > 0 or fused_old, mini_batches=a.mini_batches, ppo_epochs=a.ppo_epochs,
             recompute_old_logprobs=not fused_old, off_policy_steps=a.off_policy_steps, backend=r.backend,
             rollout_workers=r.num_workers, prompts_per_step=cfg.task.prompts_per_step, n=r.n,
-            max_new_tokens=r.max_new_tokens, max_model_len=r.max_model_len, kv_cache_gib=float(r.kv_cache_gib),
+            max_new_tokens=r.max_new_tokens, max_turns=cfg.task.max_turns if cfg.task.env else 1,
+            max_model_len=r.max_model_len, kv_cache_gib=float(r.kv_cache_gib),
             gpu_memory_utilization=float(r.gpu_memory_utilization), sleep_between_steps=bool(r.sleep_between_steps),
             reward_workers=cfg.reward.num_workers if cfg.reward.functions else 0,
             gpus_per_learner=float(c.gpus_per_learner), gpus_per_rollout_worker=float(c.gpus_per_rollout_worker),
@@ -379,7 +382,9 @@ def learner_role(shape: ModelShape, s: Settings) -> Role:
     else:
         act = layer * shape.layers + final_norm
     device["activations" + (" (checkpointed)" if s.gradient_checkpointing else "")] = act
-    logit_elems = min(tokens, LOGPROB_CHUNK_TOKENS) * shape.vocab
+    # the LM head runs on the model's own tokens only (the loss mask), a chunk of them at a time
+    scored = rows * min(seq, s.max_new_tokens * s.max_turns)
+    logit_elems = min(scored, LOGPROB_CHUNK_TOKENS) * shape.vocab
     device["logits"] = logit_elems * (LOGIT_FP32_COPIES * 4 + w) + (logit_elems * 8 if s.entropy else 0)
     if s.kl_coef > 0 and s.lora_rank == 0:
         ref = params * w / (n if s.zero_stage == 3 or s.ref_offload else 1)

@@ -99,13 +99,40 @@ def test_folder_loads_in_transformers_and_vllm_with_the_same_greedy_answer(smoll
     assert hf_ids[len(sample.completion_ids) - 1] == tok.eos_token_id
 
 
+def test_planner_accepts_fp32_micro_batches_of_32_with_the_full_vocabulary(smollm2):
+    """fp32, 32 rows of 256 tokens per micro-batch: the learner never holds the [32, 256, 49152]
+    fp32 logits (1.5 GiB, and their gradient) because log-probs are computed in chunks, so the
+    planner must not count them, and the run fits 24 GiB (it was refused at 27.4 GiB)."""
+    from launch.plan import plan_run
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["model=smollm2", "task=math_chat", f"model.path={smollm2}", "model.dtype=float32",
+                          "trainer.micro_batch_size=32", "rollout.max_model_len=256", "cluster.memory_gib=24"])
+    plan, _ = plan_run(cfg)
+    learner = plan.total(("learner",)) / 2**30
+    print(f"planned: learner {learner:.2f} GiB, all roles {plan.total() / 2**30:.2f} GiB")
+    assert plan.fits and plan.params == 134_515_008 and plan.total() < 24 * 2**30
+
+
 def test_fp32_run_with_evaluation_and_exact_resume(smollm2, math_data, tmp_path):
     """fp32, ZeRO-2, held-out evaluation: log-probs agree after every sync; samples.jsonl shows the
-    answer the reward saw; resumed from its step-2 checkpoint, step 3 is the same step (same
-    prompts, same completions, same reward) as in the uninterrupted run."""
+    answer the reward saw; the planner's learner and rollout figures are within 25% of the actors'
+    peak RSS; resumed from its step-2 checkpoint, step 3 is the same step (same prompts, same
+    completions, same reward) as in the uninterrupted run."""
+    from launch.plan import plan_run
+    from peak_memory import PeakSampler
+
     cfg = _config(smollm2, math_data, str(tmp_path / "run"), "model.dtype=float32", "run.steps=3",
                   "run.save_every=2", "eval.every_steps=2", "eval.max_rows=8", "run.log_samples_per_step=8")
-    train(cfg)
+    plan, _ = plan_run(cfg)
+    with PeakSampler(tmp_path / "run") as sampler:
+        train(cfg)
+    planned = {role: plan.total((role,)) for role in ("learner", "rollout")}
+    measured = {role: sampler.peaks[(role, 0)] for role in planned}
+    report = {role: f"planned {planned[role] / 2**30:.2f} GiB, measured {measured[role] / 2**30:.2f} GiB"
+              for role in planned}
+    print("memory:", report)
+    assert all(abs(planned[r] - measured[r]) <= 0.25 * measured[r] for r in planned), report
     metrics = _steps(cfg.run.dir)
     print("fp32 mismatch per step:", _mismatch(metrics))
     assert len(metrics) == 3 and all(d < FP32_TOLERANCE for d in _mismatch(metrics))
@@ -171,8 +198,8 @@ def test_zero3_two_ranks_ppo_critic_and_calculator_episodes_through_the_real_tem
     cfg = _config(smollm2, str(tmp_path), str(tmp_path / "run"), "model.dtype=float32", "run.steps=2",
                   f"task.train_files=[{data}]", "task.env=examples.calculator:Calculator",
                   "+task.env_kwargs.retries=2", "reward.functions=[]",
-                  "task.max_turns=3", "task.max_observation_tokens=16", "rollout.max_new_tokens=40",
-                  "rollout.max_model_len=384", "algorithm=ppo", "algorithm.kl_coef=0.0", "algorithm.kl_in_reward=false",
+                  "task.max_turns=2", "task.max_observation_tokens=16", "rollout.max_new_tokens=32",
+                  "rollout.max_model_len=256", "rollout.n=2", "algorithm=ppo", "algorithm.kl_coef=0.0", "algorithm.kl_in_reward=false",
                   "algorithm.critic_warmup_steps=0", "trainer.zero_stage=3",
                   "trainer.num_workers=2", "eval.files=[]")
     train(cfg)

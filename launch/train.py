@@ -19,6 +19,7 @@ from launch.cli import INPUT_ERRORS, fail, require_model, require_writable
 from launch.console import quiet_driver
 from launch.plan import preflight  # the memory plan (rl/memory_plan.py), checked before Ray starts
 from rl.config import ConfigError, TrainConfig, validate
+from rl.devices import GPU_VISIBILITY_ENV
 
 
 def _abs(path: str) -> str:
@@ -35,6 +36,28 @@ def check_host(cfg: DictConfig) -> None:
         from sandbox.detect import probe_host, require_isolation
 
         require_isolation(probe_host())
+    require_local_gpus(cfg)
+
+
+def require_local_gpus(cfg: DictConfig) -> None:
+    """GPUs asked of this machine (no cluster.address) exist: otherwise Ray would wait for them
+    until run.start_timeout_s, or an actor would fail deep in CUDA."""
+    c = cfg.cluster
+    need = c.gpus_per_learner * cfg.trainer.num_workers + c.gpus_per_rollout_worker * cfg.rollout.num_workers
+    if c.address or need <= 0:
+        return
+    import torch
+
+    have = torch.cuda.device_count()
+    asked = (f"cluster.gpus_per_learner={c.gpus_per_learner:g} x trainer.num_workers={cfg.trainer.num_workers} + "
+             f"cluster.gpus_per_rollout_worker={c.gpus_per_rollout_worker:g} x rollout.num_workers="
+             f"{cfg.rollout.num_workers} = {need:g} GPUs")
+    if have == 0:
+        raise ConfigError(f"{asked}, but torch {torch.__version__} sees no GPU on this machine: on a GPU machine "
+                          "install the CUDA build (RLPOST_EXTRA=cuda bash launch/install.sh), or set both "
+                          "cluster.gpus_per_* to 0 to run on CPUs")
+    if math.ceil(need - 1e-9) > have:
+        raise ConfigError(f"{asked}, but this machine has {have}: lower them, or run on a Ray cluster (cluster=ray_gpu)")
 
 
 def ensure_inputs(cfg: DictConfig) -> None:
@@ -96,10 +119,11 @@ def start_ray(cfg: DictConfig) -> None:
 
     if cfg.cluster.address:
         # Under `ray job submit --working-dir .` the job's runtime env already ships the code.
-        ray.init(address=cfg.cluster.address, log_to_driver=True)
+        ray.init(address=cfg.cluster.address, runtime_env={"env_vars": GPU_VISIBILITY_ENV}, log_to_driver=True)
         return
     # User reward modules named as `package.module:function` must import inside the actors.
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+           **GPU_VISIBILITY_ENV}  # an actor given no GPU sees none (rl/devices.py)
     needed = cfg.rollout.num_workers + cfg.trainer.num_workers + cfg.reward.num_workers
     needed += math.ceil(cfg.sandbox.num_workers * cfg.sandbox.num_cpus_per_worker)
     needed += math.ceil(cfg.task.env_workers * 0.25) if cfg.task.env else 0  # EnvService's actors

@@ -393,6 +393,18 @@ def validate(cfg: Any) -> None:
             f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per "
             "prompt; set rollout.n=8 (or another value >= 2)"
         )
+    c = cfg.cluster
+    for key, value, fix in (("cluster.gpus_per_learner", c.gpus_per_learner,
+                             "a learner rank computes on one GPU: raise trainer.num_workers to use more"),
+                            ("cluster.gpus_per_rollout_worker", c.gpus_per_rollout_worker,
+                             "a rollout engine uses one GPU (no tensor parallelism yet): raise rollout.num_workers")):
+        if value > 1:
+            errors.append(f"{key}={value:g}: at most 1; {fix}")
+    if 0 < c.gpus_per_learner < 1 and 0 < c.gpus_per_rollout_worker < 1 and cfg.trainer.weight_sync == "collective":
+        errors.append(f"cluster.gpus_per_learner={c.gpus_per_learner:g} and cluster.gpus_per_rollout_worker="
+                      f"{c.gpus_per_rollout_worker:g} put a learner and a rollout worker on one GPU, where NCCL "
+                      "refuses two members of the weight-sync group: set trainer.weight_sync=object_store, "
+                      "or give each a whole GPU")
     if not 0 < cfg.rollout.temperature:
         errors.append(f"rollout.temperature={cfg.rollout.temperature}: must be > 0 (sampling is needed for RL)")
     if cfg.algorithm.lr <= 0:

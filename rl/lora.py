@@ -66,11 +66,14 @@ def kept_weight_names(names: Iterable[str], target_modules: Iterable[str]) -> li
 
 def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
           dtype: torch.dtype | None = None) -> torch.Tensor:
-    """W0 + scaling * B @ A in fp32, returned in `dtype` (default W0's)."""
+    """W0 + scaling * B @ A in fp32, returned in `dtype` (default W0's), on the adapter's device:
+    W0 may be kept on the host (the rollout side keeps it there, outside the engine's GPU share)
+    and is copied over one weight at a time."""
     if a.shape[1] != base.shape[1] or b.shape[0] != base.shape[0] or a.shape[0] != b.shape[1]:
         raise ValueError(f"LoRA shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit a weight of "
                          f"shape {tuple(base.shape)}")
-    return (base.float() + scaling * (b.to(base.device).float() @ a.to(base.device).float())).to(dtype or base.dtype)
+    device = a.device
+    return (base.to(device).float() + scaling * (b.to(device).float() @ a.float())).to(dtype or base.dtype)
 
 
 class AdapterMerger:

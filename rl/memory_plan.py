@@ -452,6 +452,12 @@ def rollout_role(shape: ModelShape, s: Settings, device_bytes: float = 0.0) -> t
                              "a worker gets: the rest queue")
         else:
             parts["KV cache (the batch's)"] = demand
+    if s.lora_rank > 0:  # the base weights adapters are merged into, kept in host memory (rollout/worker.py)
+        from rl.lora import stacked_targets
+
+        shapes = shape.linear_shapes()
+        kept = shape.layers * sum(a * b for t, (a, b) in shapes.items() if t in stacked_targets(s.lora_targets))
+        (host if on_gpu else parts)["LoRA merge source (targeted base weights, fp32)"] = kept * 4
     runtime = ROLLOUT_RUNTIME_GIB * GIB if s.backend == "vllm" else LEARNER_RUNTIME_GIB * GIB
     if on_gpu:
         parts["CUDA context"] = GPU_RUNTIME_GIB * GIB

@@ -96,6 +96,28 @@ def init_group(host: str, port: int, rank: int, world_size: int, backend: str, t
     return group
 
 
+def close_group(group) -> None:
+    """Abort a weight-sync group that is being replaced: its communicator (an NCCL one holds GPU
+    memory and may still have a broadcast queued behind a stopped peer) is torn down instead of
+    left for the garbage collector. (A gloo member already blocked in a broadcast is not released
+    by this: it fails at the group's timeout, measured here.)"""
+    if group is None:
+        return
+    try:
+        group.abort()
+    except Exception:  # noqa: BLE001 - already broken or closed: nothing more to free
+        pass
+
+
+def _complete(work, flat: torch.Tensor) -> None:
+    """Wait for a broadcast to have happened. With NCCL `wait()` only orders the current CUDA
+    stream after it: the stream is synchronized too, so the sync's timings measure the transfer
+    (not its queuing) and a bucket buffer is reused only once it has been sent."""
+    work.wait()
+    if flat.is_cuda:
+        torch.cuda.current_stream(flat.device).synchronize()
+
+
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
     """`b` starts where `a` ends, in the same storage (both dense)."""
     return (a.dtype == b.dtype and a.device == b.device and a.is_contiguous() and b.is_contiguous()
@@ -142,7 +164,7 @@ def send(group, tensors_by_bucket: Iterable[list[torch.Tensor]]) -> None:
             flat = _buffer("send", 0, max(total, BUCKET_BYTES // first.element_size()), first.dtype, first.device)
             flat = flat[:total]
             torch.cat([t.reshape(-1) for t in tensors], out=flat)
-        group.broadcast(flat, root=0).wait()
+        _complete(group.broadcast(flat, root=0), flat)
         del flat
 
 
@@ -175,7 +197,7 @@ def receive(group, metas: list[WeightMeta], device: str | torch.device = "cpu", 
         total = sum(metas[i].numel for i in bucket)
         started = time.perf_counter()
         flat = _buffer("receive", slot, max(total, limit // dtype.itemsize), dtype, device)[:total]
-        group.broadcast(flat, root=0).wait()
+        _complete(group.broadcast(flat, root=0), flat)
         if stats is not None:
             stats["receive_s"] = stats.get("receive_s", 0.0) + time.perf_counter() - started
             stats["bytes"] = stats.get("bytes", 0.0) + flat.numel() * flat.element_size()

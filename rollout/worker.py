@@ -8,6 +8,7 @@ import time
 import torch
 
 from rl import weight_sync
+from rl.devices import actor_device
 from rl.lora import AdapterMerger, kept_weight_names
 from rl.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
@@ -27,7 +28,9 @@ def make_engine(spec: RolloutSpec, seed: int):
 
 def adapter_merger(spec: RolloutSpec) -> AdapterMerger | None:
     """With `model.lora`: the base weights of the targeted (and stacked) modules, read from the
-    model's safetensors files, that every LoRA sync is merged into; else None (full syncs)."""
+    model's safetensors files, that every LoRA sync is merged into; else None (full syncs). Kept
+    in host memory, not on the engine's GPU: vLLM has already claimed its share of that, and the
+    planner counts this copy on the host (each merge copies one weight over, `rl.lora.merge`)."""
     cfg = spec.model.lora
     if cfg.rank <= 0:
         return None
@@ -35,24 +38,33 @@ def adapter_merger(spec: RolloutSpec) -> AdapterMerger | None:
 
     from safetensors import safe_open
 
-    dtype, device = getattr(torch, spec.model.dtype), "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, spec.model.dtype)
     base: dict[str, torch.Tensor] = {}
     for path in sorted(glob.glob(os.path.join(spec.model.path, "*.safetensors"))):
         with safe_open(path, "pt") as f:
             for name in kept_weight_names(f.keys(), cfg.target_modules):
                 weight = f.get_tensor(name)  # kept as stored (fp32 when it is): merged, then cast once
-                base[name] = weight.to(device, torch.float32 if weight.dtype == torch.float32 else dtype)
+                base[name] = weight.to(torch.float32 if weight.dtype == torch.float32 else dtype)
     if not base:
         raise ValueError(f"model.lora.target_modules={list(cfg.target_modules)}: no such weights in the "
                          f"safetensors files of {spec.model.path}")
     return AdapterMerger(base, cfg.alpha / cfg.rank, dtype)
 
 
+def _assigned_gpus() -> list:
+    """The GPUs Ray gave this actor (none outside Ray)."""
+    import ray
+
+    return ray.get_gpu_ids() if ray.is_initialized() else []
+
+
 class RolloutWorker:
     def __init__(self, spec: RolloutSpec, index: int = 0):
+        # the device Ray gave this worker, not whether the machine has CUDA (rl/devices.py)
+        self.device = actor_device(_assigned_gpus(), torch.cuda.is_available(), f"rollout worker {index}")
         self.engine = make_engine(spec, seed=spec.seed + index)
         self._merger = adapter_merger(spec)
-        self._group = None
+        self._group, self._group_backend = None, "gloo"
         self._metas: list[weight_sync.WeightMeta] = []
         self.last_sync: dict[str, float] = {}
 
@@ -67,12 +79,14 @@ class RolloutWorker:
         import ray
 
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "ip": ray.util.get_node_ip_address()}
+                "ip": ray.util.get_node_ip_address(), "device": self.device,
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
                          metas: list[weight_sync.WeightMeta]) -> None:
+        weight_sync.close_group(self._group)  # a group of the fleet before a replacement
         self._group = weight_sync.init_group(host, port, rank, world_size, backend)
-        self._metas = metas
+        self._group_backend, self._metas = backend, metas
 
     def receive_weights(self, version: int) -> dict[str, float]:
         """Take rank 0's broadcast and load it bucket by bucket as it arrives (two bucket buffers
@@ -80,7 +94,7 @@ class RolloutWorker:
         receive_s (in the broadcasts) and load_s (the rest: loading into the engine)."""
         if self._group is None:
             raise RuntimeError("receive_weights before join_weight_sync: the fleet was not connected")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = self.device if self._group_backend == "nccl" else "cpu"  # gloo moves host tensors
         stats: dict[str, float] = {"receive_s": 0.0, "bytes": 0.0}
         started = time.perf_counter()
         tensors = weight_sync.receive(self._group, self._metas, device, stats=stats)

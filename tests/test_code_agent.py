@@ -103,19 +103,19 @@ def test_code_agent_task_learns_end_to_end(tiny_code_agent, tmp_path):
 
     out, _ = tiny_code_agent
     cfg = compose_config(["task=code_agent", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
-                          f"eval.files=[{out}/data/test.jsonl]", "eval.every_steps=5", "eval.max_rows=16", "eval.n=1",
+                          f"eval.files=[{out}/data/test.jsonl]", "eval.every_steps=6", "eval.max_rows=16", "eval.n=1",
                           f"run.dir={tmp_path}/run",
                           "run.progress=false", "run.steps=6", "task.prompts_per_step=8", "run.save_every=0",
                           "run.save_final_model=false"])
     train(cfg)
-    metrics = read_metrics(cfg.run.dir)
-    assert len(metrics) == 6
+    *metrics, final = read_metrics(cfg.run.dir)  # 6 steps, then the evaluation after the last
+    assert len(metrics) == 6 and final["step"] == 6
     for m in metrics:
         assert m["reward/errors_count"] == 0 and m["episode/errors_count"] == 0
         assert m["sync/logprob_max_abs_diff"] < 1e-3
     rewards = [m["reward/mean"] for m in metrics]
     assert sum(rewards[3:]) / 3 > rewards[0] + 0.05, rewards  # the last 3 steps against the untrained policy
-    before, after = metrics[0], metrics[5]
+    before, after = metrics[0], final  # untrained, and after 6 updates
     for key in ("eval/greedy_mean_reward", "eval/sampled_mean_reward"):
         assert after[key] > before[key] + 0.1, (key, before[key], after[key])
     rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]

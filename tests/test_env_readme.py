@@ -38,9 +38,9 @@ def test_readme_environment_trains_and_logs_episodes_and_evaluations(make_config
                       "run.steps=3", "task.prompts_per_step=16", f"eval.files=[{tiny_dir}/data/test.jsonl]",
                       "eval.every_steps=2", "eval.max_rows=16", "eval.n=4", "run.save_final_model=false")
     train(cfg)
-    metrics = read_metrics(cfg.run.dir)
-    assert [("eval/pass_at_1" in m, "eval/pass_at_4" in m) for m in metrics] == [(True, True), (False, False),
-                                                                                 (True, True)]
+    *metrics, final = read_metrics(cfg.run.dir)  # 3 steps, then the evaluation after the last
+    assert [("eval/pass_at_1" in m, "eval/pass_at_4" in m) for m in (*metrics, final)] == \
+        [(True, True), (False, False), (True, True), (True, True)]
     for m in metrics:
         assert 1.0 <= m["episode/turns_mean"] <= 2.0 and m["episode/errors_count"] == 0
         assert m["sync/logprob_max_abs_diff"] < 1e-3  # learner and rollout agree on every model token
@@ -55,4 +55,4 @@ def test_readme_environment_trains_and_logs_episodes_and_evaluations(make_config
     tb = EventAccumulator(os.path.join(cfg.run.dir, "tb"))
     tb.Reload()
     assert {"eval/pass_at_1", "eval/sampled_mean_reward", "episode/turns_mean"} <= set(tb.Tags()["scalars"])
-    assert [e.step for e in tb.Scalars("eval/pass_at_1")] == [0, 2]
+    assert [e.step for e in tb.Scalars("eval/pass_at_1")] == [0, 2, 3]

@@ -134,6 +134,10 @@ def test_rollout_worker_killed_then_stopped_is_replaced_and_the_run_completes(ba
     # the rollout faults cost no reward; the reward worker killed in step 6 may cost that step's
     # samples (recorded as errors, as designed), nothing more
     assert all(m["reward/errors_count"] == 0 for m in metrics[:5]), [m["reward/errors_count"] for m in metrics]
+    # the run's report, drawn inside the Hydra app, holds the config diff (composed beside Hydra's state)
+    assert "warning: no report" not in out
+    with open(os.path.join(run_dir, "report.md")) as f:
+        assert "- `run.steps`: 60 -> 6" in f.read()
 
 
 SLOW_REWARD = '''

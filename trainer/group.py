@@ -14,6 +14,7 @@ import torch
 from ray.exceptions import RayActorError, RayTaskError
 
 from rl import weight_sync
+from rl.devices import collective_backend
 from rl.importance import effective_sample_size
 from rl.faults import ActorFailure, Deadlines, first_line, hung
 from rl.types import TrainBatch
@@ -24,6 +25,13 @@ def shard_rows(n_rows: int, world_size: int) -> list[torch.Tensor]:
     """Interleaved row indices per rank, so every rank sees a mix of groups and lengths."""
     return [torch.arange(rank, n_rows, world_size) for rank in range(world_size)]
 
+
+
+def sync_backend(devices: list[str]) -> str:
+    """The weight-sync group's backend from the devices its members were given (learner rank 0,
+    then each rollout worker, as they report them): NCCL when every one is on a GPU, else gloo
+    (which the GPU members feed from host copies)."""
+    return collective_backend("cuda" if devices and all(d == "cuda" for d in devices) else "cpu")
 
 class LearnerGroup:
     """A rank that dies or stops answering ends the run (`ActorFailure`, naming the rank and the
@@ -48,7 +56,8 @@ class LearnerGroup:
         if env_vars:
             options["runtime_env"] = {"env_vars": env_vars}
         remote_cls = ray.remote(LearnerWorker)
-        self.workers = [remote_cls.options(**options, **(actor_options[r] if actor_options else {}))
+        # per-rank options (a placement bundle, a GPU share) override the common ones
+        self.workers = [remote_cls.options(**{**options, **(actor_options[r] if actor_options else {})})
                         .remote(spec, r, num_workers) for r in range(num_workers)]
         self.where: list[dict[str, Any]] = [{} for _ in range(num_workers)]
         self.where = self._get([w.where.remote() for w in self.workers], "start-up", self.deadlines.start_s)
@@ -124,7 +133,7 @@ class LearnerGroup:
     def _join(self, fleet) -> None:
         while True:
             host, port = self._get([self.workers[0].node_address.remote()], "weight-sync join")[0]
-            backend = "nccl" if torch.cuda.is_available() or self.num_gpus > 0 else "gloo"
+            backend = sync_backend([self.where[0].get("device", "cpu"), *(w.get("device", "cpu") for w in fleet.where)])
             world = 1 + len(fleet.workers)
             mine = self.workers[0].join_weight_sync.remote(host, port, world, backend)
             _, failed = fleet.wait({i: w.join_weight_sync.remote(host, port, i + 1, world, backend, self.metas)

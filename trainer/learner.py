@@ -17,6 +17,7 @@ import torch
 
 from rl.batch import plan_micro_batches, split_to_count
 from rl.config import AlgorithmConfig, ModelConfig, TrainConfig, TrainerConfig
+from rl.devices import actor_device, collective_backend
 from rl.flops import measure_matmul_tflops, train_flops
 from rl.importance import importance_weights
 from rl.kl import KL_ESTIMATORS
@@ -26,6 +27,13 @@ from rl import lora, weight_sync
 from trainer.engine import build_engine, ds_config, zero3_load_config
 from trainer.engine import full_state_dict as whole_state_dict
 from trainer.logprobs import token_logprobs
+
+
+def _assigned_gpus() -> list:
+    """The GPUs Ray gave this actor (none outside Ray)."""
+    import ray
+
+    return ray.get_gpu_ids() if ray.is_initialized() else []
 
 
 @dataclass
@@ -99,13 +107,17 @@ def _accumulate(engine, plan: list[torch.Tensor], backward) -> None:
 class LearnerWorker:
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int):
         self.spec, self.rank, self.world_size = spec, rank, world_size
+        # the device Ray gave this rank, not whether the machine has CUDA (rl/devices.py)
+        self.device_kind = actor_device(_assigned_gpus(), torch.cuda.is_available(), f"learner rank {rank}")
 
     def where(self) -> dict:
-        """This actor's process and Ray node (for placement reports and fault messages)."""
+        """This actor's process, Ray node and device (for placement reports, fault messages and
+        the weight-sync backend)."""
         import ray
 
         return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "ip": ray.util.get_node_ip_address()}
+                "ip": ray.util.get_node_ip_address(), "device": self.device_kind,
+                "gpus": [str(g) for g in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def node_address(self) -> tuple[str, int]:
         """An address on this actor's node with a free port (rank 0 hosts the rendezvous)."""
@@ -123,15 +135,16 @@ class LearnerWorker:
             LOCAL_RANK="0",  # Ray gives each actor its own device(s): the first visible one is ours
             WORLD_SIZE=str(world_size),
         )
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        device = self.device_kind
+        if device == "cpu":
+            os.environ["DS_ACCELERATOR"] = "cpu"
         if spec.threads:
             torch.set_num_threads(spec.threads)
         import deepspeed
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        deepspeed.init_distributed(dist_backend=collective_backend(device))
         torch.manual_seed(spec.seed)
         ds_config = deepspeed_config(spec, world_size)
         dtype = getattr(torch, spec.model.dtype)
@@ -194,7 +207,7 @@ class LearnerWorker:
         config = deepspeed_config(spec, self.world_size, with_optimizer=False)
         if spec.trainer.ref_offload:
             config["zero_optimization"] = {**config["zero_optimization"], "stage": 3,
-                                           "offload_param": {"device": "cpu", "pin_memory": torch.cuda.is_available()}}
+                                           "offload_param": {"device": "cpu", "pin_memory": self.device.type == "cuda"}}
         elif spec.trainer.zero_stage != 3:
             config["zero_optimization"] = {"stage": 0}  # a frozen model: nothing to shard but weights
         keep_alive = zero3_load_config(config)
@@ -213,7 +226,7 @@ class LearnerWorker:
     def _max_over_ranks(self, n: int) -> int:
         if self.world_size == 1:
             return n
-        t = torch.tensor([n], dtype=torch.long)
+        t = torch.tensor([n], dtype=torch.long, device=self.device)  # NCCL reduces CUDA tensors only
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return int(t)
 
@@ -284,9 +297,9 @@ class LearnerWorker:
 
     def _global_normalizer(self, mask: torch.Tensor) -> LossNormalizer:
         local = LossNormalizer.of(mask)
-        counts = torch.tensor([local.tokens, local.sequences], dtype=torch.float64)
+        counts = torch.tensor([local.tokens, local.sequences], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
-            torch.distributed.all_reduce(counts)
+            torch.distributed.all_reduce(counts)  # on the rank's device: NCCL reduces CUDA tensors only
         return LossNormalizer(tokens=float(counts[0]), sequences=float(counts[1]),
                               max_response_len=float(self.spec.max_response_len))
 
@@ -427,14 +440,16 @@ class LearnerWorker:
 
     def join_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
         """Rank 0 only: become rank 0 of the weight-sync group with the rollout workers."""
+        weight_sync.close_group(self._sync_group)  # the group of the fleet before a replacement
         self._sync_group = weight_sync.init_group(host, port, 0, world_size, backend)
+        self._sync_on_host = backend == "gloo" and self.device.type == "cuda"  # gloo sends host tensors
 
     def broadcast_weights(self) -> float:
         """Called on every rank; rank 0 broadcasts to the rollout workers. Returns bytes sent."""
         sent = 0
         for bucket in self._full_buckets():
             if self.rank == 0:
-                weight_sync.send(self._sync_group, [[t for _, t in bucket]])
+                weight_sync.send(self._sync_group, [[t.cpu() if self._sync_on_host else t for _, t in bucket]])
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
         return float(sent)
 

@@ -1,0 +1,110 @@
+"""The GPU paths, on a real GPU: `pytest -m gpu` on a machine with CUDA and the CUDA build
+(`RLPOST_EXTRA=cuda bash launch/install.sh`). Without CUDA every test here is skipped (reported as
+skipped, never passed). Placement logic that needs no CUDA is tested on CPU with Ray's logical
+GPUs (tests/test_gpu_placement.py).
+
+On the real model (tests/conftest.py `smollm2`): vLLM's CUDA build answers like transformers;
+GRPO steps on the GPU keep learner and rollout log-probs together after every weight sync (NCCL
+between two GPUs, or through the object store when one GPU holds both roles: NCCL refuses two
+ranks of a group on one device); LoRA adapter syncs; sleep mode between steps."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pytest -m gpu on a GPU machine)")]
+
+FP32_TOLERANCE = 1e-3
+BF16_TOLERANCE = 0.05
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count()
+
+
+def _placement() -> list[str]:
+    """Learner and rollout worker on a GPU each when there are two, else sharing the one."""
+    if _gpus() >= 2:
+        return ["cluster.gpus_per_learner=1", "cluster.gpus_per_rollout_worker=1"]
+    return ["cluster.gpus_per_learner=0.5", "cluster.gpus_per_rollout_worker=0.5", "trainer.weight_sync=object_store",
+            "rollout.gpu_memory_utilization=0.4"]
+
+
+def _run(smollm2: str, math_data: str, run_dir: str, *overrides: str) -> list[dict]:
+    from launch.train import train
+    from rl.run_log import read_metrics
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["model=smollm2", "task=math_chat", f"model.path={smollm2}",
+                          f"task.train_files=[{math_data}/train.jsonl]", "eval.files=[]", "task.prompts_per_step=4",
+                          "rollout.n=4", "rollout.max_new_tokens=32", "run.save_every=0",
+                          "run.save_final_model=false", "run.progress=false", f"run.dir={run_dir}", *_placement(),
+                          *overrides])
+    train(cfg)
+    return [m for m in read_metrics(cfg.run.dir) if "time/step_s" in m]
+
+
+def test_vllm_cuda_answers_like_transformers(smollm2):
+    """The CUDA build of vLLM in a rollout worker given a GPU gives transformers' greedy tokens."""
+    import ray
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl.config import ModelConfig, RolloutConfig
+    from rl.types import GenerationRequest
+    from rollout.fleet import RolloutFleet
+    from rollout.protocol import RolloutSpec
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3? Reply with just the number."}],
+                                     add_generation_prompt=True, tokenize=True)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=16, do_sample=False)
+    hf_ids = out[0, len(prompt):].tolist()
+    del model
+    torch.cuda.empty_cache()
+    spec = RolloutSpec(ModelConfig(path=smollm2, dtype="float32"), RolloutConfig(max_new_tokens=16, max_model_len=128),
+                       seed=0, gpu=True)
+    ray.init(include_dashboard=False)
+    try:
+        fleet = RolloutFleet(spec, num_cpus=1, num_gpus=1)
+        (sample,) = fleet.generate([GenerationRequest(prompt, "", 0, 0, seed=0, temperature=0.0)])
+        where = fleet.where[0]
+    finally:
+        ray.shutdown()
+    assert where["device"] == "cuda" and len(where["gpus"]) == 1
+    assert sample.completion_ids == hf_ids[: len(sample.completion_ids)]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", FP32_TOLERANCE), ("bfloat16", BF16_TOLERANCE)])
+def test_grpo_steps_on_the_gpu_keep_learner_and_rollout_together(smollm2, math_data, tmp_path, dtype, tolerance):
+    metrics = _run(smollm2, math_data, str(tmp_path / "run"), f"model.dtype={dtype}", "run.steps=3")
+    diffs = [m["sync/logprob_abs_diff"] for m in metrics]
+    print(dtype, "learner-rollout mismatch per step:", diffs)
+    assert len(metrics) == 3 and all(d < tolerance for d in diffs)
+
+
+def test_lora_adapter_syncs_on_the_gpu(smollm2, math_data, tmp_path):
+    metrics = _run(smollm2, math_data, str(tmp_path / "run"), "model.dtype=bfloat16", "model.lora.rank=8",
+                   "algorithm.lr=5e-3", "run.steps=3")
+    assert metrics[1]["sync/weights_mb"] < 5 and all(m["sync/logprob_abs_diff"] < BF16_TOLERANCE for m in metrics)
+
+
+def test_engine_sleeps_between_steps_and_wakes_with_the_new_weights(smollm2, math_data, tmp_path):
+    """vLLM's sleep mode (CUDA only): the engine frees its GPU memory while the learner trains and
+    generates from the synced weights after waking."""
+    metrics = _run(smollm2, math_data, str(tmp_path / "run"), "model.dtype=bfloat16", "rollout.sleep_between_steps=true",
+                   "run.steps=3")
+    assert len(metrics) == 3 and all(m["sync/logprob_abs_diff"] < BF16_TOLERANCE for m in metrics)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs: 2 learner ranks and a rollout worker")
+def test_two_learner_ranks_reduce_on_their_gpus(smollm2, math_data, tmp_path):
+    """ZeRO-2 over 2 ranks with NCCL as DeepSpeed's default group: the loss normaliser and the
+    token-budget micro-batches reduce over ranks (tensors on the ranks' GPUs: NCCL has no CPU)."""
+    metrics = _run(smollm2, math_data, str(tmp_path / "run"), "model.dtype=bfloat16", "trainer.num_workers=2",
+                   "trainer.max_tokens_per_micro_batch=2048", "run.steps=2")
+    assert len(metrics) == 2 and all(m["sync/logprob_abs_diff"] < BF16_TOLERANCE for m in metrics)

@@ -1,0 +1,102 @@
+"""GPU placement logic, tested without a GPU: Ray schedules logical GPUs (`ray.init(num_gpus=2)`)
+and sets `CUDA_VISIBLE_DEVICES` per actor as it would on a GPU node, so which actor sees which
+GPU, what a role given none sees, and which device and backend each picks are checked here on
+the real actor classes. What needs CUDA itself is in `pytest -m gpu` (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rl.devices import GPU_VISIBILITY_ENV, NoCudaError, actor_device, collective_backend
+from trainer.group import sync_backend
+
+
+def test_device_and_backend_come_from_the_gpus_an_actor_was_given():
+    assert actor_device([], cuda_available=True, role="reward") == "cpu"  # a CUDA machine, no GPU given
+    assert actor_device(["3"], cuda_available=True, role="learner rank 0") == "cuda"
+    with pytest.raises(NoCudaError, match=r"learner rank 1 was given GPU\(s\) \['0'\].*RLPOST_EXTRA=cuda.*"
+                                          r"cluster.gpus_per_learner=0"):
+        actor_device(["0"], cuda_available=False, role="learner rank 1")
+    assert collective_backend("cuda") == "nccl" and collective_backend("cpu") == "gloo"
+    # the weight-sync group: NCCL only when learner rank 0 and every rollout worker hold a GPU
+    assert sync_backend(["cuda", "cuda", "cuda"]) == "nccl"
+    assert sync_backend(["cuda", "cpu"]) == "gloo" and sync_backend(["cpu", "cpu"]) == "gloo"
+
+
+@pytest.fixture(scope="module")
+def logical_gpus():
+    """A local Ray with 2 logical GPUs and our actor environment (as launch.train starts it)."""
+    import ray
+
+    saved = os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # else Ray maps its ids through it
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, runtime_env={"env_vars": GPU_VISIBILITY_ENV})
+    yield ray
+    ray.shutdown()
+    if saved is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def _spec():
+    from tests.conftest import compose_config
+    from trainer.learner import LearnerSpec
+
+    return LearnerSpec.from_config(compose_config([]))
+
+
+@pytest.mark.slow
+def test_roles_see_only_the_gpus_they_were_given(logical_gpus):
+    """Two learner-like actors with a GPU each see one different GPU; a role given none (the
+    learner on CPU, a reward worker, a sandbox) sees none, instead of every GPU of the node."""
+    ray = logical_gpus
+
+    @ray.remote(num_cpus=0.5)
+    def visible() -> tuple[str | None, list]:
+        return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids()
+
+    one = [visible.options(num_gpus=1).remote() for _ in range(2)]
+    seen = ray.get(one)
+    assert sorted(v for v, _ in seen) == ["0", "1"], seen
+    assert ray.get(visible.remote()) == ("", [])
+
+    from trainer.learner import LearnerWorker
+
+    cpu_rank = ray.remote(LearnerWorker).options(num_cpus=0.5, num_gpus=0).remote(_spec(), 0, 1)
+    where = ray.get(cpu_rank.where.remote())
+    assert where["device"] == "cpu" and where["gpus"] == [] and where["cuda_visible_devices"] == ""
+    ray.kill(cpu_rank)
+
+
+@pytest.mark.slow
+def test_a_role_given_a_gpu_without_cuda_fails_naming_the_fix(logical_gpus):
+    """On this CPU build of torch, a learner rank or rollout worker that Ray gave a GPU stops at
+    once with what to install or which setting to change (not a CUDA error deep in DeepSpeed)."""
+    ray = logical_gpus
+    from rollout.protocol import RolloutSpec
+    from rollout.worker import RolloutWorker
+    from tests.conftest import compose_config
+    from trainer.learner import LearnerWorker
+
+    rank = ray.remote(LearnerWorker).options(num_cpus=0.5, num_gpus=1).remote(_spec(), 1, 2)
+    with pytest.raises(ray.exceptions.RayActorError, match=r"learner rank 1 was given GPU\(s\) \['[01]'\]"):
+        ray.get(rank.where.remote())
+    worker = ray.remote(RolloutWorker).options(num_cpus=0.5, num_gpus=1).remote(
+        RolloutSpec.from_config(compose_config([])), 0)
+    with pytest.raises(ray.exceptions.RayActorError, match=r"rollout worker 0 was given GPU.*RLPOST_EXTRA=cuda"):
+        ray.get(worker.where.remote())
+
+
+@pytest.mark.parametrize("profile", ["ray_gpu", "local_gpu"])
+def test_gpu_profiles_set_what_a_gpu_wants(profile):
+    """`cluster=ray_gpu` / `cluster=local_gpu`: a GPU per role, bf16, CUDA graphs, a dedicated
+    engine's memory share near vLLM's default, DeepSpeed's persistence threshold, few host threads;
+    a key given on the command line still wins."""
+    from tests.conftest import compose_config
+
+    cfg = compose_config([f"cluster={profile}"])
+    assert cfg.cluster.gpus_per_learner == 1 and cfg.cluster.gpus_per_rollout_worker == 1
+    assert cfg.model.dtype == "bfloat16" and cfg.rollout.enforce_eager is False
+    assert cfg.rollout.gpu_memory_utilization == 0.85 and cfg.trainer.zero3_persistence_threshold == 100_000
+    assert cfg.cluster.threads_per_worker == 4 and (cfg.cluster.address == "auto") == (profile == "ray_gpu")
+    assert compose_config([f"cluster={profile}", "model.dtype=float32"]).model.dtype == "float32"

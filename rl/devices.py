@@ -26,8 +26,10 @@ def actor_device(gpu_ids: Sequence[object], cuda_available: bool, role: str) -> 
     if not gpu_ids:
         return "cpu"
     if not cuda_available:
+        import torch
+
         raise NoCudaError(
-            f"{role} was given GPU(s) {[str(g) for g in gpu_ids]} by Ray but torch {_torch_version()} cannot use CUDA "
+            f"{role} was given GPU(s) {[str(g) for g in gpu_ids]} by Ray but torch {torch.__version__} cannot use CUDA "
             "here: install the CUDA build (RLPOST_EXTRA=cuda bash launch/install.sh), or set "
             "cluster.gpus_per_learner=0 cluster.gpus_per_rollout_worker=0 to run on CPUs")
     return "cuda"
@@ -37,11 +39,3 @@ def collective_backend(device: str) -> str:
     """torch.distributed backend for tensors on `device`: NCCL for CUDA tensors, gloo for CPU."""
     return "nccl" if device == "cuda" else "gloo"
 
-
-def _torch_version() -> str:
-    try:
-        import torch
-
-        return torch.__version__
-    except ImportError:  # pragma: no cover - torch is a dependency
-        return "(not installed)"

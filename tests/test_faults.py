@@ -212,6 +212,18 @@ def test_rewards_that_all_fail_stop_the_run_with_the_error_and_a_summary(make_co
     assert latest(cfg.run.dir)[1].next_step == 3  # a fixed reward file resumes from here
 
 
+SLOW_EXACT_ANSWER = '''
+import time
+
+from reward.builtin import exact_answer as _exact_answer
+
+
+def exact_answer(prompts, completions, **kwargs):
+    time.sleep(1.0)
+    return _exact_answer(prompts, completions, **kwargs)
+'''
+
+
 def _critic_state(run_dir: str, step: int) -> dict:
     import glob
 
@@ -235,7 +247,12 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
     from rl.checkpoint import latest
     from rl.config import ConfigError
 
-    common = ["algorithm=ppo", "run.steps=4", "run.save_every=5", "run.save_final_model=true"]
+    # a reward that takes a second per step: the SIGTERM sent on "step 2/4" lands in step 3 on
+    # any host (a step takes 0.2 s otherwise: CI once saw the run end before the signal came)
+    slow_reward = tmp_path / "slow_reward.py"
+    slow_reward.write_text(SLOW_EXACT_ANSWER)
+    common = ["algorithm=ppo", "run.steps=4", "run.save_every=5", "run.save_final_model=true",
+              f'reward.functions=[{{fn: "{slow_reward}:exact_answer"}}, {{fn: "reward.builtin:format_number", weight: 0.1}}]']
     straight = make_config(*common, "task.prompts_per_step=8", f"run.dir={tmp_path}/straight")
     train(straight)
 

@@ -1,9 +1,13 @@
 """Where the actors of a run go, and where they landed.
 
-`make_placement` reserves one Ray placement group for the rollout workers and learner ranks (one
-bundle per actor: 1 CPU, plus `cluster.gpus_per_rollout_worker` / `cluster.gpus_per_learner`
-GPUs), spread over nodes as `cluster.placement` says, and gives each actor the options that put
-it in its bundle. Sandbox workers are not in it: they go to nodes advertising `sandbox.resource`.
+`make_placement` reserves one Ray placement group for the rollout workers and learner ranks,
+spread over nodes as `cluster.placement` says, and gives each actor the options that put it in
+its bundle. `cluster.placement_mode=disaggregated`: one bundle per actor (1 CPU, plus
+`cluster.gpus_per_rollout_worker` / `cluster.gpus_per_learner` GPUs). `hybrid`: one bundle per
+pair (2 CPUs and 1 GPU), rollout worker i and learner rank i both in bundle i, each asking Ray for
+half of its GPU: Ray gives two fractional requests of one bundle the same GPU instance, so the
+pair sees the same device (without the pairing, best-fit packing may put two rollout workers on
+one GPU). Sandbox workers are not in it: they go to nodes advertising `sandbox.resource`.
 
 `report_placement` prints where every actor landed, one line per role plus one naming the nodes
 (head, IP, CPUs/GPUs and custom resources such as `benchmark`), and writes `<run>/actors.json`
@@ -37,8 +41,9 @@ class RolePlacement:
 
     group: Any  # ray.util.placement_group.PlacementGroup
     strategy: str
-    rollout: list[dict[str, Any]]  # actor_options for RolloutFleet: worker i -> bundle i
-    learner: list[dict[str, Any]]  # actor_options for LearnerGroup: rank r -> bundle n_rollout + r
+    rollout: list[dict[str, Any]]  # actor_options for RolloutFleet: worker i -> its bundle
+    learner: list[dict[str, Any]]  # actor_options for LearnerGroup: rank r -> its bundle
+    mode: str = "disaggregated"  # cluster.placement_mode
 
     @property
     def id(self) -> str:
@@ -48,18 +53,26 @@ class RolePlacement:
         if role == "rollout":
             return index
         if role == "learner":
-            return len(self.rollout) + index
+            return index if self.mode == "hybrid" else len(self.rollout) + index
         return None
 
 
-def role_bundles(cfg: Any) -> list[dict[str, float]]:
-    """One bundle per rollout worker, then one per learner rank; each the resources its actor asks
-    for (build_components gives every rollout worker and learner rank 1 CPU)."""
+# Ray's GPU request of each actor of a hybrid pair: only what puts both on their bundle's GPU
+# (memory is shared in time: the engine sleeps while the learner trains, and the other way round).
+HYBRID_GPU_SHARE = 0.5
 
-    def bundle(gpus: float) -> dict[str, float]:
-        return {"CPU": 1.0, **({"GPU": float(gpus)} if gpus > 0 else {})}
+
+def role_bundles(cfg: Any) -> list[dict[str, float]]:
+    """Disaggregated: one bundle per rollout worker, then one per learner rank, each the resources
+    its actor asks for (build_components gives every rollout worker and learner rank 1 CPU).
+    Hybrid: one bundle per learner rank and its rollout worker (2 CPUs, their shared GPU)."""
+
+    def bundle(gpus: float, cpus: float = 1.0) -> dict[str, float]:
+        return {"CPU": cpus, **({"GPU": float(gpus)} if gpus > 0 else {})}
 
     c = cfg.cluster
+    if c.placement_mode == "hybrid":
+        return [bundle(1.0 if c.gpus_per_learner > 0 else 0.0, 2.0)] * cfg.trainer.num_workers
     return ([bundle(c.gpus_per_rollout_worker)] * cfg.rollout.num_workers
             + [bundle(c.gpus_per_learner)] * cfg.trainer.num_workers)
 
@@ -105,11 +118,15 @@ def _failure(cfg: Any, bundles: list[dict[str, float]], strategy: str, why: list
     have = ", ".join(f"{k} {free.get(k, 0.0):g} free of {total.get(k, 0.0):g}" for k in keys)
     waited_s = (f"not ready after {waited:.0f} s (run.start_timeout_s={cfg.run.start_timeout_s:g})"
                 if waited is not None else "cannot be placed")
+    if c.placement_mode == "hybrid":
+        shapes = f"{len(bundles)} x {{{_amounts(bundles[0])}}}, one per learner rank and its rollout worker"
+    else:
+        shapes = (f"{cfg.rollout.num_workers} x {{{_amounts(bundles[0])}}} + {cfg.trainer.num_workers} x "
+                  f"{{{_amounts(bundles[-1])}}}")
     lines = [
         f"the placement group of {cfg.rollout.num_workers} rollout worker(s) and {cfg.trainer.num_workers} "
         f"learner rank(s) {waited_s}: it needs {len(bundles)} bundles "
-        f"({cfg.rollout.num_workers} x {{{_amounts(bundles[0])}}} + {cfg.trainer.num_workers} x "
-        f"{{{_amounts(bundles[-1])}}}, strategy {strategy}); the cluster has {have} "
+        f"({shapes}, strategy {strategy}); the cluster has {have} "
         f"({'; '.join(why) if why else 'other actors hold the rest'})."]
     if c.address:
         gpus = max(c.gpus_per_rollout_worker, c.gpus_per_learner)
@@ -151,12 +168,16 @@ def make_placement(cfg: Any, log: Callable[[str], None] = print) -> RolePlacemen
                 f"giving up after run.start_timeout_s={deadline:g} s")
             told = True
 
-    def options(index: int) -> dict[str, Any]:
-        return {"scheduling_strategy": PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)}
+    def options(index: int, gpus: float | None = None) -> dict[str, Any]:
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index)
+        return {"scheduling_strategy": strategy, **({"num_gpus": gpus} if gpus is not None else {})}
 
-    n = cfg.rollout.num_workers
-    return RolePlacement(group, strategy, [options(i) for i in range(n)],
-                         [options(n + r) for r in range(cfg.trainer.num_workers)])
+    n, m = cfg.rollout.num_workers, cfg.trainer.num_workers
+    if cfg.cluster.placement_mode == "hybrid":
+        share = HYBRID_GPU_SHARE if cfg.cluster.gpus_per_learner > 0 else None
+        return RolePlacement(group, strategy, [options(i, share) for i in range(n)],
+                             [options(r, share) for r in range(m)], mode="hybrid")
+    return RolePlacement(group, strategy, [options(i) for i in range(n)], [options(n + r) for r in range(m)])
 
 
 def describe_node(node: dict[str, Any]) -> dict[str, Any]:
@@ -209,8 +230,12 @@ def report_placement(run_dir: str, fleet, learner, rewards, sandboxes,
     if placement is not None:
         n, m = len(placement.rollout), len(placement.learner)
         span = lambda a, b: f"bundle {a}" if a == b else f"bundles {a}-{b}"  # noqa: E731
-        say(f"Placement group {placement.id} ({placement.strategy}): rollout workers in {span(0, n - 1)}, "
-            f"learner ranks in {span(n, n + m - 1)}")
+        if placement.mode == "hybrid":
+            say(f"Placement group {placement.id} ({placement.strategy}, hybrid): rollout worker i and learner "
+                f"rank i share bundle i ({span(0, m - 1)})")
+        else:
+            say(f"Placement group {placement.id} ({placement.strategy}): rollout workers in {span(0, n - 1)}, "
+                f"learner ranks in {span(n, n + m - 1)}")
     for role, places in roles:
         spots = []
         for i, w in enumerate(places):

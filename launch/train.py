@@ -18,6 +18,7 @@ from examples import ensure_builtin
 from launch.cli import INPUT_ERRORS, fail, require_model, require_writable
 from launch.console import quiet_driver
 from launch.plan import preflight  # the memory plan (rl/memory_plan.py), checked before Ray starts
+from rl.colocation import GpuHandover
 from rl.config import ConfigError, TrainConfig, validate
 from rl.devices import GPU_VISIBILITY_ENV
 
@@ -43,15 +44,20 @@ def require_local_gpus(cfg: DictConfig) -> None:
     """GPUs asked of this machine (no cluster.address) exist: otherwise Ray would wait for them
     until run.start_timeout_s, or an actor would fail deep in CUDA."""
     c = cfg.cluster
-    need = c.gpus_per_learner * cfg.trainer.num_workers + c.gpus_per_rollout_worker * cfg.rollout.num_workers
+    if c.placement_mode == "hybrid":  # a learner rank and its rollout worker share one
+        need = c.gpus_per_learner * cfg.trainer.num_workers
+        asked = (f"cluster.placement_mode=hybrid with cluster.gpus_per_learner={c.gpus_per_learner:g} x "
+                 f"trainer.num_workers={cfg.trainer.num_workers} = {need:g} GPUs")
+    else:
+        need = c.gpus_per_learner * cfg.trainer.num_workers + c.gpus_per_rollout_worker * cfg.rollout.num_workers
+        asked = (f"cluster.gpus_per_learner={c.gpus_per_learner:g} x trainer.num_workers={cfg.trainer.num_workers} + "
+                 f"cluster.gpus_per_rollout_worker={c.gpus_per_rollout_worker:g} x rollout.num_workers="
+                 f"{cfg.rollout.num_workers} = {need:g} GPUs")
     if c.address or need <= 0:
         return
     import torch
 
     have = torch.cuda.device_count()
-    asked = (f"cluster.gpus_per_learner={c.gpus_per_learner:g} x trainer.num_workers={cfg.trainer.num_workers} + "
-             f"cluster.gpus_per_rollout_worker={c.gpus_per_rollout_worker:g} x rollout.num_workers="
-             f"{cfg.rollout.num_workers} = {need:g} GPUs")
     if have == 0:
         raise ConfigError(f"{asked}, but torch {torch.__version__} sees no GPU on this machine: on a GPU machine "
                           "install the CUDA build (RLPOST_EXTRA=cuda bash launch/install.sh), or set both "
@@ -176,6 +182,9 @@ def build_components(cfg: TrainConfig, log=print):
     fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
                          env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log,
                          wait=False)  # the engines start while the learner does
+    if c.placement_mode == "hybrid":  # ...except on a shared GPU: vLLM sizes its share from the free memory
+        fleet.wait_started()          # it measures at start, and the learner then needs the engines asleep
+        fleet.sleep(1)                # (level 1 keeps their weights: no sync comes before the first rollout)
     learner = LearnerGroup(LearnerSpec.from_config(cfg, threads), cfg.trainer.num_workers, num_cpus=1,
                            num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
                            weight_sync_method=cfg.trainer.weight_sync, actor_options=placement.learner,
@@ -387,20 +396,24 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement,
                              episodes.envs if episodes else None)
             in_flight = None
+            handover = GpuHandover.of(config, fleet, learner)  # who holds the GPUs (rl/colocation.py)
             if resume_from is not None:
                 path, state = resume_from
                 learner.load_checkpoint(os.path.join(path, "learner"))
+                handover.to_sync()
                 learner.sync_weights(fleet, state.policy_version)  # engines started from model.path
                 in_flight = checkpoint.load_in_flight(path)
                 ahead = f" ({len(in_flight)} batch(es) generated ahead kept)" if in_flight else ""
                 log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}{ahead}")
+            handover.to_rollout()
             run_loop(config, pad_id_of(tokenizer), data, fleet, rewards, learner, log, start_step=start_step,
                      kl_state=kl_state, stop=stop, in_flight=in_flight, episodes=episodes, eval_data=eval_data)
             summary = reward_trend(read_metrics(cfg.run.dir))
             if cfg.run.save_final_model:
                 final = os.path.join(cfg.run.dir, "final_model")
                 adapter = os.path.join(cfg.run.dir, "final_adapter") if cfg.model.lora.rank > 0 else None
-                learner.save_pretrained(final, adapter)  # with LoRA: merged, and the adapters alone
+                with handover.learner_resident():
+                    learner.save_pretrained(final, adapter)  # with LoRA: merged, and the adapters alone
                 tokenizer.save_pretrained(final)
                 summary["final_model"] = final
                 if adapter:

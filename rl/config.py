@@ -102,6 +102,9 @@ class RolloutConfig:
     sleep_between_steps: bool = False  # free rollout memory while the learner trains (GPU colocate)
     max_restarts: int = 3  # dead or hung rollout workers replaced per run (then the run stops)
     max_retries: int = 2  # times a worker's unfinished requests are sent again after it failed
+    # GPUs (vLLM worker processes) per engine, each holding a shard of the model; with GPUs set
+    # cluster.gpus_per_rollout_worker to the same number (vllm backend only)
+    tensor_parallel_size: int = 1
 
 
 @dataclass
@@ -164,7 +167,9 @@ class TrainerConfig:
     offload_optimizer: bool = False
     ref_offload: bool = False  # keep the frozen reference model's weights on CPU (ZeRO-3 param offload)
     zero3_persistence_threshold: int = 0  # DeepSpeed's 1e5 keeps small tensors whole; 0 shards all
-    weight_sync: str = "collective"  # collective (gloo/NCCL broadcast) | object_store (Ray)
+    # collective (gloo/NCCL broadcast) | object_store (Ray) | ipc (CUDA IPC on a shared GPU, with
+    # cluster.placement_mode=hybrid: vLLM's ipc weight-transfer engine)
+    weight_sync: str = "collective"
     logprob_warn_threshold: float = 0.05  # warn when learner and rollout log-probs differ more
 
 
@@ -178,6 +183,10 @@ class ClusterConfig:
     # How the placement group of the rollout workers and learner ranks (one bundle each) spreads
     # over nodes: pack (as few nodes as possible) | spread | strict_pack (one node) | strict_spread
     placement: str = "pack"
+    # disaggregated: rollout workers and learner ranks on GPUs of their own | hybrid: learner rank i
+    # and rollout worker i share one GPU (one bundle each pair; the engine sleeps while the
+    # learner trains, the learner offloads its states while the engine generates)
+    placement_mode: str = "disaggregated"
     peak_tflops: float = 0.0  # per device, for MFU; 0 = the learner measures its matmul peak at start
     price_per_device_hour: float = 0.0  # for the per-step cost metric (cost/step_usd); 0 = not shown
     # Preflight memory plan (rl/memory_plan.py, `python -m launch.plan`): launch.train refuses a run
@@ -255,9 +264,10 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "model.dtype": ("float32", "bfloat16"),
     "rollout.backend": ("vllm", "hf"),
     "trainer.zero_stage": (0, 1, 2, 3),
-    "trainer.weight_sync": ("collective", "object_store"),
+    "trainer.weight_sync": ("collective", "object_store", "ipc"),
     "sandbox.backend": ("process", "docker", "unsafe_local"),
     "cluster.placement": ("pack", "spread", "strict_pack", "strict_spread"),
+    "cluster.placement_mode": ("disaggregated", "hybrid"),
 }
 
 _POSITIVE = (
@@ -284,6 +294,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "rollout.kv_cache_gib": (0, False, None, "1"),
     "rollout.max_restarts": (0, True, None, "3"),
     "rollout.max_retries": (0, True, None, "2"),
+    "rollout.tensor_parallel_size": (1, True, None, "1 (or the GPUs one engine spans, e.g. 2)"),
     "reward.timeout_s": (0, False, None, "60"),
     "reward.max_failed_steps": (1, True, None, "3"),
     "sandbox.num_workers": (0, True, None, "0 (jobs run in the reward worker) or 2"),
@@ -369,6 +380,68 @@ def raise_errors(errors: list[str]) -> None:
         raise ConfigError("Invalid config:\n  - " + "\n  - ".join(errors))
 
 
+def _placement_mode_errors(cfg: Any) -> list[str]:
+    """What hybrid placement (a learner rank and a rollout worker on each GPU) and the CUDA IPC
+    weight sync it enables need."""
+    c, r, t = cfg.cluster, cfg.rollout, cfg.trainer
+    errors = []
+    if t.weight_sync == "ipc" and c.placement_mode != "hybrid":
+        errors.append("trainer.weight_sync=ipc shares GPU memory between a learner rank and the rollout worker on "
+                      "its GPU: set cluster.placement_mode=hybrid, or use trainer.weight_sync=collective")
+    if c.placement_mode != "hybrid":
+        return errors
+    tp = r.tensor_parallel_size
+    if r.num_workers * tp != t.num_workers:
+        errors.append(f"cluster.placement_mode=hybrid pairs each learner rank with a rollout engine on its GPU: "
+                      f"rollout.num_workers={r.num_workers} must equal trainer.num_workers={t.num_workers}"
+                      + (f" / rollout.tensor_parallel_size={tp}" if tp > 1 else ""))
+    if tp > 1:
+        errors.append(f"rollout.tensor_parallel_size={tp} with cluster.placement_mode=hybrid is not supported yet: "
+                      "use cluster.placement_mode=disaggregated for tensor-parallel rollouts")
+    if c.gpus_per_learner != c.gpus_per_rollout_worker or c.gpus_per_learner not in (0, 1):
+        errors.append(f"cluster.placement_mode=hybrid: a learner rank and its rollout worker share one GPU, so "
+                      f"cluster.gpus_per_learner={c.gpus_per_learner:g} and cluster.gpus_per_rollout_worker="
+                      f"{c.gpus_per_rollout_worker:g} must both be 1 (or both 0 on CPUs); Ray gives each half of it")
+    on_gpu = c.gpus_per_learner > 0
+    if on_gpu and t.weight_sync == "collective":
+        errors.append("trainer.weight_sync=collective cannot join two processes on one GPU (NCCL refuses them) in "
+                      "cluster.placement_mode=hybrid: set trainer.weight_sync=ipc")
+    if on_gpu and not r.sleep_between_steps:
+        errors.append("cluster.placement_mode=hybrid needs rollout.sleep_between_steps=true: the engine frees the "
+                      "GPU while its learner rank trains")
+    if t.weight_sync == "ipc" and not on_gpu:
+        errors.append("trainer.weight_sync=ipc moves weights by CUDA IPC: it needs cluster.gpus_per_learner=1 and "
+                      "cluster.gpus_per_rollout_worker=1 (on CPUs use trainer.weight_sync=collective)")
+    if t.weight_sync == "ipc" and cfg.model.lora.rank > 0:
+        errors.append("trainer.weight_sync=ipc sends full weights, not LoRA adapters: set trainer.weight_sync="
+                      "object_store with model.lora")
+    if t.weight_sync == "ipc" and r.backend != "vllm":
+        errors.append(f"trainer.weight_sync=ipc loads through vLLM's weight-transfer engine: rollout.backend="
+                      f"{r.backend} cannot take it, use rollout.backend=vllm")
+    return errors
+
+
+def _tensor_parallel_errors(cfg: Any) -> list[str]:
+    """A tensor-parallel engine holds one whole GPU per TP rank (vLLM's workers, one per rank, in
+    the rollout actor's bundle); one GPU or a share of one is an engine without tensor parallelism."""
+    r, gpus = cfg.rollout, cfg.cluster.gpus_per_rollout_worker
+    tp = r.tensor_parallel_size
+    if tp < 1:  # reported by the range check
+        return []
+    errors = []
+    if (gpus > 1 or tp > 1) and gpus not in (0, tp):
+        fix = (f"set cluster.gpus_per_rollout_worker={tp} (or 0 on CPUs)" if tp > 1 else
+               "set cluster.gpus_per_rollout_worker=1 and raise rollout.num_workers to use more GPUs"
+               + (f", or rollout.tensor_parallel_size={gpus:g} for one engine over {gpus:g} GPUs"
+                  if gpus == int(gpus) else ""))
+        errors.append(f"cluster.gpus_per_rollout_worker={gpus:g} with rollout.tensor_parallel_size={tp}: a rollout "
+                      f"engine holds one whole GPU per tensor-parallel rank; {fix}")
+    if tp > 1 and r.backend != "vllm":
+        errors.append(f"rollout.tensor_parallel_size={tp} needs rollout.backend=vllm (rollout.backend={r.backend} "
+                      "generates on one device): set rollout.backend=vllm or rollout.tensor_parallel_size=1")
+    return errors
+
+
 def validate(cfg: Any) -> None:
     """Raise ConfigError listing every bad field of a merged TrainConfig, with the fix."""
     check_schema(cfg)
@@ -394,13 +467,13 @@ def validate(cfg: Any) -> None:
             "prompt; set rollout.n=8 (or another value >= 2)"
         )
     c = cfg.cluster
-    for key, value, fix in (("cluster.gpus_per_learner", c.gpus_per_learner,
-                             "a learner rank computes on one GPU: raise trainer.num_workers to use more"),
-                            ("cluster.gpus_per_rollout_worker", c.gpus_per_rollout_worker,
-                             "a rollout engine uses one GPU (no tensor parallelism yet): raise rollout.num_workers")):
-        if value > 1:
-            errors.append(f"{key}={value:g}: at most 1; {fix}")
-    if 0 < c.gpus_per_learner < 1 and 0 < c.gpus_per_rollout_worker < 1 and cfg.trainer.weight_sync == "collective":
+    if c.gpus_per_learner > 1:
+        errors.append(f"cluster.gpus_per_learner={c.gpus_per_learner:g}: at most 1; a learner rank computes on one "
+                      "GPU: raise trainer.num_workers to use more")
+    errors += _tensor_parallel_errors(cfg)
+    errors += _placement_mode_errors(cfg)
+    if c.placement_mode == "disaggregated" and 0 < c.gpus_per_learner < 1 and 0 < c.gpus_per_rollout_worker < 1 \
+            and cfg.trainer.weight_sync == "collective":
         errors.append(f"cluster.gpus_per_learner={c.gpus_per_learner:g} and cluster.gpus_per_rollout_worker="
                       f"{c.gpus_per_rollout_worker:g} put a learner and a rollout worker on one GPU, where NCCL "
                       "refuses two members of the weight-sync group: set trainer.weight_sync=object_store, "

@@ -39,3 +39,15 @@ def collective_backend(device: str) -> str:
     """torch.distributed backend for tensors on `device`: NCCL for CUDA tensors, gloo for CPU."""
     return "nccl" if device == "cuda" else "gloo"
 
+
+
+def local_device_index(gpu_ids: Sequence[object], environ: dict[str, str]) -> int:
+    """The CUDA index of an actor's GPU inside its process (DeepSpeed's LOCAL_RANK): 0, since Ray
+    sets CUDA_VISIBLE_DEVICES to the actor's own GPU, unless told not to
+    (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES): then every GPU of the node is visible and the
+    actor's is the one Ray assigned."""
+    if gpu_ids and environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"):
+        visible = [v for v in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v]
+        first = str(gpu_ids[0])
+        return visible.index(first) if first in visible else int(first)
+    return 0

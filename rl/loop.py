@@ -22,6 +22,7 @@ import torch
 from rl import checkpoint
 from rl.advantages import group_success_stats
 from rl.batch import build_train_batch
+from rl.colocation import GpuHandover
 from rl.dapo import informative_groups, overlong_penalty
 from rl.data import PromptDataset
 from rl.config import AlgorithmConfig, TrainConfig
@@ -38,8 +39,8 @@ from rl.types import GenerationRequest, Sample, ScoredSample, TrainBatch
 
 class Fleet(Protocol):
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]: ...
-    def sleep(self) -> None: ...
-    def wake(self) -> None: ...
+    def sleep(self, level: int | None = None) -> None: ...
+    def wake(self, tags: tuple[str, ...] | None = None) -> None: ...
 
 
 class Rewards(Protocol):
@@ -51,6 +52,8 @@ class Learner(Protocol):
     def train_step(self, batch: TrainBatch, step: int, kl_coef: float) -> dict[str, float]: ...
     def sync_weights(self, fleet: Fleet, version: int) -> float: ...
     def save_checkpoint(self, path: str) -> None: ...
+    def offload(self, keep_weights: bool = False) -> None: ...
+    def onload(self) -> None: ...
 
 
 def make_kl_controller(a: AlgorithmConfig):
@@ -182,17 +185,20 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
     pipeline = RolloutPipeline(lambda s: collect(cfg, data, sampler, s), a.off_policy_steps, run.steps,
                                in_flight) if a.off_policy_steps else None
 
+    handover = GpuHandover.of(cfg, sampler.fleet, learner)
+
     def save(next_step: int, with_in_flight: bool = True) -> None:
         ahead = pipeline.in_flight() if pipeline and with_in_flight else {}
-        checkpoint.save(log.run_dir, checkpoint.LoopState(next_step, version, kl_ctrl.to_dict()),
-                        learner.save_checkpoint, run.keep_checkpoints, in_flight=ahead)
+        with handover.learner_resident() if with_in_flight else nullcontext():  # (else the fleet is broken)
+            checkpoint.save(log.run_dir, checkpoint.LoopState(next_step, version, kl_ctrl.to_dict()),
+                            learner.save_checkpoint, run.keep_checkpoints, in_flight=ahead)
 
     try:
         for step in range(start_step, run.steps):
             evaluated = evaluate(cfg.eval, eval_data, sampler.generate, sampler.score) \
                 if eval_data is not None and due(cfg.eval, step) else {}
             metrics, scored = _step(cfg, pad_id, data, sampler, learner, log, step, version, kl_ctrl,
-                                    pipeline, save, evaluated)
+                                    pipeline, save, evaluated, handover)
             version += 1
             history.append(metrics)
             done = step + 1
@@ -219,7 +225,7 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
 
 def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, learner: Learner,
           log: RunLog, step: int, version: int, kl_ctrl, pipeline: RolloutPipeline | None,
-          save, evaluated: dict[str, float]) -> tuple[dict[str, float], list[ScoredSample]]:
+          save, evaluated: dict[str, float], handover: GpuHandover) -> tuple[dict[str, float], list[ScoredSample]]:
     """One step trained at policy `version`: its batch (made now, or ahead by the pipeline),
     scores, advantages, the update, the weight sync; logs and returns its metrics (with the
     evaluation made before it, `evaluated`) and samples."""
@@ -236,8 +242,7 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, 
     batch = build_train_batch(scored, pad_id, version, mask_truncated=a.mask_truncated,
                               max_staleness=a.off_policy_steps)
     try:
-        if cfg.rollout.sleep_between_steps:
-            fleet.sleep()
+        handover.to_learner()  # engines free the GPU for the learner (rl/colocation.py)
         batch = learner.score(batch)
         t_score = time.perf_counter()
         kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
@@ -246,14 +251,15 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, 
         batch.advantages, batch.returns = est.advantages, est.returns
         train_metrics = learner.train_step(batch, step, kl_coef)
         t_train = time.perf_counter()
-        if cfg.rollout.sleep_between_steps:
-            fleet.wake()
+        handover.to_sync()  # both sides hold just their weights
         with pipeline.between_batches() if pipeline else nullcontext():
             t_hold = time.perf_counter()
             sent = learner.sync_weights(fleet, version + 1)
+            t_sync = time.perf_counter()
+        handover.to_rollout()
     except ActorFailure as err:
         raise err.at_step(step) from None
-    t_sync = time.perf_counter()
+    t_end = time.perf_counter()
     measured_kl = est.metrics.get("actor/kl_in_reward_nats", train_metrics.get("actor/kl_nats"))
     if measured_kl is not None:
         kl_ctrl.update(measured_kl, len(scored))
@@ -276,11 +282,11 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, 
         "time/score_s": t_score - t_rew,
         "time/train_s": t_train - t_score,
         "time/sync_s": t_sync - t_hold,
-        "time/step_s": t_sync - t0,
+        "time/step_s": t_end - t0,
         "policy/version_count": float(version + 1),
         "policy/staleness_mean": statistics.fmean(behind),
         "policy/staleness_max": float(max(behind)),
-        **_cost_metrics(cfg, train_metrics, t_train - t_rew, t_sync - t0),
+        **_cost_metrics(cfg, train_metrics, t_train - t_rew, t_end - t0),
         **_episode_metrics(samples),
         **evaluated,
     }

@@ -148,6 +148,10 @@ class ModelShape:
         shapes = self.linear_shapes()
         return self.layers * sum(rank * (shapes[t][0] + shapes[t][1]) for t in targets if t in shapes)
 
+    def largest_tensor_bytes(self, dtype_bytes: int) -> int:
+        """The biggest single weight: the embedding (or LM head) or an MLP projection."""
+        return max(self.vocab * self.hidden, self.hidden * self.intermediate) * dtype_bytes
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """KV cache of one token: a key and a value per layer and KV head."""
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -189,6 +193,7 @@ class Settings:
     off_policy_steps: int = 0
     backend: str = "vllm"
     rollout_workers: int = 1
+    tensor_parallel_size: int = 1  # GPUs (processes) per rollout engine: weights and KV cache split over them
     prompts_per_step: int = 32
     n: int = 8
     max_new_tokens: int = 8
@@ -200,6 +205,7 @@ class Settings:
     reward_workers: int = 1
     gpus_per_learner: float = 0.0
     gpus_per_rollout_worker: float = 0.0
+    hybrid: bool = False  # cluster.placement_mode=hybrid: learner rank i and rollout worker i share a GPU
     memory_gib: float = 0.0  # host RAM of the machine the roles share (0: the caller detects it)
     gpu_memory_gib: float = 0.0  # per device; 0 = unknown
     peak_tflops: float = 0.0
@@ -227,13 +233,14 @@ class Settings:
             ref_offload=bool(t.ref_offload), kl_coef=float(a.kl_coef), critic=bool(a.critic),
             entropy=a.entropy_coef > 0 or fused_old, mini_batches=a.mini_batches, ppo_epochs=a.ppo_epochs,
             recompute_old_logprobs=not fused_old, off_policy_steps=a.off_policy_steps, backend=r.backend,
-            rollout_workers=r.num_workers, prompts_per_step=cfg.task.prompts_per_step, n=r.n,
+            rollout_workers=r.num_workers, tensor_parallel_size=int(r.tensor_parallel_size),
+            prompts_per_step=cfg.task.prompts_per_step, n=r.n,
             max_new_tokens=r.max_new_tokens, max_turns=cfg.task.max_turns if cfg.task.env else 1,
             max_model_len=r.max_model_len, kv_cache_gib=float(r.kv_cache_gib),
             gpu_memory_utilization=float(r.gpu_memory_utilization), sleep_between_steps=bool(r.sleep_between_steps),
             reward_workers=cfg.reward.num_workers if cfg.reward.functions else 0,
             gpus_per_learner=float(c.gpus_per_learner), gpus_per_rollout_worker=float(c.gpus_per_rollout_worker),
-            memory_gib=float(c.memory_gib), gpu_memory_gib=float(c.gpu_memory_gib),
+            hybrid=c.placement_mode == "hybrid", memory_gib=float(c.memory_gib), gpu_memory_gib=float(c.gpu_memory_gib),
             peak_tflops=float(c.peak_tflops), price_per_device_hour=float(c.price_per_device_hour))
 
     @property
@@ -413,9 +420,9 @@ def learner_role(shape: ModelShape, s: Settings) -> Role:
 
 def rollout_role(shape: ModelShape, s: Settings, device_bytes: float = 0.0) -> tuple[Role, list[str]]:
     """One rollout worker and the problems that stop its engine from starting."""
-    w = s.dtype_bytes
-    weights = shape.params() * w
-    per_token = shape.kv_bytes_per_token(w)
+    w, tp = s.dtype_bytes, s.tensor_parallel_size
+    weights = shape.params() * w / tp  # one TP worker's shard (per GPU)
+    per_token = shape.kv_bytes_per_token(w) / tp
     seqs = -(-s.samples_per_step // s.rollout_workers)
     demand = per_token * seqs * s.max_model_len
     problems, notes = [], []
@@ -464,7 +471,9 @@ def rollout_role(shape: ModelShape, s: Settings, device_bytes: float = 0.0) -> t
         host["process runtime"] = runtime
     else:
         parts["process runtime (torch, vLLM, Ray)" if s.backend == "vllm" else "process runtime"] = runtime
-    return Role("rollout", s.rollout_workers, "gpu" if on_gpu else "cpu", parts, host, notes, cache), problems
+    if tp > 1:
+        notes.append(f"per TP worker: {tp} per engine, each holding 1/{tp} of the weights and KV cache")
+    return Role("rollout", s.rollout_workers * tp, "gpu" if on_gpu else "cpu", parts, host, notes, cache), problems
 
 
 def step_estimate(shape: ModelShape, s: Settings) -> tuple[float, float, str]:
@@ -516,7 +525,13 @@ def make_plan(shape: ModelShape, s: Settings, host_bytes: float, gpu_bytes: floa
         others[f"reward worker runtime x{s.reward_workers}"] = REWARD_WORKER_RUNTIME_GIB * GIB * s.reward_workers
     roles.append(Role("driver, Ray, rewards", 1, "cpu", others))
     checks = []
-    if s.on_gpu:
+    if s.on_gpu and s.hybrid:
+        checks += _hybrid_checks(shape, s, learner, rollout, gpu_bytes)
+        host_need = sum(r.host_per_process * r.count for r in roles) + sum(
+            r.per_process * r.count for r in roles if r.device == "cpu")
+        host_need += learner.per_process * learner.count  # offloaded while the engines generate
+        checks.append(Check("host RAM (offloaded learner states, runtimes, CPU roles)", host_need, host_bytes))
+    elif s.on_gpu:
         if s.gpus_per_learner > 0:
             share = min(1.0, s.gpus_per_learner)
             if s.gpus_per_rollout_worker > 0 and s.gpus_per_learner + s.gpus_per_rollout_worker <= 1 \
@@ -536,10 +551,29 @@ def make_plan(shape: ModelShape, s: Settings, host_bytes: float, gpu_bytes: floa
     seconds, peak, source = step_estimate(shape, s)
     if not math.isnan(seconds):
         plan.step_s, plan.peak_tflops = seconds, peak
-        devices = s.learners + s.rollout_workers
+        devices = s.learners + s.rollout_workers * s.tensor_parallel_size
         plan.step_usd = seconds / 3600.0 * devices * s.price_per_device_hour if s.price_per_device_hour else None
     plan.peak_source = source
     return plan
+
+
+def _hybrid_checks(shape: ModelShape, s: Settings, learner: Role, rollout: Role, gpu_bytes: float) -> list[Check]:
+    """A learner rank and an engine on one GPU (rl/colocation.py): each phase of the hand-over
+    must fit the card. The learner trains beside the engine's CUDA context (asleep, its weights
+    and KV cache dropped); the engine takes its share beside the learner's context (offloaded);
+    during the sync both hold their weights, plus the CUDA IPC staging buffer."""
+    from rl.weight_sync import IPC_BUFFER_BYTES
+
+    context = GPU_RUNTIME_GIB * GIB
+    weights = shape.params() * s.dtype_bytes
+    engine_share = s.gpu_memory_utilization * gpu_bytes if gpu_bytes else 0.0
+    capacity = gpu_bytes
+    return [
+        Check("learner rank on the shared GPU (engine asleep)", learner.per_process + context, capacity),
+        Check("rollout engine on the shared GPU (learner offloaded)", engine_share + context, capacity),
+        Check("weight sync on the shared GPU (both hold weights)",
+              2 * weights + max(IPC_BUFFER_BYTES, shape.largest_tensor_bytes(s.dtype_bytes)) + 2 * context, capacity),
+    ]
 
 
 # ---- fixes ---------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -33,6 +33,10 @@ import torch
 # cost (~0.4 ms with gloo on one machine) is a few percent of its transfer, small enough that the
 # two buckets a receiver holds (and the one ZeRO-3 gathers on the learner) stay far below a model.
 BUCKET_BYTES = 16 * 1024 * 1024
+# CUDA IPC sync (trainer/ipc_sync.py): the staging buffer each learner rank copies a chunk of
+# weights into. vLLM's default is 1 GiB; on a GPU shared with an engine a quarter does (a tensor
+# larger than this gets a buffer of its own size: a chunk holds at least one tensor).
+IPC_BUFFER_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -77,45 +81,59 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def init_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0):
+@dataclass
+class SyncGroup:
+    """A weight-sync process group, and how long one broadcast may wait for its peers."""
+
+    pg: Any  # torch's ProcessGroupGloo / ProcessGroupNCCL backend
+    wait_timeout: timedelta
+
+    def broadcast(self, flat: torch.Tensor) -> None:
+        """Broadcast `flat` from rank 0 and return once it has happened here. NCCL's plain
+        `wait()` only orders the current CUDA stream after the broadcast: a peer that stopped
+        would leave the caller reporting success while its stream hangs, and every later kernel
+        (the next sync, a training step) queued behind it. With a timeout `wait` blocks this
+        thread until the broadcast completes or raises at the timeout; the stream is then
+        synchronized, so timings measure the transfer and a bucket buffer is reused only once sent."""
+        self.pg.broadcast(flat, root=0).wait(self.wait_timeout)
+        if flat.is_cuda:
+            torch.cuda.current_stream(flat.device).synchronize()
+
+    def abort(self) -> None:
+        """Tear the communicator down (NCCL: ncclCommAbort, which ends a broadcast stuck on a
+        lost peer and frees its GPU memory) instead of leaving it to the garbage collector. A gloo
+        member blocked in a broadcast is not released by this (measured): it fails at its timeout."""
+        try:
+            self.pg.abort()
+        except Exception:  # noqa: BLE001 - already broken or closed: nothing more to free
+            pass
+
+
+def init_group(host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float = 600.0) -> SyncGroup:
     """Join the weight-sync group; every member calls this with the same host/port/size. Rank 0
-    hosts the TCP store. A peer that is gone or stuck fails a collective after `timeout_s`."""
+    hosts the TCP store. A broadcast whose peer is gone or stuck raises after `timeout_s`; NCCL's
+    own watchdog (which ends the process) is set to twice that, so the error comes first and the
+    group can be aborted and made again."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
     prefixed = dist.PrefixStore(f"rlpost-weight-sync-{port}", store)
     if backend == "gloo":
-        group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     elif backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        group = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        options._timeout = 2 * timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     else:
         raise ValueError(f"weight-sync backend {backend!r}: choose gloo or nccl")
-    return group
+    return SyncGroup(pg, timeout)
 
 
-def close_group(group) -> None:
-    """Abort a weight-sync group that is being replaced: its communicator (an NCCL one holds GPU
-    memory and may still have a broadcast queued behind a stopped peer) is torn down instead of
-    left for the garbage collector. (A gloo member already blocked in a broadcast is not released
-    by this: it fails at the group's timeout, measured here.)"""
-    if group is None:
-        return
-    try:
+def close_group(group: SyncGroup | None) -> None:
+    """Abort a weight-sync group that is being replaced (None: there is none yet)."""
+    if group is not None:
         group.abort()
-    except Exception:  # noqa: BLE001 - already broken or closed: nothing more to free
-        pass
-
-
-def _complete(work, flat: torch.Tensor) -> None:
-    """Wait for a broadcast to have happened. With NCCL `wait()` only orders the current CUDA
-    stream after it: the stream is synchronized too, so the sync's timings measure the transfer
-    (not its queuing) and a bucket buffer is reused only once it has been sent."""
-    work.wait()
-    if flat.is_cuda:
-        torch.cuda.current_stream(flat.device).synchronize()
 
 
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -164,7 +182,7 @@ def send(group, tensors_by_bucket: Iterable[list[torch.Tensor]]) -> None:
             flat = _buffer("send", 0, max(total, BUCKET_BYTES // first.element_size()), first.dtype, first.device)
             flat = flat[:total]
             torch.cat([t.reshape(-1) for t in tensors], out=flat)
-        _complete(group.broadcast(flat, root=0), flat)
+        group.broadcast(flat)
         del flat
 
 
@@ -197,7 +215,7 @@ def receive(group, metas: list[WeightMeta], device: str | torch.device = "cpu", 
         total = sum(metas[i].numel for i in bucket)
         started = time.perf_counter()
         flat = _buffer("receive", slot, max(total, limit // dtype.itemsize), dtype, device)[:total]
-        _complete(group.broadcast(flat, root=0), flat)
+        group.broadcast(flat)
         if stats is not None:
             stats["receive_s"] = stats.get("receive_s", 0.0) + time.perf_counter() - started
             stats["bytes"] = stats.get("bytes", 0.0) + flat.numel() * flat.element_size()

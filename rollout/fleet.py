@@ -10,7 +10,7 @@ import time
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from rl.faults import ActorFailure, Deadlines, first_line, hung
 from rl.types import GenerationRequest, Sample
@@ -88,9 +88,11 @@ class RolloutFleet:
         pid = self.where[i].get("pid")
         return f"rollout worker {i}" + (f" (pid {pid})" if pid else "")
 
-    def wait(self, refs: dict[int, Any], kind: str) -> tuple[dict[int, Any], dict[int, str]]:
+    def wait(self, refs: dict[int, Any], kind: str,
+             errors: dict[int, str] | None = None) -> tuple[dict[int, Any], dict[int, str]]:
         """Results of calls on workers (by index) that finish within the deadline of `kind`, and
-        why the others failed (the process died, or it did not answer in time)."""
+        why the others failed (the process died, or it did not answer in time). `errors` given:
+        a call that raised inside a live worker is noted there (else its error propagates)."""
         if not refs:
             return {}, {}
         deadline, started = self.deadlines.of(kind), time.monotonic()
@@ -106,6 +108,10 @@ class RolloutFleet:
                 results[i] = ray.get(ref)
             except RayActorError as exc:
                 failed[i] = f"its process died ({first_line(exc)})"
+            except RayTaskError as exc:
+                if errors is None:
+                    raise
+                errors[i] = first_line(exc)
         if not failed:
             self.deadlines.record(kind, time.monotonic() - started)
         return results, failed
@@ -150,11 +156,12 @@ class RolloutFleet:
         order = {(r.group_id, r.sample_index): i for i, r in enumerate(requests)}
         return sorted(samples, key=lambda s: order[(s.group_id, s.sample_index)])
 
-    def sleep(self) -> None:
-        self._on_all({i: (lambda i=i: self.workers[i].sleep.remote()) for i in range(len(self.workers))}, "sleep")
+    def sleep(self, level: int | None = None) -> None:
+        self._on_all({i: (lambda i=i: self.workers[i].sleep.remote(level)) for i in range(len(self.workers))},
+                     "sleep")
 
-    def wake(self) -> None:
-        self._on_all({i: (lambda i=i: self.workers[i].wake.remote()) for i in range(len(self.workers))}, "wake")
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        self._on_all({i: (lambda i=i: self.workers[i].wake.remote(tags)) for i in range(len(self.workers))}, "wake")
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -98,8 +98,8 @@ class HFEngine:
                 params[name].copy_(tensor.to(params[name].device, params[name].dtype))
         self.version = version
 
-    def sleep(self) -> None:
+    def sleep(self, level: int | None = None) -> None:
         pass
 
-    def wake(self) -> None:
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
         pass

@@ -22,11 +22,12 @@ class RolloutSpec:
     seed: int  # run.seed; worker i seeds its engine with seed + i
     threads: int = 0  # torch/OMP threads of the engine (0: all cores)
     gpu: bool = False  # the workers have a GPU each (sleep mode needs one)
+    weight_sync: str = "collective"  # trainer.weight_sync: "ipc" builds the engine with vLLM's ipc transfer
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, threads: int = 0) -> RolloutSpec:
         return cls(cfg.model, cfg.rollout, seed=cfg.run.seed, threads=threads,
-                   gpu=cfg.cluster.gpus_per_rollout_worker > 0)
+                   gpu=cfg.cluster.gpus_per_rollout_worker > 0, weight_sync=cfg.trainer.weight_sync)
 
 
 class RolloutEngine(Protocol):
@@ -40,11 +41,12 @@ class RolloutEngine(Protocol):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights in place (HF parameter names) and tag later samples with `version`."""
 
-    def sleep(self) -> None:
-        """Free accelerator memory (weights and KV cache) while the learner runs; no-op on CPU."""
+    def sleep(self, level: int | None = None) -> None:
+        """Free accelerator memory (KV cache; weights dropped at level 2, kept on the host at
+        level 1) while the learner runs; no-op on CPU."""
 
-    def wake(self) -> None:
-        """Undo `sleep`."""
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """Undo `sleep`: only the `tags` given ("weights", "kv_cache"), or everything."""
 
 
 def finish_reason(completion_ids: list[int], eos_token_ids: set[int]) -> str:

@@ -1,4 +1,5 @@
-"""vLLM backend (CPU build on CPU machines, CUDA build on GPUs), engine in the calling process."""
+"""vLLM backend (CPU build on CPU machines, CUDA build on GPUs): the engine in the calling process,
+its model too without tensor parallelism, else in one vLLM worker process per TP rank."""
 
 from __future__ import annotations
 
@@ -25,33 +26,6 @@ def vllm_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
     return env
 
 
-def _record_tied_parameters(worker) -> int:
-    """Runs inside vLLM's worker: remember which module attributes share one Parameter
-    (e.g. lm_head.weight is embed_tokens.weight when word embeddings are tied)."""
-    model = worker.model_runner.model
-    by_id: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(param), []).append(name)
-    model._rlpost_tied = [names for names in by_id.values() if len(names) > 1]
-    return len(model._rlpost_tied)
-
-
-def _restore_tied_parameters(worker) -> None:
-    """vLLM's layer-wise `reload_weights` gives the loaded layer a new tensor, so a tied twin (that
-    received no checkpoint weight of its own) keeps the old one: point it at the new one again and
-    redo the twin's post-load processing (on CPU the LM head keeps a prepacked GEMM copy)."""
-    model = worker.model_runner.model
-    for canonical, *twins in getattr(model, "_rlpost_tied", []):
-        param = model.get_parameter(canonical)
-        for twin in twins:
-            owner_name, _, attr = twin.rpartition(".")
-            owner = model.get_submodule(owner_name)
-            setattr(owner, attr, param)
-            method = getattr(owner, "quant_method", None)
-            if method is not None and hasattr(method, "process_weights_after_loading"):
-                method.process_weights_after_loading(owner)
-
-
 def _cpu_scheduler_kwargs(max_model_len: int) -> dict[str, Any]:
     """vLLM 0.32 on CPU crashes ("CPU Generator does not use offset") when a request with its own
     seed is prefilled in chunks (a batch of prompts over max_num_batched_tokens): it rewinds the
@@ -65,6 +39,7 @@ def engine_kwargs(spec: RolloutSpec, seed: int) -> dict[str, Any]:
     """The `vllm.LLM(...)` arguments of an engine built from `spec` (bench/rollout.py builds a bare
     engine from the same ones)."""
     r = spec.rollout
+    tp = r.tensor_parallel_size
     return dict(
         model=spec.model.path,
         dtype=spec.model.dtype,
@@ -78,6 +53,15 @@ def engine_kwargs(spec: RolloutSpec, seed: int) -> dict[str, Any]:
         enable_prefix_caching=True,
         use_tqdm_on_load=False,  # a progress bar for loading a few files is noise
         enable_sleep_mode=r.sleep_between_steps and spec.gpu,  # sleep is a no-op on CPU
+        # hybrid placement: the learner on the same GPU sends by CUDA IPC (trainer/ipc_sync.py)
+        **({"weight_transfer_config": {"backend": "ipc"}} if spec.weight_sync == "ipc" else {}),
+        tensor_parallel_size=tp,
+        # TP workers are subprocesses of this actor. Set explicitly: in a Ray placement group vLLM
+        # picks its "ray" executor (vllm/config/parallel.py), which on CPU fails ("current platform
+        # cpu does not support ray") and on GPUs asks Ray for GPUs this actor already holds.
+        **({"distributed_executor_backend": "mp"} if tp > 1 else {}),
+        # the weight sync and tied-parameter fix-up inside each vLLM worker process
+        worker_extension_cls="rollout.vllm_worker.SyncExtension",
         **_cpu_scheduler_kwargs(r.max_model_len),
     )
 
@@ -96,13 +80,24 @@ class VLLMEngine:
         self.tokenizer = self.llm.get_tokenizer()
         from vllm.v1.engine.core_client import InprocClient
 
-        # With the engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, as `vllm_env` sets)
-        # `collective_rpc` calls the worker directly, so a lazy weight iterator can be handed over.
-        self._in_process = isinstance(self.llm.llm_engine.engine_core, InprocClient)
-        self._has_tied = any(self.llm.collective_rpc(_record_tied_parameters))
+        # The model runs in this process: the engine core is here (VLLM_ENABLE_V1_MULTIPROCESSING=0,
+        # as `vllm_env` sets) and so is its one worker ("uni" executor), so `collective_rpc` calls it
+        # directly and a lazy weight iterator can be handed over. With tensor parallelism the core
+        # is still here but the workers are subprocesses ("mp"): they take the weight sync themselves.
+        parallel = self.llm.llm_engine.vllm_config.parallel_config
+        self.in_process = (isinstance(self.llm.llm_engine.engine_core, InprocClient)
+                           and parallel.distributed_executor_backend == "uni")
+        self._has_tied = any(self.llm.collective_rpc("rlpost_record_tied"))
         self.version = 0
         self._sleep_mode = r.sleep_between_steps and spec.gpu and torch.cuda.is_available()
-        self._sleeping = False
+        self._sleep_level = 1 if spec.model.lora.rank > 0 else 2
+        self._asleep: set[str] = set()
+        if torch.cuda.is_available() and not self.llm.llm_engine.vllm_config.use_v2_model_runner:
+            # every request carries its own seed (reproducible samples whatever the batching); vLLM's
+            # V2 model runner (the CUDA default) samples them batched, the V1 sampler loops per sequence
+            print("WARNING: vLLM runs its V1 model runner here (VLLM_USE_V2_MODEL_RUNNER=0, no Triton, or an "
+                  "unsupported feature): with a seed per request its sampler loops over the sequences in "
+                  "Python, which slows large batches", flush=True)
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         from vllm import SamplingParams
@@ -146,21 +141,56 @@ class VLLMEngine:
         """Load new weights in place, streaming: vLLM's layer-wise `reload_weights` consumes the
         iterator once, inside this call, loading each layer as soon as its tensors have arrived,
         so with `weight_sync.receive` as the source no second full copy of the model exists."""
-        weights = iter(named_tensors)
-        if not self._in_process:  # an engine in a subprocess: the tensors must cross whole
-            weights = iter(list(weights))
+        # workers in subprocesses (tensor parallelism): the tensors cross whole, pickled to each
+        weights = iter(named_tensors) if self.in_process else list(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         if self._has_tied:
-            self.llm.collective_rpc(_restore_tied_parameters)
+            self.llm.collective_rpc("rlpost_restore_tied")
+        self._loaded(version)
+
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
+                         metas: list, lora_spec: RolloutSpec | None = None) -> None:
+        """Workers in subprocesses: each joins the weight-sync group at `first_rank` + its rank."""
+        self.llm.collective_rpc("rlpost_join", args=(host, port, first_rank, world_size, backend, metas, lora_spec))
+
+    def receive_weights(self, version: int) -> list[dict[str, float]]:
+        """Workers in subprocesses: each takes rank 0's broadcast and loads its shard
+        (`SyncExtension.rlpost_receive`); returns each worker's figures."""
+        stats = self.llm.collective_rpc("rlpost_receive")
+        self._loaded(version)
+        return stats
+
+    def _loaded(self, version: int) -> None:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.version = version
 
-    def sleep(self) -> None:
-        if self._sleep_mode and not self._sleeping:
-            self.llm.sleep(level=1)
-            self._sleeping = True
+    def sleep(self, level: int | None = None) -> None:
+        """Free the GPU (no-op on CPU). Level 2 drops the weights too, which is right when the
+        next sync sends them all; level 1 keeps a host copy (the default with LoRA, whose syncs
+        send only the targeted modules, and when no sync follows, e.g. around a checkpoint)."""
+        if self._sleep_mode and not self._asleep:
+            self.llm.sleep(level=level or self._sleep_level)
+            self._asleep = {"weights", "kv_cache"}
 
-    def wake(self) -> None:
-        if self._sleeping:
-            self.llm.wake_up()
-            self._sleeping = False
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """Give back what `sleep` freed: the weights first (`("weights",)`) so a sync can load
+        them while the KV cache still sleeps, then the rest (None); vLLM resumes scheduling once
+        everything is back."""
+        if not self._asleep:
+            return
+        wanted = self._asleep & set(tags) if tags else set(self._asleep)
+        if wanted:
+            self.llm.wake_up(tags=sorted(wanted))
+            self._asleep -= wanted
+
+    def weight_transfer(self, method: str, payload: dict | None = None, version: int | None = None) -> None:
+        """One call of vLLM's weight-transfer API (`init_weight_transfer_engine`,
+        `start_weight_update`, `update_weights`, `finish_weight_update`), driven by the learner's
+        trainer-side engine (trainer/ipc_sync.py); after `finish_weight_update` the loaded
+        weights are the policy `version`."""
+        call = getattr(self.llm, method)
+        call(payload) if payload is not None else call()
+        if method == "finish_weight_update":
+            if self._has_tied:
+                self.llm.collective_rpc("rlpost_restore_tied")
+            self._loaded(version if version is not None else self.version)

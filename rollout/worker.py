@@ -62,9 +62,15 @@ class RolloutWorker:
     def __init__(self, spec: RolloutSpec, index: int = 0):
         # the device Ray gave this worker, not whether the machine has CUDA (rl/devices.py)
         self.device = actor_device(_assigned_gpus(), torch.cuda.is_available(), f"rollout worker {index}")
+        self.spec = spec
         self.engine = make_engine(spec, seed=spec.seed + index)
-        self._merger = adapter_merger(spec)
-        self._group, self._group_backend = None, "gloo"
+        # vLLM with tensor parallelism runs its model in one worker process per TP rank: each of
+        # them joins the weight-sync group and loads the broadcast itself (rollout/vllm_worker.py)
+        self._in_workers = not getattr(self.engine, "in_process", True)
+        # LoRA base weights: kept here when the model runs here, else by each vLLM worker (and here
+        # only if an object-store sync comes, `_merged`)
+        self._merger = None if self._in_workers else adapter_merger(spec)
+        self._group, self._group_backend, self._joined = None, "gloo", False
         self._metas: list[weight_sync.WeightMeta] = []
         self.last_sync: dict[str, float] = {}
 
@@ -84,27 +90,37 @@ class RolloutWorker:
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
                          metas: list[weight_sync.WeightMeta]) -> None:
-        weight_sync.close_group(self._group)  # a group of the fleet before a replacement
-        self._group = weight_sync.init_group(host, port, rank, world_size, backend)
-        self._group_backend, self._metas = backend, metas
+        """Join the weight-sync group at ranks `rank` .. `rank + rollout.tensor_parallel_size - 1`:
+        this process alone without tensor parallelism, else each vLLM worker at `rank` + its rank."""
+        if self._in_workers:
+            lora = self.spec if self.spec.model.lora.rank > 0 else None
+            self.engine.join_weight_sync(host, port, rank, world_size, backend, metas, lora)
+        else:
+            weight_sync.close_group(self._group)  # a group of the fleet before a replacement
+            self._group = weight_sync.init_group(host, port, rank, world_size, backend)
+        self._group_backend, self._metas, self._joined = backend, metas, True
 
     def receive_weights(self, version: int) -> dict[str, float]:
         """Take rank 0's broadcast and load it bucket by bucket as it arrives (two bucket buffers
         in memory, not a second copy of the model). Returns the sync's figures: bytes, total_s,
         receive_s (in the broadcasts) and load_s (the rest: loading into the engine)."""
-        if self._group is None:
+        if not self._joined:
             raise RuntimeError("receive_weights before join_weight_sync: the fleet was not connected")
-        device = self.device if self._group_backend == "nccl" else "cpu"  # gloo moves host tensors
-        stats: dict[str, float] = {"receive_s": 0.0, "bytes": 0.0}
         started = time.perf_counter()
-        tensors = weight_sync.receive(self._group, self._metas, device, stats=stats)
-        try:
-            self.engine.update_weights(self._merged(tensors), version)
-        finally:
-            # A load that failed part-way still takes the remaining buckets, so rank 0's broadcast
-            # completes (and the group stays usable) instead of waiting out its timeout.
-            for _ in tensors:
-                pass
+        if self._in_workers:  # every TP rank takes all buckets; the slowest one's receive, bytes of all
+            per_rank = self.engine.receive_weights(version)
+            stats = {"receive_s": max(s["receive_s"] for s in per_rank), "bytes": sum(s["bytes"] for s in per_rank)}
+        else:
+            device = self.device if self._group_backend == "nccl" else "cpu"  # gloo moves host tensors
+            stats = {"receive_s": 0.0, "bytes": 0.0}
+            tensors = weight_sync.receive(self._group, self._metas, device, stats=stats)
+            try:
+                self.engine.update_weights(self._merged(tensors), version)
+            finally:
+                # A load that failed part-way still takes the remaining buckets, so rank 0's broadcast
+                # completes (and the group stays usable) instead of waiting out its timeout.
+                for _ in tensors:
+                    pass
         stats["total_s"] = time.perf_counter() - started
         stats["load_s"] = stats["total_s"] - stats["receive_s"]
         self.last_sync = stats
@@ -115,14 +131,23 @@ class RolloutWorker:
         return self.last_sync
 
     def load_weights_from_object(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """Load weights from Ray's object store (merged here with LoRA; with tensor parallelism they
+        then cross to every vLLM worker as a list, each keeping its shard)."""
         self.engine.update_weights(self._merged(state.items()), version)
 
     def _merged(self, tensors):
         """Full weights as sent, or LoRA adapters merged into the kept base weights."""
+        if self._merger is None and self.spec.model.lora.rank > 0:
+            self._merger = adapter_merger(self.spec)
         return tensors if self._merger is None else self._merger.merged(tensors)
 
-    def sleep(self) -> None:
-        self.engine.sleep()
+    def sleep(self, level: int | None = None) -> None:
+        self.engine.sleep(level)
 
-    def wake(self) -> None:
-        self.engine.wake()
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        self.engine.wake(tags)
+
+    def weight_transfer(self, method: str, payload: dict | None = None, version: int | None = None) -> None:
+        """vLLM's weight-transfer API on this worker's engine (CUDA IPC from the learner rank on
+        this GPU in hybrid placement, `trainer/ipc_sync.py`)."""
+        self.engine.weight_transfer(method, payload, version)

@@ -239,7 +239,8 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
         base_args, make_config, tmp_path):
     """PPO (policy + critic): SIGTERM mid-run finishes the step, writes a checkpoint, prints the
     resume command and exits 143; resumed (keeping the saved run.save_every), it reproduces a run
-    that was never stopped: the same metrics at every step, the same policy and critic weights."""
+    that was never stopped (nor laid out hybrid): the same metrics at every step, the same policy
+    and critic weights."""
     import torch
     from safetensors.torch import load_file
 
@@ -256,13 +257,17 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
     straight = make_config(*common, "task.prompts_per_step=8", f"run.dir={tmp_path}/straight")
     train(straight)
 
+    # The stopped run is laid out hybrid (learner rank 0 and rollout worker 0 in one bundle): its
+    # learner moves policy, critic and reference states to the host and back around every
+    # rollout and checkpoint (DeepSpeed offload_states), which must change nothing.
     run_dir = str(tmp_path / "stopped")
-    args = [*base_args, *common, f"run.dir={run_dir}"]
+    args = [*base_args, *common, f"run.dir={run_dir}", "cluster.placement_mode=hybrid"]
     run = Run(args, str(tmp_path / "out1.txt"))
     run.wait_for(r"step 2/4")
     run.proc.send_signal(signal.SIGTERM)
     assert run.finish() == 128 + signal.SIGTERM
     out = run.output
+    assert "(PACK, hybrid): rollout worker i and learner rank i share bundle i" in out
     stopped = re.search(r"Stopped by SIGTERM after step (\d+), checkpoint written\. Resume with: (.*)", out)
     assert stopped, out[-3000:]
     next_step = int(stopped.group(1))

@@ -6,7 +6,9 @@ GPUs (tests/test_gpu_placement.py).
 On the real model (tests/conftest.py `smollm2`): vLLM's CUDA build answers like transformers;
 GRPO steps on the GPU keep learner and rollout log-probs together after every weight sync (NCCL
 between two GPUs, or through the object store when one GPU holds both roles: NCCL refuses two
-ranks of a group on one device); LoRA adapter syncs; sleep mode between steps."""
+ranks of a group on one device); LoRA adapter syncs; sleep mode between steps; the hybrid
+placement (learner and engine on one GPU in turns, CUDA IPC sync) with the GPU's peak memory
+measured; an NCCL sync whose receiver is stopped mid-run recovers."""
 
 from __future__ import annotations
 
@@ -108,3 +110,87 @@ def test_two_learner_ranks_reduce_on_their_gpus(smollm2, math_data, tmp_path):
     metrics = _run(smollm2, math_data, str(tmp_path / "run"), "model.dtype=bfloat16", "trainer.num_workers=2",
                    "trainer.max_tokens_per_micro_batch=2048", "run.steps=2")
     assert len(metrics) == 2 and all(m["sync/logprob_abs_diff"] < BF16_TOLERANCE for m in metrics)
+
+
+class PeakGpuMemory:
+    """The most memory in use on GPU 0 (every process), sampled from the driver while a run goes."""
+
+    def __init__(self, every_s: float = 0.05):
+        import threading
+
+        self.peak, self.total, self._stop = 0, torch.cuda.mem_get_info(0)[1], threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(every_s,), daemon=True)
+
+    def _sample(self, every_s: float) -> None:
+        while not self._stop.is_set():
+            free, total = torch.cuda.mem_get_info(0)
+            self.peak = max(self.peak, total - free)
+            self._stop.wait(every_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+HYBRID = ["cluster.placement_mode=hybrid", "cluster.gpus_per_learner=1", "cluster.gpus_per_rollout_worker=1",
+          "trainer.weight_sync=ipc", "rollout.sleep_between_steps=true", "rollout.gpu_memory_utilization=0.85"]
+
+
+@pytest.mark.parametrize("dtype,tolerance", [("float32", FP32_TOLERANCE), ("bfloat16", BF16_TOLERANCE)])
+def test_hybrid_placement_shares_one_gpu_in_turns(smollm2, math_data, tmp_path, dtype, tolerance):
+    """cluster.placement_mode=hybrid on one GPU: the engine takes 85% of the card while it
+    generates and sleeps (level 2) while the learner trains; the learner offloads its states
+    (DeepSpeed offload_states) before the engine wakes; weights move by CUDA IPC (vLLM's ipc
+    engine). Several steps and a checkpoint stay below the card, and learner and rollout
+    log-probs agree after every IPC sync."""
+    with PeakGpuMemory() as memory:
+        metrics = _run(smollm2, math_data, str(tmp_path / "run"), *HYBRID, f"model.dtype={dtype}", "run.steps=4",
+                       "run.save_every=2")
+    diffs = [m["sync/logprob_abs_diff"] for m in metrics]
+    print(f"hybrid {dtype}: peak GPU memory {memory.peak / 2**30:.2f} of {memory.total / 2**30:.2f} GiB; "
+          f"mismatch {diffs}; step s {[round(m['time/step_s'], 2) for m in metrics]}; "
+          f"sync s {[round(m['time/sync_s'], 3) for m in metrics]}")
+    assert len(metrics) == 4 and all(d < tolerance for d in diffs)
+    assert memory.peak < memory.total
+
+
+STOP_RECEIVER = '''
+import json, os, signal
+
+from reward.builtin import math_answer
+
+
+def stop_the_rollout_worker(prompts, completions, run_dir, at_call, **kwargs):
+    """At the `at_call`-th call (after that step's rollout, before its weight sync) SIGSTOP the
+    rollout worker: the sync that follows finds its receiver stopped."""
+    count = os.path.join(run_dir, "reward_calls")
+    calls = int(open(count).read()) + 1 if os.path.exists(count) else 1
+    open(count, "w").write(str(calls))
+    if calls == at_call:
+        actors = json.load(open(os.path.join(run_dir, "actors.json")))
+        os.kill(next(a["pid"] for a in actors if a["role"] == "rollout"), signal.SIGSTOP)
+    return math_answer(prompts, completions, **kwargs)
+'''
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs: an NCCL sync between two processes")
+def test_nccl_sync_recovers_from_a_stopped_receiver(smollm2, math_data, tmp_path, capsys):
+    """A rollout worker SIGSTOPped right before a weight sync over NCCL: learner rank 0's
+    broadcast raises at its per-sync wait (NCCL's plain wait would only queue it and the next
+    kernels would hang behind it), the worker is replaced, the group made again (the old
+    communicator aborted) and the run completes."""
+    reward = tmp_path / "stop_receiver.py"
+    reward.write_text(STOP_RECEIVER)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    metrics = _run(smollm2, math_data, str(run_dir), "model.dtype=bfloat16", "run.steps=4", "run.call_timeout_s=20",
+                   f'reward.functions=[{{fn: "{reward}:stop_the_rollout_worker", '
+                   f'kwargs: {{run_dir: "{run_dir}", at_call: 2}}}}]')
+    out = capsys.readouterr().out
+    print(out[-3000:])
+    assert "rollout worker 0" in out and "failed during weight sync" in out and "replacing it" in out
+    assert len(metrics) == 4 and all(m["sync/logprob_abs_diff"] < BF16_TOLERANCE for m in metrics)

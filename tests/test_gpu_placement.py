@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from rl.devices import GPU_VISIBILITY_ENV, NoCudaError, actor_device, collective_backend
+from rl.devices import GPU_VISIBILITY_ENV, NoCudaError, actor_device, collective_backend, local_device_index
 from trainer.group import sync_backend
 
 
@@ -20,6 +20,13 @@ def test_device_and_backend_come_from_the_gpus_an_actor_was_given():
                                           r"cluster.gpus_per_learner=0"):
         actor_device(["0"], cuda_available=False, role="learner rank 1")
     assert collective_backend("cuda") == "nccl" and collective_backend("cpu") == "gloo"
+    # the learner's LOCAL_RANK: its one visible GPU, or with Ray told not to set
+    # CUDA_VISIBLE_DEVICES the index of the GPU it was given among all the node's
+    assert local_device_index(["3"], {"CUDA_VISIBLE_DEVICES": "3"}) == 0
+    noset = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    assert local_device_index(["3"], noset) == 3
+    assert local_device_index(["3"], {**noset, "CUDA_VISIBLE_DEVICES": "2,3"}) == 1
+    assert local_device_index([], noset) == 0
     # the weight-sync group: NCCL only when learner rank 0 and every rollout worker hold a GPU
     assert sync_backend(["cuda", "cuda", "cuda"]) == "nccl"
     assert sync_backend(["cuda", "cpu"]) == "gloo" and sync_backend(["cpu", "cpu"]) == "gloo"
@@ -100,3 +107,80 @@ def test_gpu_profiles_set_what_a_gpu_wants(profile):
     assert cfg.rollout.gpu_memory_utilization == 0.85 and cfg.trainer.zero3_persistence_threshold == 100_000
     assert cfg.cluster.threads_per_worker == 4 and (cfg.cluster.address == "auto") == (profile == "ray_gpu")
     assert compose_config([f"cluster={profile}", "model.dtype=float32"]).model.dtype == "float32"
+
+
+def _placed_gpus(ray, cfg) -> tuple[list, list, object]:
+    """(CUDA_VISIBLE_DEVICES, Ray's GPU ids) of a probe actor in each rollout and learner slot of
+    the run's real placement (launch.placement.make_placement), with the Ray options it gives."""
+    from launch.placement import make_placement
+
+    @ray.remote(num_cpus=1)
+    class Probe:
+        def gpus(self):
+            return os.environ.get("CUDA_VISIBLE_DEVICES"), [str(g) for g in ray.get_gpu_ids()]
+
+    placement = make_placement(cfg, log=lambda _: None)
+    base = {"num_gpus": cfg.cluster.gpus_per_rollout_worker}  # what RolloutFleet / LearnerGroup ask, then
+    rollout = [Probe.options(**{**base, **o}).remote() for o in placement.rollout]  # the slot's options win
+    learner = [Probe.options(**{**base, **o}).remote() for o in placement.learner]
+    seen = ray.get([p.gpus.remote() for p in rollout]), ray.get([p.gpus.remote() for p in learner])
+    for p in rollout + learner:
+        ray.kill(p)
+    return (*seen, placement)
+
+
+@pytest.mark.slow
+def test_hybrid_placement_puts_each_learner_rank_on_its_rollout_workers_gpu(logical_gpus):
+    """cluster.placement_mode=hybrid: rollout worker i and learner rank i see the same one GPU
+    (what CUDA IPC and the sleep/offload hand-over need), the pairs different GPUs; the
+    disaggregated layout gives every actor a GPU of its own."""
+    from ray.util.placement_group import remove_placement_group
+
+    from tests.conftest import compose_config
+
+    ray = logical_gpus
+    hybrid = compose_config(["cluster.placement_mode=hybrid", "cluster.gpus_per_learner=1",
+                             "cluster.gpus_per_rollout_worker=1", "rollout.num_workers=2", "trainer.num_workers=2",
+                             "trainer.weight_sync=ipc", "rollout.sleep_between_steps=true"])
+    rollout, learner, placement = _placed_gpus(ray, hybrid)
+    assert rollout == learner, (rollout, learner)  # pair i: one GPU
+    assert sorted(v for v, _ in rollout) == ["0", "1"] and all([v] == ids for v, ids in rollout)
+    assert [placement.bundle("rollout", i) for i in range(2)] == [placement.bundle("learner", i) for i in range(2)]
+    remove_placement_group(placement.group)
+
+    apart = compose_config(["cluster.gpus_per_learner=1", "cluster.gpus_per_rollout_worker=1"])
+    rollout, learner, placement = _placed_gpus(ray, apart)
+    assert sorted([*rollout, *learner]) == [("0", ["0"]), ("1", ["1"])], (rollout, learner)
+    remove_placement_group(placement.group)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["rollout.num_workers=1", "trainer.num_workers=2"], "rollout.num_workers=1 must equal trainer.num_workers=2"),
+    (["cluster.gpus_per_learner=0.5", "cluster.gpus_per_rollout_worker=0.5"], "must both be 1"),
+    (["trainer.weight_sync=collective"], "set trainer.weight_sync=ipc"),
+    (["rollout.sleep_between_steps=false"], "needs rollout.sleep_between_steps=true"),
+    (["model.lora.rank=8"], "trainer.weight_sync=object_store with model.lora"),
+])
+def test_hybrid_settings_that_cannot_work_are_refused_naming_the_fix(overrides, message):
+    from rl.config import ConfigError, validate
+    from tests.conftest import compose_config
+
+    good = ["cluster.placement_mode=hybrid", "cluster.gpus_per_learner=1", "cluster.gpus_per_rollout_worker=1",
+            "trainer.weight_sync=ipc", "rollout.sleep_between_steps=true"]
+    validate(compose_config(good))
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config([*good, *overrides]))
+    with pytest.raises(ConfigError, match="set cluster.placement_mode=hybrid"):
+        validate(compose_config(["trainer.weight_sync=ipc"]))
+
+
+def test_hybrid_gpu_profile_is_a_valid_hybrid_run():
+    """`cluster=hybrid_gpu`: learner rank and engine share each GPU, IPC weight sync, sleep
+    between steps, bf16 and CUDA graphs, and the settings pass validation."""
+    from rl.config import validate
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["cluster=hybrid_gpu"])
+    validate(cfg)
+    assert cfg.cluster.placement_mode == "hybrid" and cfg.trainer.weight_sync == "ipc"
+    assert cfg.rollout.sleep_between_steps and cfg.model.dtype == "bfloat16" and cfg.rollout.enforce_eager is False

@@ -227,3 +227,27 @@ def test_lora_rollout_counts_the_base_weights_it_merges_into():
     rollout = plan.role("rollout")
     assert rollout.host_parts["LoRA merge source (targeted base weights, fp32)"] == kept
     assert not any("LoRA" in name for name in rollout.parts)
+
+
+def test_hybrid_plan_checks_each_phase_of_the_gpu_hand_over():
+    """cluster.placement_mode=hybrid: the learner rank and the engine share one GPU in turns, so
+    the plan checks the learner beside a sleeping engine's CUDA context, the engine's share
+    beside an offloaded learner's context, and the sync with both holding weights plus the IPC
+    staging buffer; host RAM holds the offloaded learner."""
+    shape = ModelShape.from_config(LLAMA_1B)
+    s = Settings(dtype="bfloat16", gpus_per_learner=1, gpus_per_rollout_worker=1, hybrid=True,
+                 gpu_memory_utilization=0.85, sleep_between_steps=True)
+    plan = make_plan(shape, s, host_bytes=64 * GIB, gpu_bytes=80 * GIB)
+    checks = {c.what: c for c in plan.checks}
+    learner = plan.role("learner")
+    assert checks["learner rank on the shared GPU (engine asleep)"].need == learner.per_process + GIB
+    assert checks["rollout engine on the shared GPU (learner offloaded)"].need == 0.85 * 80 * GIB + GIB
+    weights = shape.params() * 2
+    embedding = 128256 * 2048 * 2  # the largest tensor (525 MB): the staging buffer grows to hold it
+    assert embedding > 256 * 2**20
+    assert checks["weight sync on the shared GPU (both hold weights)"].need == 2 * weights + embedding + 2 * GIB
+    host = checks["host RAM (offloaded learner states, runtimes, CPU roles)"].need
+    assert host >= learner.per_process + learner.host_per_process
+    assert all(c.fits for c in plan.checks)
+    greedy = make_plan(shape, Settings(**{**s.__dict__, "gpu_memory_utilization": 0.99}), 64 * GIB, 80 * GIB)
+    assert not {c.what: c for c in greedy.checks}["rollout engine on the shared GPU (learner offloaded)"].fits

@@ -80,6 +80,59 @@ def test_a_peer_that_never_joins_fails_the_group_in_bounded_time() -> None:
     assert time.perf_counter() - start < 30
 
 
+def _stalled_member(rank: int, ports: tuple[int, int], out) -> None:
+    """Rank 2 joins and never takes a broadcast (a stopped rollout worker). Rank 0 waits 2 s for
+    a bucket, then both live members abort the group and make a new one without rank 2."""
+    from datetime import timedelta
+
+    group = init_group("127.0.0.1", ports[0], rank, 3, "gloo", timeout_s=60)
+    if rank == 2:
+        time.sleep(120)  # killed by the test before that
+        return
+    group.wait_timeout = timedelta(seconds=2)  # what LearnerWorker.broadcast_weights sets per sync
+    if rank == 0:
+        started = time.perf_counter()
+        try:
+            send(group, [[TENSORS["a"], TENSORS["b"]], [TENSORS["c"]]])
+            failed = "no error"
+        except RuntimeError as err:
+            failed = f"{time.perf_counter() - started:.1f} {err}"
+        group.abort()
+        again = init_group("127.0.0.1", ports[1], 0, 2, "gloo", timeout_s=60)
+        send(again, [[TENSORS["a"], TENSORS["b"]], [TENSORS["c"]]])
+        out.put(pickle.dumps((0, failed)))
+    else:
+        try:  # rank 2 takes no part: whether this receive completes depends on gloo's algorithm
+            for _ in receive(group, METAS):
+                pass
+        except RuntimeError:
+            pass
+        group.abort()
+        again = init_group("127.0.0.1", ports[1], 1, 2, "gloo", timeout_s=60)
+        out.put(pickle.dumps((1, {name: t.clone() for name, t in receive(again, METAS)})))
+
+
+def test_a_stopped_receiver_fails_the_senders_broadcast_in_bounded_time_and_a_new_group_works() -> None:
+    """The defect NCCL would hide (its plain wait() only queues the broadcast): rank 0 must learn
+    that a receiver stopped, within its per-sync wait, so the driver can rebuild the group."""
+    ctx = mp.get_context("spawn")
+    ports, out = (free_port(), free_port()), ctx.Queue()
+    procs = [ctx.Process(target=_stalled_member, args=(rank, ports, out)) for rank in range(3)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(pickle.loads(out.get(timeout=120)) for _ in range(2))
+    finally:
+        procs[2].kill()
+        for p in procs:
+            p.join(timeout=30)
+    seconds, _, error = results[0].partition(" ")
+    assert seconds != "no" and 1.5 <= float(seconds) < 20, results[0]
+    assert list(results[1]) == list(TENSORS)
+    for name, t in results[1].items():
+        assert torch.equal(t, TENSORS[name])
+
+
 # ---- streaming: one bucket in memory at a time -------------------------------------------------
 
 FOUR = [torch.full((4,), float(k)) for k in range(4)]

@@ -124,19 +124,31 @@ class LearnerGroup:
         fleet.on_replace = lambda: self.reconnect(fleet)
         if self.sync_method == "collective":
             self._join(fleet)
+        elif self.sync_method == "ipc":
+            self._connect_ipc(fleet)
 
     def reconnect(self, fleet) -> None:
         if self.sync_method == "collective":
             self._join(fleet)
+        elif self.sync_method == "ipc":
+            self._connect_ipc(fleet)
         self.sync_weights(fleet, fleet.version)
+
+    def _connect_ipc(self, fleet) -> None:
+        """Every rank builds vLLM's trainer-side IPC engine; rank 0 gets the rollout workers."""
+        timeout = self.deadlines.of("weight sync")
+        self._get([w.connect_ipc.remote(list(fleet.workers) if r == 0 else [], timeout)
+                   for r, w in enumerate(self.workers)], "weight-sync join")
 
     def _join(self, fleet) -> None:
         while True:
             host, port = self._get([self.workers[0].node_address.remote()], "weight-sync join")[0]
             backend = sync_backend([self.where[0].get("device", "cpu"), *(w.get("device", "cpu") for w in fleet.where)])
-            world = 1 + len(fleet.workers)
+            # a tensor-parallel engine joins with each of its TP vLLM workers: ranks 1+i*TP .. (i+1)*TP
+            tp = fleet.spec.rollout.tensor_parallel_size
+            world = 1 + tp * len(fleet.workers)
             mine = self.workers[0].join_weight_sync.remote(host, port, world, backend)
-            _, failed = fleet.wait({i: w.join_weight_sync.remote(host, port, i + 1, world, backend, self.metas)
+            _, failed = fleet.wait({i: w.join_weight_sync.remote(host, port, 1 + i * tp, world, backend, self.metas)
                                     for i, w in enumerate(fleet.workers)}, "weight-sync join")
             if not failed:
                 self._get([mine], "weight-sync join")
@@ -146,31 +158,61 @@ class LearnerGroup:
     def sync_weights(self, fleet, version: int) -> float:
         """Push the current weights to every rollout worker as `version`; returns bytes moved. A
         rollout worker that fails meanwhile is replaced, the group made again and the push redone."""
+        rejoined = False
         while True:
-            sent, failed = self._push(fleet, version)
-            if not failed:
+            broken: dict[int, str] = {}  # receivers whose broadcast failed, alive: a new group will do
+            sent, failed = self._push(fleet, version, broken)
+            if not failed and not broken:
                 fleet.version = version
                 return sent
-            fleet.replace(failed, "weight sync")  # raises once its replacements are used up
+            if failed:
+                fleet.replace(failed, "weight sync")  # raises once its replacements are used up
+            elif rejoined:
+                i, why = next(iter(broken.items()))
+                raise ActorFailure(fleet.name(i), "weight sync", f"its broadcast failed twice ({why})")
+            rejoined = True
             if self.sync_method == "collective":
                 self._join(fleet)
 
-    def _push(self, fleet, version: int) -> tuple[float, dict[int, str]]:
+    def _push(self, fleet, version: int, broken: dict[int, str]) -> tuple[float, dict[int, str]]:
+        if self.sync_method == "ipc":
+            sends = [w.send_weights_ipc.remote(version) for w in self.workers]
+            sent = self._get(sends, "weight sync", tolerate_errors=True)
+            if sent[0] is not None:
+                return sent[0], {}
+            # rank 0's calls on the rollout workers failed: replace those that are gone or stuck
+            _, failed = fleet.wait({i: w.version.remote() for i, w in enumerate(fleet.workers)}, "weight sync")
+            if not failed:
+                ray.get(sends[0])  # not a rollout worker's fault: raise the learner's error
+            return 0.0, failed
         if self.sync_method == "object_store":
-            states = self._get([w.full_state_dict.remote() for w in self.workers], "weight sync")
-            ref = ray.put(states[0])
-            _, failed = fleet.wait({i: w.load_weights_from_object.remote(ref, version)
+            # rank 0's weights go from its object store to the workers' (Ray resolves the ref in
+            # each worker): the driver never holds them (the other ranks return None)
+            states = [w.full_state_dict.remote() for w in self.workers]
+            _, failed = fleet.wait({i: w.load_weights_from_object.remote(states[0], version)
                                     for i, w in enumerate(fleet.workers)}, "weight sync")
-            return float(sum(t.numel() * t.element_size() for t in states[0].values())), failed
-        sends = [w.broadcast_weights.remote() for w in self.workers]
+            self._get(states[1:], "weight sync")
+            return self.sync_bytes(), failed
+        # Rank 0 waits for each broadcast at most half the sync's deadline: a stopped receiver
+        # makes it raise (NCCL would otherwise only queue the broadcast and report it sent), by
+        # the time the driver below has found the receiver silent and waits on rank 0.
+        wait_s = self.deadlines.of("weight sync") / 2
+        sends = [w.broadcast_weights.remote(wait_s) for w in self.workers]
         _, failed = fleet.wait({i: w.receive_weights.remote(version) for i, w in enumerate(fleet.workers)},
-                               "weight sync")
-        # A stopped receiver holds rank 0's broadcast: end it, so that the broadcast fails now
-        # (an error there is expected then) rather than at the group's timeout.
+                               "weight sync", errors=broken)
+        # A stopped receiver holds rank 0's broadcast: end it (gloo then fails the broadcast at
+        # once; NCCL at rank 0's wait), and the group is made again without it.
         for i in failed:
             ray.kill(fleet.workers[i], no_restart=True)
-        sent = self._get(sends, "weight sync", tolerate_errors=bool(failed))
+        sent = self._get(sends, "weight sync", tolerate_errors=bool(failed or broken))
         return (sent[0] or 0.0), failed
+
+    def offload(self, keep_weights: bool = False) -> None:
+        """Every rank moves its states to the host (hybrid placement: the engine on its GPU wakes)."""
+        self._get([w.offload.remote(keep_weights) for w in self.workers], "offload")
+
+    def onload(self) -> None:
+        self._get([w.onload.remote() for w in self.workers], "onload")
 
     def save_checkpoint(self, path: str) -> None:
         self._get([w.save_checkpoint.remote(path) for w in self.workers], "save_checkpoint")

@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Iterator
 
 import torch
 
 from rl.batch import plan_micro_batches, split_to_count
 from rl.config import AlgorithmConfig, ModelConfig, TrainConfig, TrainerConfig
-from rl.devices import actor_device, collective_backend
+from rl.devices import actor_device, collective_backend, local_device_index
 from rl.flops import measure_matmul_tflops, train_flops
 from rl.importance import importance_weights
 from rl.kl import KL_ESTIMATORS
@@ -132,7 +133,7 @@ class LearnerWorker:
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
             RANK=str(rank),
-            LOCAL_RANK="0",  # Ray gives each actor its own device(s): the first visible one is ours
+            LOCAL_RANK=str(local_device_index(_assigned_gpus(), dict(os.environ))),  # 0: Ray shows us only ours
             WORLD_SIZE=str(world_size),
         )
         device = self.device_kind
@@ -143,7 +144,9 @@ class LearnerWorker:
         import deepspeed
         from transformers import AutoModelForCausalLM
 
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device == "cuda" else torch.device("cpu")
+        if device == "cuda":
+            torch.cuda.set_device(self.device)
         deepspeed.init_distributed(dist_backend=collective_backend(device))
         torch.manual_seed(spec.seed)
         ds_config = deepspeed_config(spec, world_size)
@@ -170,9 +173,11 @@ class LearnerWorker:
         self._named_params = ([(lora.wire_name(n), p) for n, p in self.engine.module.named_parameters()
                                if p.requires_grad] if self.lora else list(self.engine.module.named_parameters()))
         self._sync_group = None
+        self._ipc = None  # vLLM's trainer-side IPC engine (trainer.weight_sync=ipc)
         self._scored_sums: dict[str, float] = {}
         self._model_config = self.engine.module.config.to_dict()
         self._dtype = dtype
+        self._offloaded = False  # states moved to the host for the rollout engine on this GPU (hybrid)
         self.peak_tflops = spec.peak_tflops  # 0: measured at the first update (when the rollout engines are idle)
 
     def _with_adapters(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -249,6 +254,7 @@ class LearnerWorker:
         """What the update needs from before it: reference log-probs (KL), critic values (GAE)
         and, when `spec.recompute_old_logprobs`, the old policy's log-probs (else the training
         forward supplies them). Kept on CPU, full width; the driver estimates advantages from them."""
+        self.onload()  # hybrid placement: the engine on this GPU sleeps now
         width = batch.input_ids.shape[1] - 1
         old = torch.zeros((len(batch), width))
         ref = torch.zeros((len(batch), width)) if self.uses_ref else None
@@ -314,6 +320,7 @@ class LearnerWorker:
         (PPO) trains on the same mini-batches; during its warm-up steps the policy stays put.
         """
         spec = self.spec
+        self.onload()
         kl_coef = spec.algorithm.kl_coef if kl_coef is None else kl_coef
         needs_score = (spec.recompute_old_logprobs and batch.old_logprobs is None) or \
             (self.uses_ref and batch.ref_logprobs is None) or (self.critic is not None and batch.values is None)
@@ -444,8 +451,11 @@ class LearnerWorker:
         self._sync_group = weight_sync.init_group(host, port, 0, world_size, backend)
         self._sync_on_host = backend == "gloo" and self.device.type == "cuda"  # gloo sends host tensors
 
-    def broadcast_weights(self) -> float:
-        """Called on every rank; rank 0 broadcasts to the rollout workers. Returns bytes sent."""
+    def broadcast_weights(self, wait_s: float | None = None) -> float:
+        """Called on every rank; rank 0 broadcasts to the rollout workers, waiting at most `wait_s`
+        for each bucket to arrive (a stopped receiver: this raises). Returns bytes sent."""
+        if self.rank == 0 and wait_s:
+            self._sync_group.wait_timeout = timedelta(seconds=wait_s)
         sent = 0
         for bucket in self._full_buckets():
             if self.rank == 0:
@@ -453,22 +463,88 @@ class LearnerWorker:
                 sent += sum(t.numel() * t.element_size() for _, t in bucket)
         return float(sent)
 
+    def connect_ipc(self, workers: list, timeout_s: float) -> None:
+        """Every rank, hybrid placement: (re)build the trainer side of the CUDA IPC sync
+        (trainer/ipc_sync.py); rank 0 drives the rollout `workers` (the others pass none)."""
+        from trainer.ipc_sync import FleetClient, trainer_engine
+
+        if self._ipc is not None:
+            self._ipc.shutdown()
+        self._ipc = trainer_engine(self.rank, FleetClient(workers, timeout_s), self.weight_metas(), self._full_buckets)
+
+    def send_weights_ipc(self, version: int) -> float:
+        """Every rank: share the weights with the engine on this GPU as policy `version`;
+        returns the bytes one engine loaded."""
+        self._ipc.client.version = version
+        self._ipc.send_weights()
+        return float(sum(m.nbytes for m in self.weight_metas()))
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Whole weights on CPU at rank 0 (None elsewhere): for the object-store sync and saving."""
+        with self._resident():
+            return self._full_state_dict()
+
+    def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
         out: dict[str, torch.Tensor] = {}
         for bucket in self._full_buckets():
             if self.rank == 0:
                 out.update((name, t.detach().cpu().clone()) for name, t in bucket)
         return out if self.rank == 0 else None
 
+    # ---- hybrid placement: handing the GPU to the rollout engine on it ----------------------
+
+    def offload(self, keep_weights: bool = False) -> None:
+        """Move this rank's states to host memory so the rollout engine sharing its GPU can wake
+        (cluster.placement_mode=hybrid): DeepSpeed's `offload_states` for the policy and critic
+        (optimizer states, fp32 master weights, gradients, and unless `keep_weights` the
+        16-bit weights a CUDA-IPC sync reads), the reference model's weights, then the caching
+        allocator's free blocks. Again with keep_weights=False, the rest goes too."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        include = [s for s in State if not (keep_weights and s == State.lp_params)]
+        pin = self.device.type == "cuda"
+        for engine in (self.engine, self.critic):
+            if engine is not None:
+                engine.offload_states(include=include, pin_memory=pin)
+        if not keep_weights and self.ref is not None and not self.spec.trainer.ref_offload:
+            self.ref.module.to("cpu")
+        self._offloaded = True
+        if pin:
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Undo `offload` (the engine on this GPU sleeps now)."""
+        if not self._offloaded:
+            return
+        for engine in (self.engine, self.critic):
+            if engine is not None:
+                engine.reload_states()
+        if self.ref is not None and not self.spec.trainer.ref_offload:
+            self.ref.module.to(self.device)
+        self._offloaded = False
+
+    @contextmanager
+    def _resident(self):
+        """States on the device for the duration (a checkpoint written between steps), then
+        offloaded again if they were."""
+        was = self._offloaded
+        self.onload()
+        try:
+            yield
+        finally:
+            if was:
+                self.offload()
+
     def save_checkpoint(self, path: str) -> None:
         """Full training state (weights, optimizer, lr schedule), every rank writing its shard;
         the critic's in `critic/` beside it."""
-        self.engine.save_checkpoint(path, tag="state")
-        if self.critic is not None:
-            self.critic.save_checkpoint(os.path.join(path, "critic"), tag="state")
+        with self._resident():
+            self.engine.save_checkpoint(path, tag="state")
+            if self.critic is not None:
+                self.critic.save_checkpoint(os.path.join(path, "critic"), tag="state")
 
     def load_checkpoint(self, path: str) -> None:
+        self.onload()
         for engine, where in ((self.engine, path), (self.critic, os.path.join(path, "critic"))):
             if engine is None:
                 continue
@@ -480,8 +556,12 @@ class LearnerWorker:
         """Write the policy as a transformers folder (safetensors) that vLLM and HF load directly;
         with LoRA that is the base model with the adapters merged in, and `adapter_path` gets the
         adapters alone as a peft folder (`PeftModel.from_pretrained(base, adapter_path)`)."""
+        with self._resident():
+            self._save_pretrained(path, adapter_path)
+
+    def _save_pretrained(self, path: str, adapter_path: str | None) -> None:
         if not self.lora:
-            state = self.full_state_dict()
+            state = self._full_state_dict()
             if self.rank == 0:
                 self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
             return

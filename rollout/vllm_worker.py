@@ -1,0 +1,89 @@
+"""The rollout end of the weight sync inside vLLM's worker processes, one per tensor-parallel rank.
+
+`VLLMEngine` names `SyncExtension` as vLLM's `worker_extension_cls`, so vLLM mixes it into its
+Worker class (vllm/v1/worker/worker_base.py) and `LLM.collective_rpc("rlpost_...")` runs these
+methods in every worker at once. With tensor parallelism each worker joins the weight-sync group
+itself, at rank `first_rank + its rank in the engine`, takes every bucket of rank 0's broadcast
+and loads it with its own `reload_weights`, which keeps this rank's shard of each tensor: the
+weights do not pass through the Ray actor, and no process holds a second copy of the model.
+Without tensor parallelism the worker runs in the actor's process and only the tied-parameter
+methods are used. Names start with `rlpost_`: vLLM refuses an extension attribute its Worker has.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rl import weight_sync
+
+
+class SyncExtension:
+    # Set by `rlpost_join` (class defaults, so a worker that never joined has them too).
+    _rlpost_group = None
+    _rlpost_backend = "gloo"
+    _rlpost_metas: list = []
+    _rlpost_merger = None
+
+    def rlpost_join(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
+                    metas: list[weight_sync.WeightMeta], lora_spec=None) -> None:
+        """Join the weight-sync group at rank `first_rank + self.rank` (a group of the fleet before
+        a replacement is closed first). `lora_spec` (a RolloutSpec with `model.lora`): syncs carry
+        adapters, merged here into base weights this worker keeps (read once, at its first join)."""
+        self.rlpost_close()
+        self._rlpost_group = weight_sync.init_group(host, port, first_rank + self.rank, world_size, backend)
+        self._rlpost_backend, self._rlpost_metas = backend, metas
+        if lora_spec is not None and self._rlpost_merger is None:
+            from rollout.worker import adapter_merger
+
+            self._rlpost_merger = adapter_merger(lora_spec)
+
+    def rlpost_close(self) -> None:
+        weight_sync.close_group(self._rlpost_group)
+        self._rlpost_group = None
+
+    def rlpost_receive(self) -> dict[str, float]:
+        """Take rank 0's broadcast and load it bucket by bucket as it arrives (this rank's shard of
+        each tensor is kept); returns this worker's `receive_s` and `bytes`."""
+        if self._rlpost_group is None:
+            raise RuntimeError(f"rlpost_receive in vLLM worker {self.rank} before rlpost_join: the fleet was not "
+                               "connected to the weight-sync group")
+        device = self.device if self._rlpost_backend == "nccl" else "cpu"  # gloo moves host tensors
+        stats: dict[str, float] = {"receive_s": 0.0, "bytes": 0.0}
+        started = time.perf_counter()
+        tensors = weight_sync.receive(self._rlpost_group, self._rlpost_metas, device, stats=stats)
+        merger = self._rlpost_merger
+        try:
+            self.reload_weights(weights_iterator=tensors if merger is None else merger.merged(tensors))
+        finally:
+            # A load that failed part-way still takes the remaining buckets, so rank 0's broadcast
+            # completes (and the group stays usable) instead of waiting out its timeout.
+            for _ in tensors:
+                pass
+        self.rlpost_restore_tied()
+        stats["total_s"] = time.perf_counter() - started
+        return stats
+
+    def rlpost_record_tied(self) -> int:
+        """Remember which module attributes share one Parameter (e.g. lm_head.weight is
+        embed_tokens.weight when word embeddings are tied); returns how many such sets there are."""
+        model = self.model_runner.model
+        by_id: dict[int, list[str]] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(param), []).append(name)
+        model._rlpost_tied = [names for names in by_id.values() if len(names) > 1]
+        return len(model._rlpost_tied)
+
+    def rlpost_restore_tied(self) -> None:
+        """vLLM's layer-wise `reload_weights` gives the loaded layer a new tensor, so a tied twin (that
+        received no checkpoint weight of its own) keeps the old one: point it at the new one again and
+        redo the twin's post-load processing (on CPU the LM head keeps a prepacked GEMM copy)."""
+        model = self.model_runner.model
+        for canonical, *twins in getattr(model, "_rlpost_tied", []):
+            param = model.get_parameter(canonical)
+            for twin in twins:
+                owner_name, _, attr = twin.rpartition(".")
+                owner = model.get_submodule(owner_name)
+                setattr(owner, attr, param)
+                method = getattr(owner, "quant_method", None)
+                if method is not None and hasattr(method, "process_weights_after_loading"):
+                    method.process_weights_after_loading(owner)

@@ -8,7 +8,12 @@ the rollout worker on one core, the learner rank on the other). Same shape as `b
 
 Target: off_policy_steps=1 median step time <= 0.75x of off_policy_steps=0.
 
-    python -m bench.async_steps [--shape 27m] [--dtype bf16] [--steps 8] [--out bench/results/async_steps.json]
+On GPUs (`--device cuda`, the default where torch sees one; two needed) the roles have devices of
+their own already: both runs use the GPU profile (`cluster=local_gpu`, the learner rank and the
+rollout worker on a GPU each) instead of `cluster.threads_per_worker=1`.
+
+    python -m bench.async_steps [--shape 27m] [--dtype bf16] [--steps 8] [--device cpu|cuda]
+                                [--out bench/results/async_steps.json]
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import statistics
 from pathlib import Path
 
 from bench import models
-from bench.machine import machine_info
+from bench.machine import add_device_arg, machine_info, resolve_device
 from bench.vs_trl import SHAPES, Case, run_ours
 
 TARGET = 0.75
@@ -35,7 +40,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--out", default="bench/results/async_steps.json")
     p.add_argument("--verbose", action="store_true")
+    add_device_arg(p, "both runs")
     args = p.parse_args(argv)
+    gpu = resolve_device(p, args, 2, "a learner rank and a rollout worker on a GPU each") == "cuda"
+    # CPU: one core per role; GPUs: run_ours adds the GPU profile (a GPU per role)
+    layout = "cluster=local_gpu" if gpu else "cluster.threads_per_worker=1"
 
     prompts, samples, new_tokens, _ = SHAPES[args.shape]
     case = Case(args.shape, args.dtype, prompts, samples, new_tokens, TARGET)
@@ -43,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for k in (0, 1):
         run_args = argparse.Namespace(steps=args.steps, warmup=args.warmup, verbose=args.verbose,
-                                      timeout_s=args.timeout_s,
-                                      ours=f"cluster.threads_per_worker=1 algorithm.off_policy_steps={k} {args.extra}")
+                                      timeout_s=args.timeout_s, device=args.device,
+                                      ours=f"{'' if gpu else layout + ' '}algorithm.off_policy_steps={k} {args.extra}")
         print(f"off_policy_steps={k}: running {args.steps} steps ...", flush=True)
         results[k] = run_ours(case, model, data, run_args)
     sync, overlap = results[0], results[1]
@@ -56,7 +65,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{k:>17} | {r['median_step_s']:>13.2f} | {r['samples_per_s']:>9.2f} | {split}")
     verdict = "PASS" if ratio <= TARGET else "FAIL"
     print(f"step time ratio async/sync: {ratio:.2f} (target <= {TARGET}) {verdict}")
-    out = {"machine": machine_info(), "shape": args.shape, "dtype": args.dtype, "layout": "threads_per_worker=1",
+    out = {"machine": machine_info(), "shape": args.shape, "dtype": args.dtype, "device": args.device,
+           "layout": layout.removeprefix("cluster."),
            "sync": sync, "async": overlap, "ratio_step_time": ratio, "target": TARGET, "pass": ratio <= TARGET,
            "reward_mean": {k: statistics.fmean(x for x in r["reward_mean"] if x is not None)
                            for k, r in results.items()}}

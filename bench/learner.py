@@ -22,6 +22,17 @@ per second over this process's matmul peak, measured at start with the same thre
 
 Targets: ours bf16 MFU >= 50% of the measured bf16 peak; ours >= 0.85x bare tokens/s.
 
+On a GPU (`--device cuda`, the default where torch sees one) both sides run on the first visible
+GPU: ours as a rank Ray gave that GPU (`rl.devices.actor_device`: DeepSpeed on CUDA, NCCL default
+group), bare with the model and AdamW on it; the batch starts on the host for both, as the driver
+hands it over. Every timed region starts and ends with `torch.cuda.synchronize()`, and each side
+reports its peak GPU memory (`torch.cuda.max_memory_allocated`, reset at each step: it includes
+the other side's resident weights and optimizer states, this process holding both) and its step's
+own extra over what was allocated when the step began. MFU is given against the matmul peak
+measured on the GPU in this process and against the card's datasheet dense peak
+(`rl.flops.DATASHEET_TFLOPS`; fp32 against the plain FP32 figure unless TF32 matmuls are on), or
+the measured one alone for a card not in the table.
+
 `--profile` instead times the phases of a bf16 step on the fixed batch, ours beside bare (model
 forward, log-probs over the vocabulary, autograd backward, ZeRO gradient hooks, gradient norm,
 AdamW, the rest of the optimizer step), by wrapping those calls, then lists the top operators of
@@ -29,7 +40,7 @@ one step of each under torch.profiler (`bench/results/learner_profile.json`).
 
     python -m bench.learner [--quick] [--dtypes bfloat16,float32] [--steps 6] [--warmup 2]
                             [--shapes fixed,varlen,varlen+budget] [--zero-stage 2] [--kl]
-                            [--out bench/results/learner.json]
+                            [--device cpu|cuda] [--out bench/results/learner.json]
     python -m bench.learner --profile [--steps 3]
 """
 
@@ -48,8 +59,8 @@ from typing import Callable
 
 import torch
 
-from bench.machine import machine_info
-from rl.flops import measure_matmul_tflops, train_flops
+from bench.machine import add_device_arg, machine_info, resolve_device
+from rl.flops import datasheet_card, datasheet_tflops, measure_matmul_tflops, train_flops
 from rl.types import TrainBatch
 
 ROWS = 32  # 4 prompts x 8 samples: one GRPO step's batch
@@ -101,12 +112,35 @@ def batch_work(batch: TrainBatch, hf_config: dict) -> tuple[int, float]:
 
 # ---- the two sides ---------------------------------------------------------------------------
 
+def synchronizer(device: str) -> Callable[[], None]:
+    """What a timed region waits for at its ends: the GPU's queued kernels (CUDA runs them
+    asynchronously to the host); nothing on CPU."""
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def memory_start(device: str) -> int:
+    """GPU only: reset the peak and return what is allocated as a step begins."""
+    if device != "cuda":
+        return 0
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def memory_end(device: str, start: int) -> dict[str, float]:
+    """GPU only (after a synchronize): the step's peak allocated memory and its extra over `start`."""
+    if device != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated()
+    return {"peak_gib": peak / 2**30, "step_gib": (peak - start) / 2**30}
+
+
 class Ours:
     """Our learner, world size 1, in this process."""
 
     def __init__(self, model_path: str, dtype: str, zero_stage: int, budget: int, kl: bool, threads: int,
-                 peak: float):
+                 peak: float, device: str = "cpu"):
         from rl.config import AlgorithmConfig, ModelConfig, TrainerConfig
+        from rl.devices import actor_device
         from rl.weight_sync import free_port
         from trainer.learner import LearnerSpec, LearnerWorker
 
@@ -116,20 +150,28 @@ class Ours:
                                 samples_per_step=ROWS, max_response_len=COMPLETION, temperature=1.0, seed=0,
                                 threads=threads, peak_tflops=peak)
         self.worker = LearnerWorker(self.spec, rank=0, world_size=1)
+        if device == "cuda":  # outside Ray a rank is given no GPU: this one has the first visible one, as from Ray
+            self.worker.device_kind = actor_device(["0"], torch.cuda.is_available(), "learner rank 0")
         self.worker.setup("127.0.0.1", free_port())
+        self.device, self.sync = device, synchronizer(device)
         self.step_no = 0
         self.last: dict[str, float] = {}
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
         b = fresh(batch)
+        self.sync()
+        memory = memory_start(self.device)
         c0, t0 = time.process_time(), time.perf_counter()
         b = self.worker.score(b)
+        self.sync()
         t1 = time.perf_counter()
         metrics = self.worker.train_step(b, self.step_no, self.spec.algorithm.kl_coef)
+        self.sync()
         t2 = time.perf_counter()
         self.step_no += 1
         self.last = metrics
-        return {"step_s": t2 - t0, "cpu_s": time.process_time() - c0, "score_s": t1 - t0, "train_s": t2 - t1}
+        return {"step_s": t2 - t0, "cpu_s": time.process_time() - c0, "score_s": t1 - t0, "train_s": t2 - t1,
+                **memory_end(self.device, memory)}
 
     def close(self) -> None:
         del self.worker
@@ -138,29 +180,38 @@ class Ours:
 class Bare:
     """The same model in a plain torch forward + backward + AdamW loop."""
 
-    def __init__(self, model_path: str, dtype: str, lr: float = 1e-3, max_grad_norm: float = 1.0):
+    def __init__(self, model_path: str, dtype: str, lr: float = 1e-3, max_grad_norm: float = 1.0,
+                 device: str = "cpu"):
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        if device != "cpu":
+            self.model.to(device)
+        self.device, self.sync = torch.device(device), synchronizer(device)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
         self.max_grad_norm = max_grad_norm
 
     def loss(self, batch: TrainBatch) -> torch.Tensor:
-        ids, am = batch.input_ids, batch.attention_mask
+        # the batch comes from the host, as ours gets it (`.to` is a no-op on CPU)
+        ids, am, mask, adv = (t.to(self.device) for t in (batch.input_ids, batch.attention_mask, batch.loss_mask,
+                                                          batch.advantages))
         logits = self.model(input_ids=ids, attention_mask=am, use_cache=False).logits[:, :-1]
         logp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        mask = batch.loss_mask
-        return -(logp.float() * batch.advantages * mask).sum() / mask.sum()
+        return -(logp.float() * adv * mask).sum() / mask.sum()
 
     def step(self, batch: TrainBatch) -> dict[str, float]:
+        self.sync()
+        memory = memory_start(self.device.type)
         c0, t0 = time.process_time(), time.perf_counter()
         self.loss(batch).backward()
         torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        return {"step_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
+        self.sync()
+        return {"step_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
+                **memory_end(self.device.type, memory)}
 
     def close(self) -> None:
         del self.model, self.opt
@@ -181,13 +232,20 @@ def interleaved(sides: dict[str, Callable[[TrainBatch], dict[str, float]]], batc
     return times
 
 
-def summarize(times: list[dict[str, float]], tokens: int, flops: float, peak: float) -> dict[str, float]:
-    out = {k: statistics.median(t[k] for t in times) for k in times[0]}
+MEMORY_KEYS = ("peak_gib", "step_gib")  # GPU only: the largest of the timed steps
+
+
+def summarize(times: list[dict[str, float]], tokens: int, flops: float, peak: float,
+              sheet: float | None = None) -> dict[str, float]:
+    """Median step and its throughput; MFU of the measured peak and (GPU) of the datasheet's."""
+    out = {k: (max if k in MEMORY_KEYS else statistics.median)(t[k] for t in times) for k in times[0]}
     out["step_s_all"] = [round(t["step_s"], 4) for t in times]
     out["step_s_min"] = min(t["step_s"] for t in times)
     out["tokens_per_s"] = tokens / out["step_s"]
     out["tflops"] = flops / out["step_s"] / 1e12
     out["mfu"] = out["tflops"] / peak
+    if sheet:
+        out["mfu_datasheet"] = out["tflops"] / sheet
     return out
 
 
@@ -196,9 +254,10 @@ def summarize(times: list[dict[str, float]], tokens: int, flops: float, peak: fl
 class Phases:
     """Inclusive wall time of named calls, accumulated by wrapping them (instance attributes)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sync: Callable[[], None] = lambda: None) -> None:
         self.seconds: dict[str, float] = {}
         self.enabled = False
+        self.sync = sync  # GPU: each timed call waits for its kernels (and for those queued before it)
 
     def wrap(self, obj, attr: str, name: str) -> None:
         fn = getattr(obj, attr)
@@ -206,10 +265,12 @@ class Phases:
         def timed(*args, **kwargs):
             if not self.enabled:
                 return fn(*args, **kwargs)
+            self.sync()
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
+                self.sync()
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
         setattr(obj, attr, timed)
@@ -270,7 +331,7 @@ def phase_rows(ours: dict[str, float], bare: dict[str, float]) -> list[tuple[str
 
 def profile(path: str, hf_config: dict, dtype: str, threads: int, peak: float, args) -> dict:
     """Phase times of ours and bare on the fixed batch (interleaved steps, mean per step), then
-    the top operators of one step of each under torch.profiler."""
+    the top operators of one step of each under torch.profiler (on a GPU: by self GPU time)."""
     import warnings
 
     from torch.profiler import ProfilerActivity
@@ -279,8 +340,12 @@ def profile(path: str, hf_config: dict, dtype: str, threads: int, peak: float, a
     warnings.filterwarnings("ignore", message=".*optimizer.step.*")  # our timing wrapper on AdamW.step
 
     batch = make_batch("fixed", hf_config["vocab_size"], seed=args.seed)
-    ours, bare = Ours(path, dtype, args.zero_stage, 0, args.kl, threads, peak), Bare(path, dtype)
-    po, pb = Phases(), Phases()
+    ours = Ours(path, dtype, args.zero_stage, 0, args.kl, threads, peak, args.device)
+    bare = Bare(path, dtype, device=args.device)
+    po, pb = Phases(synchronizer(args.device)), Phases(synchronizer(args.device))
+    gpu = args.device == "cuda"
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if gpu else [ProfilerActivity.CPU]
+    sort_key = "self_device_time_total" if gpu else "self_cpu_time_total"
     instrument_ours(ours, po)
     clip = torch.nn.utils.clip_grad_norm_
     instrument_bare(bare, pb)
@@ -296,22 +361,24 @@ def profile(path: str, hf_config: dict, dtype: str, threads: int, peak: float, a
             print(f"{name:52s} {o:8.3f} {b:8.3f} {o - b:+9.3f}")
         ops = {}
         for name, run in (("ours", ours.step), ("bare", bare.step)):
-            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            with torch_profile(activities=activities) as prof:
                 run(batch)
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile_ops,
+            table = prof.key_averages().table(sort_by=sort_key, row_limit=args.profile_ops,
                                               max_name_column_width=55)
-            print(f"\nTop operators, one {name} step (self CPU time):\n{table}")
-            ops[name] = [{"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count}
-                         for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:args.profile_ops]]
+            print(f"\nTop operators, one {name} step (self {'GPU' if gpu else 'CPU'} time):\n{table}")
+            ops[name] = [{"op": e.key, "self_cpu_s": e.self_cpu_time_total / 1e6, "calls": e.count,
+                          **({"self_gpu_s": e.self_device_time_total / 1e6} if gpu else {})}
+                         for e in sorted(prof.key_averages(), key=lambda e: -getattr(e, sort_key))[:args.profile_ops]]
     finally:
         torch.nn.utils.clip_grad_norm_ = clip
         ours.close()
         bare.close()
-    return {"dtype": dtype, "shape": "fixed", "steps": args.steps,
+    return {"dtype": dtype, "shape": "fixed", "steps": args.steps, "device": args.device,
             "phases_s": [{"phase": n, "ours": o, "bare": b} for n, o, b in rows], "top_ops": ops}
 
 
-def learner_machine_info(threads: int, peaks: dict[str, float]) -> dict:
+def learner_machine_info(threads: int, peaks: dict[str, float], device: str = "cpu",
+                         sheet: dict[str, float | None] | None = None) -> dict:
     cpu = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
@@ -321,13 +388,26 @@ def learner_machine_info(threads: int, peaks: dict[str, float]) -> dict:
         isa = sorted(f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx")))
     except (OSError, StopIteration):
         isa = []
-    return {**machine_info(), "isa": isa, "torch_threads": threads, "matmul_peak_tflops": peaks}
+    info = {**machine_info(), "isa": isa, "torch_threads": threads, "device": device, "matmul_peak_tflops": peaks}
+    if device == "cuda":
+        name = torch.cuda.get_device_name()
+        info.update(gpu_name=name, datasheet_card=datasheet_card(name), datasheet_tflops=sheet,
+                    tf32_matmuls=torch.backends.cuda.matmul.allow_tf32)
+    return info
 
 
-def matmul_peak(dtype: str, seconds: float, tries: int = 3) -> float:
+def matmul_peak(dtype: str, seconds: float, tries: int = 3, device: str = "cpu") -> float:
     """The best of a few short `measure_matmul_tflops` runs: on a shared machine another
     process's burst lowers one run, never raises it."""
-    return max(measure_matmul_tflops(getattr(torch, dtype), seconds=seconds / tries) for _ in range(tries))
+    return max(measure_matmul_tflops(getattr(torch, dtype), device, seconds=seconds / tries) for _ in range(tries))
+
+
+def datasheet_peaks(device: str) -> dict[str, float | None]:
+    """GPU: the card's datasheet dense peak per dtype (None for a card not in the table); CPU: none."""
+    if device != "cuda":
+        return {}
+    name, tf32 = torch.cuda.get_device_name(), torch.backends.cuda.matmul.allow_tf32
+    return {d: datasheet_tflops(name, getattr(torch, d), tf32) for d in ("bfloat16", "float32")}
 
 
 def model_path(shape: str) -> str:
@@ -342,55 +422,78 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(threads)
     with open(os.path.join(path, "config.json")) as f:
         hf_config = json.load(f)
-    peaks = {d: matmul_peak(d, args.peak_seconds) for d in ("bfloat16", "float32")}
-    info = learner_machine_info(threads, peaks)
-    print(f"matmul peak ({threads} threads): bf16 {peaks['bfloat16']:.3f} TFLOP/s, "
-          f"fp32 {peaks['float32']:.3f} TFLOP/s; load average {info['load_avg_at_start']}", flush=True)
+    peaks = {d: matmul_peak(d, args.peak_seconds, device=args.device) for d in ("bfloat16", "float32")}
+    sheet = datasheet_peaks(args.device)
+    info = learner_machine_info(threads, peaks, args.device, sheet)
+    if args.device == "cuda":
+        said = {d: f"datasheet {v:.1f}" if v else "not in the datasheet table" for d, v in sheet.items()}
+        print(f"matmul peak on {info['gpu_name']}: bf16 {peaks['bfloat16']:.1f} TFLOP/s ({said['bfloat16']}), "
+              f"fp32 {peaks['float32']:.1f} TFLOP/s ({said['float32']}, TF32 {'on' if info['tf32_matmuls'] else 'off'})",
+              flush=True)
+    else:
+        print(f"matmul peak ({threads} threads): bf16 {peaks['bfloat16']:.3f} TFLOP/s, "
+              f"fp32 {peaks['float32']:.3f} TFLOP/s; load average {info['load_avg_at_start']}", flush=True)
     result = {"machine": info,
               "settings": {"model": path, "rows": ROWS, "completion_tokens": COMPLETION, "prompt_tokens": PROMPT,
                            "warmup": args.warmup, "steps": args.steps, "zero_stage": args.zero_stage, "kl": args.kl,
-                           "budget_tokens": BUDGET},
+                           "budget_tokens": BUDGET, "device": args.device},
               "targets": {"ours_bf16_mfu": 0.5, "ours_over_bare": 0.85}, "rows": []}
     if args.profile:
         result["profile"] = profile(path, hf_config, "bfloat16", threads, peaks["bfloat16"], args)
     else:
-        result["rows"] = compare(path, hf_config, threads, peaks, args)
-    info["matmul_peak_tflops_at_end"] = {d: matmul_peak(d, args.peak_seconds) for d in ("bfloat16", "float32")}
+        result["rows"] = compare(path, hf_config, threads, peaks, args, sheet)
+    info["matmul_peak_tflops_at_end"] = {d: matmul_peak(d, args.peak_seconds, device=args.device)
+                                         for d in ("bfloat16", "float32")}
     info["load_avg_at_end"] = os.getloadavg()
     return result
 
 
-def compare(path: str, hf_config: dict, threads: int, peaks: dict[str, float], args) -> list[dict]:
+def compare(path: str, hf_config: dict, threads: int, peaks: dict[str, float], args,
+            sheet: dict[str, float | None] | None = None) -> list[dict]:
     rows = []
-    print(_HEAD, flush=True)
+    gpu = args.device == "cuda"
+    print(_HEAD + (_GPU_HEAD if gpu else ""), flush=True)
     for dtype in args.dtypes:
-        peak = peaks[dtype]
-        bare = Bare(path, dtype)
+        peak, sheet_peak = peaks[dtype], (sheet or {}).get(dtype)
+        bare = Bare(path, dtype, device=args.device)
         ours_by_budget: dict[int, Ours] = {}
         for shape in args.shapes:
             budget = BUDGET if shape.endswith("+budget") else 0
             if budget not in ours_by_budget:
-                ours_by_budget[budget] = Ours(path, dtype, args.zero_stage, budget, args.kl, threads, peak)
+                ours_by_budget[budget] = Ours(path, dtype, args.zero_stage, budget, args.kl, threads, peak,
+                                              args.device)
             ours = ours_by_budget[budget]
             batch = make_batch(shape.split("+")[0], hf_config["vocab_size"], seed=args.seed)
             tokens, flops = batch_work(batch, hf_config)
             times = interleaved({"ours": ours.step, "bare": bare.step}, batch, args.warmup, args.steps)
             row = {"dtype": dtype, "shape": shape, "rows": len(batch), "padded_width": batch.input_ids.shape[1],
                    "trained_tokens": tokens, "padded_tokens": batch.input_ids.numel(), "model_tflop": flops / 1e12,
-                   "ours": summarize(times["ours"], tokens, flops, peak),
-                   "bare": summarize(times["bare"], tokens, flops, peak)}
+                   "ours": summarize(times["ours"], tokens, flops, peak, sheet_peak),
+                   "bare": summarize(times["bare"], tokens, flops, peak, sheet_peak)}
             row["ratio"] = row["ours"]["tokens_per_s"] / row["bare"]["tokens_per_s"]
             rows.append(row)
-            print(_line(row), flush=True)
+            print(_line(row) + (_gpu_line(row) if gpu else ""), flush=True)
         for ours in ours_by_budget.values():
             ours.close()
         bare.close()
         gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
     return rows
 
 
 _HEAD = (f"{'dtype':9s} {'shape':14s} {'ours tok/s':>10s} {'bare tok/s':>10s} {'ratio':>6s} "
          f"{'ours MFU':>8s} {'bare MFU':>8s}   median step (s)")
+
+
+_GPU_HEAD = f"   {'datasheet MFU ours/bare':>23s}   peak GPU GiB ours/bare (step's own)"
+
+
+def _gpu_line(r: dict) -> str:
+    o, b = r["ours"], r["bare"]
+    sheet = f"{o['mfu_datasheet']:.1%} / {b['mfu_datasheet']:.1%}" if "mfu_datasheet" in o else "card not in table"
+    return (f"   {sheet:>23s}   {o['peak_gib']:.2f} ({o['step_gib']:.2f}) / {b['peak_gib']:.2f} "
+            f"({b['step_gib']:.2f})")
 
 
 def _line(r: dict) -> str:
@@ -410,6 +513,10 @@ def checks(result: dict) -> str:
         if r["dtype"] == "bfloat16":
             m = r["ours"]["mfu"]
             checks.append(f"ours MFU {m:.1%} {'>=' if m >= t['ours_bf16_mfu'] else '<'} {t['ours_bf16_mfu']:.0%}")
+            if "mfu_datasheet" in r["ours"]:
+                m = r["ours"]["mfu_datasheet"]
+                checks.append(f"of the datasheet peak {m:.1%} {'>=' if m >= t['ours_bf16_mfu'] else '<'} "
+                              f"{t['ours_bf16_mfu']:.0%}")
         lines.append(f"  {r['dtype']} {r['shape']}: " + ", ".join(checks))
     return "\n".join(lines)
 
@@ -430,7 +537,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peak-seconds", type=float, default=3.0, help="matmul peak: best of 3 runs this long in all")
     p.add_argument("--out", default=None, help="default: bench/results/learner.json (learner_profile.json)")
+    add_device_arg(p, "both sides")
     args = p.parse_args(argv)
+    resolve_device(p, args)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in args.shapes if s not in SHAPES] + [d for d in args.dtypes if d not in ("bfloat16", "float32")]
@@ -440,7 +549,7 @@ def main(argv: list[str] | None = None) -> None:
         args.warmup, args.steps = 1, 3
         args.shapes = ["fixed"]
     out = Path(args.out or f"bench/results/learner{'_profile' if args.profile else ''}.json")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.setdefault("DS_ACCELERATOR", args.device)  # before DeepSpeed is imported
     result = run(args)
     if result["rows"]:
         print("targets:\n" + checks(result))

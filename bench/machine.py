@@ -1,5 +1,6 @@
-"""What a benchmark ran on, written into its JSON: CPU, cores, torch threads, load, package
-versions and the git commit (timings are only comparable between runs with the same)."""
+"""What a benchmark ran on, written into its JSON: CPU, cores, torch threads, load, the GPUs this
+process sees (name, count, memory), package versions and the git commit (timings are only
+comparable between runs with the same); and the `--device` choice the benchmarks share."""
 
 from __future__ import annotations
 
@@ -32,5 +33,36 @@ def machine_info() -> dict[str, Any]:
     except OSError:
         commit, dirty = "", None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "load_avg_at_start": os.getloadavg(), "python": platform.python_version(), "versions": versions,
-            "git_commit": commit, "git_dirty": dirty}
+            "load_avg_at_start": os.getloadavg(), "python": platform.python_version(), "gpus": gpu_info(),
+            "versions": versions, "git_commit": commit, "git_dirty": dirty}
+
+
+def gpu_info() -> dict[str, Any] | None:
+    """The CUDA devices this process sees, or None where torch has no CUDA (a CPU build, no GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return {"name": props[0].name, "count": len(props), "names": [p.name for p in props],
+            "memory_gib": [round(p.total_memory / 2**30, 1) for p in props],
+            "capability": [f"{p.major}.{p.minor}" for p in props], "cuda": torch.version.cuda,
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def add_device_arg(parser, what: str) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help=f"where {what} runs (default: cuda when torch sees a GPU, else cpu)")
+
+
+def resolve_device(parser, args, gpus_needed: int = 1, why: str = "") -> str:
+    """`--device` as given, or cuda when torch sees a GPU; refuses cuda without `gpus_needed` GPUs
+    (`why`: what they are for)."""
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < gpus_needed:
+        parser.error(f"--device cuda needs {gpus_needed} GPU(s){f' ({why})' if why else ''}; torch "
+                     f"{torch.__version__} sees {torch.cuda.device_count()}")
+    args.device = device
+    return device

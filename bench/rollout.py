@@ -22,8 +22,15 @@ processes on a shared machine falls on both alike; warm-up batches are excluded 
 the timed ones is reported. Tokens are the completion tokens generated: the same on both sides
 (same seeds; the bench checks that the token ids match). Target: fleet / raw >= 0.9.
 
+On a GPU (`--device cuda`, the default where torch sees one) the config is the one GPU profile's,
+`cluster=local_gpu` (the rollout worker given a GPU by Ray, bf16, CUDA graphs: `rollout.enforce_eager
+=false`), with `cluster.gpus_per_learner=0` (no learner here) and `rollout.gpu_memory_utilization`
+0.4 (`--gpu-memory-utilization`) instead of 0.85: the raw engine runs on the same GPU as the
+worker's (its `CUDA_VISIBLE_DEVICES`), both engines resident, so each takes a share that leaves
+room for the other; same engine arguments on both sides as on CPU.
+
     python -m bench.rollout [--quick] [--shape 27m] [--batches 8x4,16x4] [--repeats 5] [--warmup 1]
-                            [--out bench/results/rollout.json]
+                            [--device cpu|cuda] [--out bench/results/rollout.json]
 
 `--quick`: the 8x4 batch only, 3 timed repeats (about 1-2 minutes on 2 cores, half of it start-up).
 """
@@ -42,7 +49,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine_info
+from bench.machine import add_device_arg, machine_info, resolve_device
 
 NEW_TOKENS = 128
 SAMPLES_PER_PROMPT = 4
@@ -101,6 +108,14 @@ def lengths(model: str, longest_prompt: int) -> tuple[int, int]:
     return max_len, min(NEW_TOKENS, max_len - longest_prompt)
 
 
+def device_overrides(device: str, gpu_memory_utilization: float) -> list[str]:
+    """The config of a GPU run (the local GPU profile) for a rollout worker alone, sharing its GPU
+    with the raw engine; nothing on CPU."""
+    if device != "cuda":
+        return []
+    return ["cluster=local_gpu", "cluster.gpus_per_learner=0", f"rollout.gpu_memory_utilization={gpu_memory_utilization}"]
+
+
 def run_config(model: str, run_dir: str, max_len: int, new_tokens: int, extra: list[str] = ()) -> Any:
     """The composed, validated config of `launch.train` for this model (paths resolved)."""
     import launch.train
@@ -127,7 +142,7 @@ def start_fleet(cfg):
     start_ray(cfg)
     config = OmegaConf.to_object(cfg)
     threads, c = worker_threads(config), config.cluster
-    env = {**rollout_env(threads, False), **vllm_env(config.rollout.kv_cache_gib, threads)}
+    env = {**rollout_env(threads, c.gpus_per_rollout_worker > 0), **vllm_env(config.rollout.kv_cache_gib, threads)}
     placement = make_placement(config, print)
     deadlines = Deadlines(config.run.call_timeout_s, config.run.call_timeout_factor, config.run.start_timeout_s)
     fleet = RolloutFleet(RolloutSpec.from_config(config, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
@@ -139,6 +154,11 @@ def start_fleet(cfg):
 
 def _niceness(worker=None) -> int:
     return os.nice(0)
+
+
+def _visible_devices(worker=None) -> str | None:
+    """Inside the rollout actor: the GPU(s) Ray gave it, as CUDA_VISIBLE_DEVICES."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def _raw_server(spec, niceness: int, conn) -> None:
@@ -300,13 +320,15 @@ def run(args: argparse.Namespace) -> dict:
     longest = max(len(r.prompt_ids) for r in make_requests(tokenizer, max(p for p, _ in batches), 1))
     max_len, new_tokens = lengths(model, longest)
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = run_config(model, run_dir, max_len, new_tokens)
+        cfg = run_config(model, run_dir, max_len, new_tokens, device_overrides(args.device, args.gpu_memory_utilization))
         info = machine_info()
         fleet, spec, env = start_fleet(cfg)
         ray.get(fleet.workers[0].__ray_call__.remote(_instrument))
         # Ray starts its workers at a lower CPU priority (worker_niceness, 15 by default): the raw
         # engine gets the same, so that other load on the machine weighs on both sides alike
         niceness = ray.get(fleet.workers[0].__ray_call__.remote(_niceness))
+        if args.device == "cuda":  # the raw engine on the worker's GPU
+            env = {**env, "CUDA_VISIBLE_DEVICES": ray.get(fleet.workers[0].__ray_call__.remote(_visible_devices))}
         raw = None
         try:
             raw = RawEngine(spec, env, niceness)
@@ -319,7 +341,10 @@ def run(args: argparse.Namespace) -> dict:
     settings = {"shape": args.shape, "model": model, "new_tokens": new_tokens, "max_model_len": max_len,
                 "repeats": args.repeats, "warmup": args.warmup, "threads": spec.threads, "niceness": niceness,
                 "rollout": {k: getattr(spec.rollout, k) for k in ("temperature", "top_p", "enforce_eager", "kv_cache_gib")},
-                "dtype": spec.model.dtype}
+                "dtype": spec.model.dtype, "device": args.device}
+    if args.device == "cuda":
+        settings["rollout"]["gpu_memory_utilization"] = spec.rollout.gpu_memory_utilization
+        settings["cuda_visible_devices"] = env["CUDA_VISIBLE_DEVICES"]
     return {"machine": info, "settings": settings, "results": rows, "target_ratio": 0.9,
             "meets_target": all(r["ratio"] >= 0.9 for r in rows)}
 
@@ -332,7 +357,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", default="bench/results/rollout.json")
+    add_device_arg(parser, "both engines")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,
+                        help="GPU: each engine's share of the one GPU both use (the run's profile has 0.85)")
     args = parser.parse_args(argv)
+    resolve_device(parser, args)
     if args.quick:
         args.batches, args.repeats = "8x4", 3
     result = run(args)

@@ -24,9 +24,16 @@ bf16 and fp32; `tiny` 4 x 4 x 32, fp32; `varlen` (EOS after ~geometric lengths) 
 bf16. Targets (ours / TRL samples/s): 27m bf16 >= 2.0x, 27m fp32 >= 1.4x, tiny >= 1.5x,
 varlen >= 2.0x. `--quick`: tiny only, 3 steps (a smoke test of both sides, a couple of minutes).
 
+On GPUs (`--device cuda`, the default where torch sees one): ours adds `cluster=local_gpu` (the
+GPU profile: the learner rank and the rollout worker on a GPU each, so two GPUs; CUDA graphs; the
+case's `model.dtype` still decides the dtype), TRL runs with `use_cpu=False` on one GPU (its process
+sees only the first one: HF's Trainer would wrap the model in DataParallel over more), still with
+transformers `generate` unless `--trl` says otherwise. The JSON records each side's GPU count, and
+the ratios per GPU beside the plain ones.
+
     python -m bench.vs_trl [--quick] [--shapes 27m,tiny,varlen] [--dtypes bf16,fp32] [--steps 6]
         [--warmup 1] [--ours "algorithm.off_policy_steps=1 ..."] [--trl "key=value ..."]
-        [--only ours|trl] [--out bench/results/vs_trl.json]
+        [--only ours|trl] [--device cpu|cuda] [--out bench/results/vs_trl.json]
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.machine import machine_info
+from bench.machine import add_device_arg, machine_info, resolve_device
 
 REPO = Path(__file__).resolve().parent.parent
 REWARD_FILE = REPO / "bench" / "arith_reward.py"
@@ -138,8 +145,10 @@ def tail(path: Path, lines: int = 40) -> str:
 
 # ---- ours ------------------------------------------------------------------------------------
 
-def ours_overrides(case: Case, model: Path, train_file: Path, run_dir: Path, steps: int) -> list[str]:
+def ours_overrides(case: Case, model: Path, train_file: Path, run_dir: Path, steps: int,
+                   device: str = "cpu") -> list[str]:
     return [
+        *(["cluster=local_gpu"] if device == "cuda" else []),  # the GPU profile; the case's dtype below wins
         f"model.path={model}", f"model.dtype={DTYPES[case.dtype]}",
         f"task.train_files=[{train_file}]", f"task.prompts_per_step={case.prompts}",
         f"rollout.n={case.samples}", f"rollout.max_new_tokens={case.max_new_tokens}",
@@ -157,7 +166,9 @@ def run_ours(case: Case, model: Path, train_file: Path, args: argparse.Namespace
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(args.ours)
-    cmd = [sys.executable, "-m", "launch.train", *ours_overrides(case, model, train_file, run_dir, args.steps), *extra]
+    device = getattr(args, "device", "cpu")
+    cmd = [sys.executable, "-m", "launch.train", *ours_overrides(case, model, train_file, run_dir, args.steps, device),
+           *extra]
     log_path = RUNS / f"ours-{case.name}.log"
     code, wall = run_logged(cmd, log_path, "[ours]", {**os.environ, **OFFLINE_ENV}, args.verbose, args.timeout_s)
     metrics_file = run_dir / "metrics.jsonl"
@@ -175,7 +186,8 @@ def run_ours(case: Case, model: Path, train_file: Path, args: argparse.Namespace
     split = {k: statistics.fmean(r[k] for r in timed) for k in split_keys if all(k in r for r in timed)}
     return {**summarize(step_s, tokens, per_step, args.warmup), "wall_s": wall, "overrides_extra": extra,
             "command": shlex.join(cmd[1:]), "mean_split_s": split, "run_dir": str(run_dir), "log": str(log_path),
-            "reward_mean": [r.get("reward/mean") for r in rows]}
+            "reward_mean": [r.get("reward/mean") for r in rows],
+            "gpus": 2 if device == "cuda" else 0}  # cluster=local_gpu: one learner rank, one rollout worker
 
 
 # ---- TRL (in its own process: `python -m bench.vs_trl _trl CASE_JSON`) --------------------------
@@ -219,7 +231,7 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
     bf16 = case.dtype == "bf16"
     weights_dtype = torch.bfloat16 if bf16 and spec["trl_bf16"] == "pure" else torch.float32
     config: dict[str, Any] = dict(
-        output_dir=spec["out_dir"], use_cpu=True, seed=0, max_steps=spec["steps"],
+        output_dir=spec["out_dir"], use_cpu=spec.get("device", "cpu") != "cuda", seed=0, max_steps=spec["steps"],
         per_device_train_batch_size=per_step, gradient_accumulation_steps=1, num_generations=case.samples,
         max_completion_length=case.max_new_tokens, temperature=1.0, top_p=1.0, top_k=0,
         beta=0.0, num_iterations=1, learning_rate=1e-5, lr_scheduler_type="constant", warmup_steps=0,
@@ -295,12 +307,16 @@ def run_trl(case: Case, model: Path, train_file: Path, args: argparse.Namespace)
     out_dir = RUNS / f"trl-{case.name}"
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
+    device = getattr(args, "device", "cpu")
     spec = {"case": asdict(case), "model": str(model), "train_file": str(train_file), "steps": args.steps,
-            "out_dir": str(out_dir), "trl_extra": parse_literals(args.trl), "trl_bf16": args.trl_bf16}
+            "out_dir": str(out_dir), "trl_extra": parse_literals(args.trl), "trl_bf16": args.trl_bf16, "device": device}
     result_file = out_dir / "result.json"
     cmd = [sys.executable, "-m", "bench.vs_trl", "_trl", json.dumps(spec), str(result_file)]
     log_path = RUNS / f"trl-{case.name}.log"
-    code, wall = run_logged(cmd, log_path, "[trl]", {**os.environ, **OFFLINE_ENV}, args.verbose, args.timeout_s)
+    env = {**os.environ, **OFFLINE_ENV}
+    if device == "cuda":  # one GPU: with more, HF's Trainer (one process) would run DataParallel over all
+        env["CUDA_VISIBLE_DEVICES"] = first_gpu()
+    code, wall = run_logged(cmd, log_path, "[trl]", env, args.verbose, args.timeout_s)
     if code != 0 or not result_file.exists():
         raise RuntimeError(f"TRL run failed (exit {code}); log {log_path}:\n" + tail(log_path))
     res = json.loads(result_file.read_text())
@@ -311,8 +327,14 @@ def run_trl(case: Case, model: Path, train_file: Path, args: argparse.Namespace)
     split = {"generate_s": statistics.fmean(res["generate_s"][timed]),
              "rest_s": statistics.fmean(s - g for s, g in zip(res["step_s"][timed], res["generate_s"][timed]))}
     return {**summarize(res["step_s"], res["completion_tokens"], per_step, args.warmup), "wall_s": wall,
-            "mean_split_s": split, "log": str(log_path), **{k: v for k, v in res.items() if k not in
-                                                             ("step_s", "completion_tokens")}}
+            "mean_split_s": split, "log": str(log_path), "gpus": 1 if device == "cuda" else 0,
+            **{k: v for k, v in res.items() if k not in ("step_s", "completion_tokens")}}
+
+
+def first_gpu() -> str:
+    """The first GPU this process sees, as CUDA_VISIBLE_DEVICES names it."""
+    given = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    return given[0] if given else "0"
 
 
 def parse_literals(text: str) -> dict[str, Any]:
@@ -375,7 +397,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
     p.add_argument("--verbose", action="store_true", help="echo both sides' output")
     p.add_argument("--out", default=None, help="JSON file (default bench/results/vs_trl.json, or vs_trl_quick.json with --quick)")
+    add_device_arg(p, "both sides")
     args = p.parse_args(argv)
+    resolve_device(p, args, 1 if args.only == "trl" else 2, "ours: a learner rank and a rollout worker on a GPU each")
     if args.quick:
         args.shapes, args.steps = "tiny", 3
     out = Path(args.out or REPO / "bench" / "results" / ("vs_trl_quick.json" if args.quick else "vs_trl.json"))
@@ -387,8 +411,10 @@ def main(argv: list[str] | None = None) -> None:
 
     os.environ.update(OFFLINE_ENV)
     info = machine_info()
+    gpus = info["gpus"]
     print(f"vs_trl: {len(todo)} case(s), {args.steps} steps each ({args.warmup} untimed); {info['cpu']}, "
-          f"{info['cores']} cores, torch threads {info['torch_threads']}", flush=True)
+          f"{info['cores']} cores, torch threads {info['torch_threads']}"
+          + (f"; on {gpus['count']} x {gpus['name']}" if args.device == "cuda" else ""), flush=True)
     train_file = write_data()
     results = []
     for case in todo:
@@ -407,9 +433,15 @@ def main(argv: list[str] | None = None) -> None:
             row["ratio_samples_per_s"] = row["ours"]["samples_per_s"] / row["trl"]["samples_per_s"]
             row["ratio_tokens_per_s"] = row["ours"]["tokens_per_s"] / row["trl"]["tokens_per_s"]
             row["meets_target"] = row["ratio_samples_per_s"] >= case.target
+            if args.device == "cuda":  # ours holds two GPUs, TRL one
+                per_gpu = row["trl"]["gpus"] / row["ours"]["gpus"]
+                row["ratio_samples_per_s_per_gpu"] = row["ratio_samples_per_s"] * per_gpu
+                row["ratio_tokens_per_s_per_gpu"] = row["ratio_tokens_per_s"] * per_gpu
+                print(f"[{case.name}] per GPU: ours/TRL samples/s {row['ratio_samples_per_s_per_gpu']:.2f}x "
+                      f"(ours on {row['ours']['gpus']} GPUs, TRL on {row['trl']['gpus']})", flush=True)
         results.append(row)
         out.parent.mkdir(parents=True, exist_ok=True)  # written after every case: partial results survive
-        out.write_text(json.dumps({"machine": info, "steps": args.steps, "warmup_steps": args.warmup,
+        out.write_text(json.dumps({"machine": info, "device": args.device, "steps": args.steps, "warmup_steps": args.warmup,
                                    "ours_extra": args.ours, "trl_extra": args.trl, "trl_bf16": args.trl_bf16,
                                    "cases": results}, indent=2) + "\n")
     print_table(results)

@@ -32,7 +32,18 @@ Targets: wire >= 0.8x raw (our transport) and ours >= 0.8x raw+load (the full pa
 load into vLLM (its in-place reload re-materialises each layer and re-packs its oneDNN GEMM
 weights) takes about as long as the broadcast itself, so no full sync comes near raw's GB/s.
 
-    python -m bench.weight_sync [--quick] [--shapes 27m,100m] [--repeats 5] [--out bench/results/weight_sync.json]
+On GPUs (`--device cuda`, the default where torch sees one; needs two: NCCL refuses two members
+of a group on one GPU) the same comparison runs as a GPU run syncs: the config is the GPU profile's
+(`cluster=local_gpu`: learner rank and rollout worker on a GPU each, bf16, CUDA graphs), the bytes
+are the model's in bf16, and every side moves them GPU to GPU over NCCL: raw is an NCCL broadcast
+between the two plain processes (one GPU each, as Ray gives its actors: `CUDA_VISIBLE_DEVICES`) of
+buffers on the GPUs, then one `torch.cuda.synchronize()` on each; wire and ours use the weight-sync
+group on NCCL (`rl.weight_sync` synchronizes the stream after each bucket); raw+load reloads vLLM
+from the GPU buffers. Ours also reports the rollout worker's peak extra GPU memory during a sync
+(`torch.cuda.max_memory_allocated` in its process).
+
+    python -m bench.weight_sync [--quick] [--shapes 27m,100m] [--repeats 5] [--device cpu|cuda]
+                                [--out bench/results/weight_sync.json]
 
 `--quick`: `27m` only, 3 repeats (about 2-3 minutes on 2 cores, mostly Ray/DeepSpeed/vLLM start-up).
 """
@@ -86,24 +97,28 @@ def model_path(shape: str) -> str:
     return str(out.resolve())
 
 
-def load_named(path: str):
+def load_named(path: str, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return [(n, p.detach()) for n, p in model.named_parameters()]
 
 
 # ---- raw, wire and raw+load: two plain processes ----------------------------------------------
 
-def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup: int, engine, out) -> None:
+def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup: int, engine, out,
+          gpus: list[str] | None = None, dtype: str = "float32", raw_port: int = 0) -> None:
     """Rank 0 sends, rank 1 receives (and, for raw+load, hosts a bare vLLM engine: `engine` is
-    (RolloutSpec, environment) of the rollout worker)."""
+    (RolloutSpec, environment) of the rollout worker). `gpus`: on GPUs, the one each rank gets
+    (NCCL on `raw_port` for raw); None on CPU."""
     # Ray runs the learner and rollout actors at a lower CPU priority (its worker_niceness): so do
     # these, so that other load on the machine weighs on both paths alike
     os.nice(int(os.environ.get("RAY_worker_niceness", "15")) - os.nice(0))
     if rank == 1:
         os.environ.update(engine[1])  # before torch and vLLM are imported: threads, vLLM switches
+    if gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[rank]  # one GPU per process, as Ray gives its actors
     import pickle
     from datetime import timedelta
 
@@ -115,15 +130,20 @@ def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup:
     # raw: a plain gloo group of torch.distributed. Not the default group (`init_process_group`):
     # the vLLM engine in this process makes a default group of its own.
     store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=600))
-    raw_group = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=600))
-    named = load_named(path) if rank == 0 else None
+    raw_group = dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=600))  # CPU: also the barriers
+    device = "cuda" if gpus else "cpu"
+    # GPUs: raw is an NCCL broadcast of GPU buffers, then a synchronize (NCCL's wait() only orders the stream)
+    data_group = init_group("127.0.0.1", raw_port, rank, 2, "nccl") if gpus else raw_group
+    sync = torch.cuda.synchronize if gpus else (lambda: None)
+    named = [(n, t.to(device)) for n, t in load_named(path, dtype)] if rank == 0 else None
     if rank == 0:
-        store.set("metas", pickle.dumps([WeightMeta(n, tuple(t.shape), "float32") for n, t in named]))
+        store.set("metas", pickle.dumps([WeightMeta(n, tuple(t.shape), dtype) for n, t in named]))
     metas = pickle.loads(store.get("metas"))
-    group = init_group("127.0.0.1", wire_port, rank, 2, "gloo")
+    group = init_group("127.0.0.1", wire_port, rank, 2, "nccl" if gpus else "gloo")
     plan = buckets(metas)
     # raw: one buffer per bucket, allocated (and touched) once, on both sides
-    raw_buffers = [torch.zeros(sum(metas[i].numel for i in b)) for b in plan]
+    raw_buffers = [torch.zeros(sum(metas[i].numel for i in b), dtype=getattr(torch, dtype), device=device)
+                   for b in plan]
     views = []  # raw+load: the received tensors, by name, as views of those buffers
     for buf, b in zip(raw_buffers, plan):
         offset = 0
@@ -156,15 +176,17 @@ def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup:
             started = time.perf_counter()
             if side in ("raw", "raw+load"):
                 for buf in raw_buffers:
-                    raw_group.broadcast(buf, root=0).wait()
+                    data_group.broadcast(buf, root=0).wait()
+                sync()
                 if side == "raw+load" and rank == 1:  # what a bare vLLM user does with them
                     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(views)})
                     llm.reset_prefix_cache()
+                    sync()
             elif rank == 0:
                 tensors = as_zero2 if side == "wire" else separate
                 send(group, [[tensors[j] for j in b] for b in plan])
             else:
-                for _ in receive(group, metas):
+                for _ in receive(group, metas, device):
                     pass
             elapsed = time.perf_counter() - started
             if i >= warmup:
@@ -174,13 +196,15 @@ def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup:
     raw_group.barrier().wait()
 
 
-def plain_pair(path: str, repeats: int, warmup: int, engine) -> dict[str, Any]:
+def plain_pair(path: str, repeats: int, warmup: int, engine, gpus: list[str] | None = None,
+               dtype: str = "float32") -> dict[str, Any]:
     from rl.weight_sync import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port, wire_port = free_port(), free_port()
-    procs = [ctx.Process(target=_pair, args=(r, port, wire_port, path, repeats, warmup, engine, out))
+    port, wire_port, raw_port = free_port(), free_port(), free_port()
+    procs = [ctx.Process(target=_pair, args=(r, port, wire_port, path, repeats, warmup, engine, out, gpus, dtype,
+                                             raw_port))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -220,8 +244,23 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def run_config(path: str, run_dir: str):
-    """The run's config for this model, as `launch.train` composes it (typed)."""
+def _reset_gpu_peak(worker) -> int:
+    """Inside the rollout actor (GPU): reset torch's peak allocated memory; returns what is allocated."""
+    import torch
+
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _gpu_peak(worker) -> int:
+    import torch
+
+    return torch.cuda.max_memory_allocated()
+
+
+def run_config(path: str, run_dir: str, device: str = "cpu"):
+    """The run's config for this model, as `launch.train` composes it (typed); on GPUs with the GPU
+    profile (`cluster=local_gpu`)."""
     from omegaconf import OmegaConf
 
     import launch.train
@@ -229,7 +268,8 @@ def run_config(path: str, run_dir: str):
 
     # kl_coef=0: no reference model (it takes no part in a sync); peak_tflops given: no probe
     cfg = compose("train", [f"model.path={path}", f"run.dir={run_dir}", "rollout.max_model_len=128",
-                            "algorithm.kl_coef=0", "cluster.peak_tflops=1"])
+                            "algorithm.kl_coef=0", "cluster.peak_tflops=1",
+                            *(["cluster=local_gpu"] if device == "cuda" else [])])
     launch.train.resolve_paths(cfg)
     return cfg, OmegaConf.to_object(cfg)
 
@@ -242,7 +282,8 @@ def rollout_engine(config) -> tuple[Any, dict[str, str]]:
     from rollout.vllm_engine import vllm_env
 
     threads = worker_threads(config)
-    env = {**rollout_env(threads, False), **vllm_env(config.rollout.kv_cache_gib, threads)}
+    env = {**rollout_env(threads, config.cluster.gpus_per_rollout_worker > 0),
+           **vllm_env(config.rollout.kv_cache_gib, threads)}
     return RolloutSpec.from_config(config, threads), env
 
 
@@ -268,15 +309,17 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
         fleet = RolloutFleet(spec, num_cpus=1, num_gpus=c.gpus_per_rollout_worker, env_vars=env,
                              actor_options=placement.rollout, deadlines=deadlines, log=print)
         learner = LearnerGroup(LearnerSpec.from_config(config, threads), config.trainer.num_workers, num_cpus=1,
-                               num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, False),
+                               num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
                                weight_sync_method=config.trainer.weight_sync, actor_options=placement.learner,
                                deadlines=deadlines)
         learner.connect(fleet)
         worker = fleet.workers[0]
-        walls, splits, peaks = [], [], []
+        gpu = c.gpus_per_rollout_worker > 0
+        walls, splits, peaks, gpu_peaks = [], [], [], []
         sent = 0.0
         for i in range(warmup + repeats):
             before = ray.get(worker.__ray_call__.remote(_reset_peak))
+            gpu_before = ray.get(worker.__ray_call__.remote(_reset_gpu_peak)) if gpu else 0
             started = time.perf_counter()
             sent = learner.sync_weights(fleet, i + 1)
             wall = time.perf_counter() - started
@@ -286,6 +329,8 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
                 walls.append(wall)
                 splits.append(stats)
                 peaks.append(peak)
+                if gpu:
+                    gpu_peaks.append(ray.get(worker.__ray_call__.remote(_gpu_peak)) - gpu_before)
     finally:
         for part in (learner, fleet):
             if part is not None:
@@ -296,7 +341,8 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
         return statistics.median(s[key] for s in splits)
 
     return {"bytes": sent, "times": walls, "receive_s": median("receive_s"), "load_s": median("load_s"),
-            "worker_s": median("total_s"), "peak_extra_rss_bytes": statistics.median(peaks), "threads": threads}
+            "worker_s": median("total_s"), "peak_extra_rss_bytes": statistics.median(peaks), "threads": threads,
+            **({"peak_extra_gpu_bytes": statistics.median(gpu_peaks)} if gpu_peaks else {})}
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -305,11 +351,12 @@ def gbps(nbytes: float, seconds: list[float]) -> float:
     return nbytes / statistics.median(seconds) / 1e9
 
 
-def measure(shape: str, repeats: int, warmup: int) -> dict[str, Any]:
+def measure(shape: str, repeats: int, warmup: int, device: str = "cpu") -> dict[str, Any]:
     path = model_path(shape)
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg, config = run_config(path, run_dir)
-        pair = plain_pair(path, repeats, warmup, rollout_engine(config))
+        cfg, config = run_config(path, run_dir, device)
+        pair = plain_pair(path, repeats, warmup, rollout_engine(config), visible_gpus()[:2] if device == "cuda" else None,
+                          config.model.dtype)
         full = ours(cfg, config, repeats, warmup)
     nbytes = pair["bytes"]
     assert abs(full["bytes"] - nbytes) < 1, (full["bytes"], nbytes)
@@ -330,10 +377,20 @@ def measure(shape: str, repeats: int, warmup: int) -> dict[str, Any]:
         "ours_receive_gb_per_s": nbytes / full["receive_s"] / 1e9,
         "peak_extra_rss_mib": full["peak_extra_rss_bytes"] / 2**20,
         "times_s": {**t, "ours": full["times"]},
-        "threads_per_actor": full["threads"],
+        "threads_per_actor": full["threads"], "dtype": config.model.dtype,
     }
+    if "peak_extra_gpu_bytes" in full:
+        row["peak_extra_gpu_mib"] = full["peak_extra_gpu_bytes"] / 2**20
     print(_line(row), flush=True)
     return row
+
+
+def visible_gpus() -> list[str]:
+    """This machine's GPUs as CUDA_VISIBLE_DEVICES names them (or as indices when it is unset)."""
+    import torch
+
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [g.strip() for g in given.split(",") if g.strip()] if given else [str(i) for i in range(torch.cuda.device_count())]
 
 
 def _line(r: dict) -> str:
@@ -341,7 +398,8 @@ def _line(r: dict) -> str:
     return (f"{r['shape']:>5} {r['mib']:6.1f} MiB  raw {r['raw_gb_per_s']:.2f}  wire {r['wire_gb_per_s']:.2f} GB/s "
             f"({r['wire_over_raw']:.2f}x)  raw+load {r['raw_load_gb_per_s']:.3f}  ours {r['ours_gb_per_s']:.3f} GB/s "
             f"({r['ours_over_raw_load']:.2f}x): {s['wall']:.3f} s = receive {s['receive']:.3f} + load {s['load']:.3f}"
-            f" + learner/Ray {s['learner_and_ray']:.3f}; peak extra RSS {r['peak_extra_rss_mib']:.0f} MiB")
+            f" + learner/Ray {s['learner_and_ray']:.3f}; peak extra RSS {r['peak_extra_rss_mib']:.0f} MiB"
+            + (f", GPU {r['peak_extra_gpu_mib']:.0f} MiB" if "peak_extra_gpu_mib" in r else ""))
 
 
 def table(rows: list[dict]) -> str:
@@ -362,7 +420,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.machine import machine_info
+    from bench.machine import add_device_arg, machine_info, resolve_device
     from launch.console import quiet_driver
     from rl.weight_sync import BUCKET_BYTES
 
@@ -372,15 +430,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", default="bench/results/weight_sync.json")
+    add_device_arg(parser, "the learner, the rollout worker and the raw pair")
     args = parser.parse_args(argv)
+    gpu = resolve_device(parser, args, 2, "a learner rank and a rollout worker on a GPU each: NCCL refuses two "
+                         "members of a group on one GPU") == "cuda"
     if args.quick:
         args.shapes, args.repeats = "27m", 3
     quiet_driver()
     info = machine_info()
-    rows = [measure(shape, args.repeats, args.warmup) for shape in args.shapes.split(",")]
-    result = {"machine": info, "settings": {"bucket_bytes": BUCKET_BYTES, "dtype": "float32", "repeats": args.repeats,
-                                            "warmup": args.warmup, "backend": "gloo", "rollout_workers": 1,
-                                            "learner_ranks": 1,
+    rows = [measure(shape, args.repeats, args.warmup, args.device) for shape in args.shapes.split(",")]
+    result = {"machine": info, "settings": {"bucket_bytes": BUCKET_BYTES, "dtype": "bfloat16" if gpu else "float32",
+                                            "repeats": args.repeats, "warmup": args.warmup,
+                                            "backend": "nccl" if gpu else "gloo", "device": args.device,
+                                            "rollout_workers": 1, "learner_ranks": 1,
                                             "niceness": int(os.environ.get("RAY_worker_niceness", "15"))},
               "results": rows, "targets": {"wire_over_raw": 0.8, "ours_over_raw_load": 0.8},
               "meets_targets": all(r["wire_over_raw"] >= 0.8 and r["ours_over_raw_load"] >= 0.8 for r in rows)}

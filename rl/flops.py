@@ -7,6 +7,7 @@ activations), so it compares implementations honestly (PaLM's definition, Append
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any, Mapping
 
@@ -54,6 +55,41 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu"
         done += 1
     sync()
     return 2.0 * size**3 * done / (time.perf_counter() - started) / 1e12
+
+
+# Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s at boost clock, per
+# GPU: (bf16, tf32, fp32 without tensor cores). fp32 matmuls run at the tf32 figure only where torch
+# allows TF32 (`torch.backends.cuda.matmul.allow_tf32`, off by default), else at the fp32 one.
+DATASHEET_TFLOPS: dict[str, tuple[float, float, float]] = {
+    "H100 SXM": (989.4, 494.7, 66.9),
+    "H100 PCIe": (756.5, 378.0, 51.2),
+    "H200": (989.4, 494.7, 66.9),  # H200 SXM: the H100 SXM's compute
+    "A100": (312.0, 156.0, 19.5),  # SXM and PCIe, 40 and 80 GB
+    "L40S": (362.05, 183.0, 91.6),
+    "L4": (121.0, 60.0, 30.3),
+    "RTX 4090": (165.2, 82.6, 82.6),  # Ada whitepaper: bf16 with fp32 accumulate
+}
+# torch.cuda.get_device_name() (upper-cased) -> card; first match wins. Other variants (H100/H200
+# NVL, H800, A800, RTX 4090 D, AWS's A10G, which has no NVIDIA datasheet) have other peaks and are
+# not in the table.
+_CARDS = ((r"H100.*PCIE", "H100 PCIe"), (r"H100(?!.*NVL)", "H100 SXM"), (r"H200(?!.*NVL)", "H200"),
+          (r"A100", "A100"), (r"L40S", "L40S"), (r"\bL4\b", "L4"), (r"RTX 4090(?! D)", "RTX 4090"))
+
+
+def datasheet_card(device_name: str) -> str | None:
+    """The `DATASHEET_TFLOPS` entry of a CUDA device name (e.g. "NVIDIA H100 80GB HBM3"), or None."""
+    name = device_name.upper()
+    return next((card for pattern, card in _CARDS if re.search(pattern, name)), None)
+
+
+def datasheet_tflops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
+    """The card's datasheet dense peak for matmuls in `dtype` (float32 at the TF32 rate when `tf32`),
+    or None for a card not in the table (report the measured peak alone then)."""
+    card = datasheet_card(device_name)
+    if card is None or dtype not in (torch.bfloat16, torch.float32):
+        return None
+    bf16, tf32_peak, fp32 = DATASHEET_TFLOPS[card]
+    return bf16 if dtype == torch.bfloat16 else (tf32_peak if tf32 else fp32)
 
 
 def step_cost(seconds: float, devices: int, price_per_device_hour: float) -> float:

@@ -402,6 +402,10 @@ def _placement_mode_errors(cfg: Any) -> list[str]:
         errors.append(f"cluster.placement_mode=hybrid: a learner rank and its rollout worker share one GPU, so "
                       f"cluster.gpus_per_learner={c.gpus_per_learner:g} and cluster.gpus_per_rollout_worker="
                       f"{c.gpus_per_rollout_worker:g} must both be 1 (or both 0 on CPUs); Ray gives each half of it")
+    if t.zero_stage == 0:
+        errors.append("cluster.placement_mode=hybrid moves the learner's states to the host while the engine "
+                      "generates, which DeepSpeed does for ZeRO stages 1-3 (offload_states): set trainer.zero_stage=1, "
+                      "2 or 3")
     on_gpu = c.gpus_per_learner > 0
     if on_gpu and t.weight_sync == "collective":
         errors.append("trainer.weight_sync=collective cannot join two processes on one GPU (NCCL refuses them) in "

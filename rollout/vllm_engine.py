@@ -92,6 +92,7 @@ class VLLMEngine:
         self._sleep_mode = r.sleep_between_steps and spec.gpu and torch.cuda.is_available()
         self._sleep_level = 1 if spec.model.lora.rank > 0 else 2
         self._asleep: set[str] = set()
+        self._transfer_open = False  # a weight_transfer round started and not finished
         if torch.cuda.is_available() and not self.llm.llm_engine.vllm_config.use_v2_model_runner:
             # every request carries its own seed (reproducible samples whatever the batching); vLLM's
             # V2 model runner (the CUDA default) samples them batched, the V1 sampler loops per sequence
@@ -188,8 +189,14 @@ class VLLMEngine:
         `start_weight_update`, `update_weights`, `finish_weight_update`), driven by the learner's
         trainer-side engine (trainer/ipc_sync.py); after `finish_weight_update` the loaded
         weights are the policy `version`."""
+        if method == "start_weight_update" and self._transfer_open:
+            # the last round was cut short (a peer failed mid-sync): vLLM refuses a new one until
+            # it is finished; this round resends every weight
+            self.llm.finish_weight_update()
         call = getattr(self.llm, method)
         call(payload) if payload is not None else call()
+        if method in ("start_weight_update", "finish_weight_update"):
+            self._transfer_open = method == "start_weight_update"
         if method == "finish_weight_update":
             if self._has_tied:
                 self.llm.collective_rpc("rlpost_restore_tied")

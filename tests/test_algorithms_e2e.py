@@ -13,20 +13,24 @@ from rl.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
 
-ALGORITHMS = ["ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp", "dapo", "gspo", "cispo"]
+# dr_grpo differs from grpo only in its loss aggregation and advantage scaling (rl/ math, checked
+# against the reference implementations in test_algorithms_math.py): its config is composed and
+# validated in test_config.py rather than run here, to keep CI's end-to-end time down.
+ALGORITHMS = ["ppo", "grpo", "rloo", "reinforce_pp", "dapo", "gspo", "cispo"]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_algorithm_runs(make_config, algorithm):
     overrides = [f"algorithm={algorithm}", "run.steps=6", "task.prompts_per_step=16", "run.save_every=0",
                  "run.save_final_model=false"]
-    if algorithm in ("dr_grpo", "dapo", "gspo", "cispo"):  # KL-free by design; add a small KL term to check it is logged
+    if algorithm in ("dapo", "gspo", "cispo"):  # KL-free by design; add a small KL term to check it is logged
         overrides.append("algorithm.kl_coef=0.001")
     if algorithm in ("reinforce_pp", "grpo"):  # the adaptive KL controller steers the coefficient towards the
         # target, with the KL in the reward (reinforce_pp) and in the loss (grpo)
         overrides += ["algorithm.kl_ctrl=adaptive", "algorithm.kl_target=0.0001", "algorithm.kl_horizon=1000"]
     if algorithm == "rloo":
         overrides.append("trainer.ref_offload=true")  # the reference engine with its weights offloaded (ZeRO-3)
+        overrides.append("algorithm.loss_agg=seq_mean_token_sum_norm")  # Dr.GRPO's normaliser, in a real learner
     cfg = make_config(*overrides)
     train(cfg)
     metrics = read_metrics(cfg.run.dir)

@@ -219,7 +219,7 @@ from reward.builtin import exact_answer as _exact_answer
 
 
 def exact_answer(prompts, completions, **kwargs):
-    time.sleep(1.0)
+    time.sleep(0.3)
     return _exact_answer(prompts, completions, **kwargs)
 '''
 
@@ -248,8 +248,9 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
     from rl.checkpoint import latest
     from rl.config import ConfigError
 
-    # a reward that takes a second per step: the SIGTERM sent on "step 2/4" lands in step 3 on
-    # any host (a step takes 0.2 s otherwise: CI once saw the run end before the signal came)
+    # a reward that takes 0.3 s per step: the SIGTERM sent on "step 2/4" lands in step 3 on any
+    # host (a step took 0.2 s, CI once saw the run end before the signal came; the hybrid layout's
+    # offloads below add ~2 s more on a 2-core host)
     slow_reward = tmp_path / "slow_reward.py"
     slow_reward.write_text(SLOW_EXACT_ANSWER)
     common = ["algorithm=ppo", "run.steps=4", "run.save_every=5", "run.save_final_model=true",

@@ -160,6 +160,7 @@ def test_hybrid_placement_puts_each_learner_rank_on_its_rollout_workers_gpu(logi
     (["trainer.weight_sync=collective"], "set trainer.weight_sync=ipc"),
     (["rollout.sleep_between_steps=false"], "needs rollout.sleep_between_steps=true"),
     (["model.lora.rank=8"], "trainer.weight_sync=object_store with model.lora"),
+    (["trainer.zero_stage=0"], "set trainer.zero_stage=1, 2 or 3"),
 ])
 def test_hybrid_settings_that_cannot_work_are_refused_naming_the_fix(overrides, message):
     from rl.config import ConfigError, validate

@@ -506,7 +506,7 @@ class LearnerWorker:
         for engine in (self.engine, self.critic):
             if engine is not None:
                 engine.offload_states(include=include, pin_memory=pin)
-        if not keep_weights and self.ref is not None and not self.spec.trainer.ref_offload:
+        if not keep_weights and self._ref_movable:
             self.ref.module.to("cpu")
         self._offloaded = True
         if pin:
@@ -519,9 +519,16 @@ class LearnerWorker:
         for engine in (self.engine, self.critic):
             if engine is not None:
                 engine.reload_states()
-        if self.ref is not None and not self.spec.trainer.ref_offload:
+        if self._ref_movable:
             self.ref.module.to(self.device)
         self._offloaded = False
+
+    @property
+    def _ref_movable(self) -> bool:
+        """The reference model is a plain module on the device (ZeRO stage 0: see `_reference`);
+        under ZeRO-3 its partitions stay where DeepSpeed keeps them (with ref_offload: the host)."""
+        t = self.spec.trainer
+        return self.ref is not None and not t.ref_offload and t.zero_stage != 3
 
     @contextmanager
     def _resident(self):

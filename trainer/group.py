@@ -122,17 +122,19 @@ class LearnerGroup:
         """Make the weight-sync group (learner rank 0 plus every rollout worker), and have the
         fleet call back when it replaced a worker: a new group, then the current weights."""
         fleet.on_replace = lambda: self.reconnect(fleet)
-        if self.sync_method == "collective":
-            self._join(fleet)
-        elif self.sync_method == "ipc":
-            self._connect_ipc(fleet)
+        self._link(fleet)
 
     def reconnect(self, fleet) -> None:
+        self._link(fleet)
+        self.sync_weights(fleet, fleet.version)
+
+    def _link(self, fleet) -> None:
+        """What the sync method needs with the current workers: a weight-sync group (collective),
+        the trainer side of the CUDA IPC transfer (ipc), nothing (object_store)."""
         if self.sync_method == "collective":
             self._join(fleet)
         elif self.sync_method == "ipc":
             self._connect_ipc(fleet)
-        self.sync_weights(fleet, fleet.version)
 
     def _connect_ipc(self, fleet) -> None:
         """Every rank builds vLLM's trainer-side IPC engine; rank 0 gets the rollout workers."""

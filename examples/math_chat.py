@@ -64,18 +64,21 @@ def questions(level: str) -> list[tuple[str, int]]:
 
 def math_splits(n_train: int, n_test: int, seed: int = 0) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Train/test rows in the proportions of `MIX` (each split shuffled), fixed by `seed`. Test
-    questions are distinct and never in train; a level with fewer questions left than its share
-    of train (one-digit sums: 207 in all) repeats them, as epochs would."""
+    questions are distinct and never in train (a pool may hold a question twice: the boxes story
+    does not name anyone); a level with fewer questions left than its share of train (one-digit
+    sums: 207 in all) repeats them, as epochs would."""
     rng = random.Random(seed)
     train: list[dict[str, Any]] = []
     test: list[dict[str, Any]] = []
     for level, share in MIX.items():
         pool = questions(level)
         k_train, k_test = round(n_train * share), round(n_test * share)
-        if k_test >= len(pool):
-            raise ValueError(f"level {level!r} has {len(pool)} questions, too few for {k_test} held out")
         rng.shuffle(pool)
-        held, rest = pool[:k_test], pool[k_test:]
+        held = list(dict.fromkeys(pool))[:k_test]
+        kept = set(held)
+        rest = [q for q in pool if q not in kept]
+        if len(held) < k_test or not rest:
+            raise ValueError(f"level {level!r} has {len(set(pool))} questions, too few for {k_test} held out")
         picked = [rest[i % len(rest)] for i in range(k_train)]
         for rows, part in ((test, held), (train, picked)):
             rows += [{"prompt": f"{q} {INSTRUCTION}", "answer": str(a), "level": level} for q, a in part]

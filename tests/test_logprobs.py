@@ -52,6 +52,38 @@ def test_chunked_values_and_gradients_equal_the_full_vocabulary_computation():
     assert torch.allclose(lp_all, lp0.detach() * am[:, 1:], atol=1e-5) and not ent_all.requires_grad
 
 
+def test_no_tensor_of_the_full_vocabulary_logits_exists_in_forward_or_backward():
+    """The memory property itself: with 2 rows x 80 scored tokens over an 8,192-entry vocabulary
+    and chunks of 32 tokens, no tensor made in the forward or the backward pass (logits, their
+    softmax, their gradient) is larger than one chunk's logits (as large as the embedding matrix
+    here), a fifth of the full ones."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class LargestTensor(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    LargestTensor.largest = max(LargestTensor.largest, t.numel())
+            return out
+
+    vocab, chunk = 8192, 32
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, "vocab_size": vocab, "hidden_size": 32,
+                                            "intermediate_size": 64})).float()
+    ids = torch.randint(0, vocab, (2, 81), generator=torch.Generator().manual_seed(3))
+    full_logits = 2 * 80 * vocab
+    with LargestTensor():
+        lp, ent = token_logprobs(model, ids, torch.ones_like(ids), with_entropy=True, chunk_tokens=chunk)
+        (lp.sum() + ent.sum()).backward()
+    assert LargestTensor.largest <= chunk * vocab < full_logits / 4, (LargestTensor.largest, full_logits)
+    with LargestTensor():  # the check itself sees full logits where they are made
+        model(input_ids=ids).logits.float().log_softmax(-1)
+    assert LargestTensor.largest >= full_logits
+
+
 def test_no_position_asked_for_still_reaches_the_model():
     model = _model()
     ids = torch.randint(0, 300, (2, 6))

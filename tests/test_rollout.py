@@ -66,3 +66,55 @@ def test_fleet_generates_groups_with_logprobs(ray_local, tiny_dir, backend):
     with torch.no_grad():
         lp, _ = token_logprobs(model, ids, torch.ones_like(ids))
     assert lp[0, len(s.prompt_ids) - 1 :].tolist() == pytest.approx(s.logprobs, abs=1e-4)
+
+
+class _TransferRounds:
+    """What vLLM 0.32's workers do with weight-transfer rounds (v1/worker/gpu_worker.py): a round
+    must be finished before the next starts, and a chunk that fails to load ends the round."""
+
+    def __init__(self):
+        self.active, self.calls, self.fail_next_chunk = False, [], False
+
+    def start_weight_update(self):
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is already active")
+        self.active = True
+        self.calls.append("start")
+
+    def update_weights(self, info):
+        if not self.active:
+            raise RuntimeError("start_weight_update must be called before update_weights")
+        if self.fail_next_chunk:
+            self.fail_next_chunk, self.active = False, False
+            raise RuntimeError("chunk failed")
+        self.calls.append("chunk")
+
+    def finish_weight_update(self):
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+        self.active = False
+        self.calls.append("finish")
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset")
+
+
+def test_weight_transfer_rounds_cut_short_by_the_trainer_or_by_vllm_both_resume():
+    """A round the trainer left open (a peer died mid-sync) is finished before the next; a round
+    vLLM closed itself (a chunk failed to load) is not finished twice."""
+    from rollout.vllm_engine import VLLMEngine
+
+    engine = object.__new__(VLLMEngine)  # the round bookkeeping only: no model loaded
+    engine.llm, engine._transfer_open, engine._has_tied, engine.version = _TransferRounds(), False, False, 0
+    rounds = engine.llm
+    engine.weight_transfer("start_weight_update")
+    engine.weight_transfer("update_weights", {"chunk": 0})  # ...then the trainer's side is lost
+    engine.weight_transfer("start_weight_update")            # the next round closes that one first
+    rounds.fail_next_chunk = True
+    with pytest.raises(RuntimeError, match="chunk failed"):
+        engine.weight_transfer("update_weights", {"chunk": 0})
+    engine.weight_transfer("start_weight_update")            # vLLM closed it: nothing to finish
+    engine.weight_transfer("update_weights", {"chunk": 0})
+    engine.weight_transfer("finish_weight_update", version=3)
+    assert rounds.calls == ["start", "chunk", "finish", "start", "start", "chunk", "finish", "reset"]
+    assert engine.version == 3 and not engine._transfer_open

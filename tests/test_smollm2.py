@@ -120,6 +120,9 @@ def test_fp32_run_with_evaluation_and_exact_resume(smollm2, math_data, tmp_path)
     assert metrics[1]["sync/weights_mb"] > 500  # the whole fp32 model moved (tied weights once)
     assert "eval/greedy_pass_frac" in metrics[0]
     assert "eval/greedy_pass_frac" in read_metrics(cfg.run.dir)[2]  # after the last update
+    held_out = json.load(open(os.path.join(cfg.run.dir, "summary.json")))["eval"]["eval/greedy_pass_frac"]
+    assert (held_out["first_step"], held_out["last_step"]) == (0, 2)  # before training -> after the last update
+    assert held_out["first"] == metrics[0]["eval/greedy_pass_frac"]
     rows = [json.loads(line) for line in open(os.path.join(cfg.run.dir, "samples.jsonl"))]
     first = rows[0]
     assert list(first)[:4] == ["step", "prompt_text", "completion_text", "data"]

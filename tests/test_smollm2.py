@@ -21,7 +21,7 @@ from rl.run_log import read_metrics
 pytestmark = pytest.mark.slow
 
 FP32_TOLERANCE = 1e-3  # mean |learner - rollout| log-prob of the sampled tokens, nats
-BF16_TOLERANCE = 0.05  # measured ~0.01-0.02 (trainer.logprob_warn_threshold is 0.05)
+BF16_TOLERANCE = 0.05  # measured 0.029-0.042 after a sync (trainer.logprob_warn_threshold is 0.05)
 
 
 def _config(smollm2: str, math_data: str, run_dir: str, *overrides: str):

@@ -90,6 +90,9 @@ def draw(rows: list[dict[str, Any]], path: str, title: str) -> None:
             if key is not None:
                 ax.plot(*_series(rows, key), label=key, marker=marker)
                 _legend(ax)
+        if not ax.lines:  # e.g. no KL with algorithm.kl_coef=0: say so rather than draw empty axes
+            ax.text(0.5, 0.5, f"not logged in this run\n({', '.join(k for keys in choices for k in keys)})",
+                    ha="center", va="center", transform=ax.transAxes, color="gray")
         ax.set(title=name, xlabel="step", ylabel=unit)
     ax = axes[1][1]
     bottom = [0.0] * len(rows)
@@ -202,7 +205,8 @@ def write_report(run_dir: str) -> tuple[str, str]:
     summary_path = os.path.join(run_dir, "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
     png, md = os.path.join(run_dir, "report.png"), os.path.join(run_dir, "report.md")
-    draw(rows, png, f"{os.path.basename(os.path.abspath(run_dir))}: {len(rows)} steps")
+    steps = sum("time/step_s" in r for r in rows)  # not the evaluation after the last step
+    draw(rows, png, f"{os.path.basename(os.path.abspath(run_dir))}: {steps} steps")
     lines = [f"# Run report: {os.path.abspath(run_dir)}", "", "| | |", "|---|---|"]
     lines += [f"| {name} | {_cell(value)} |" for name, value in summary_table(rows, summary)]
     lines += ["", "![curves](report.png)", "", "## Config: what differs from the defaults", ""]

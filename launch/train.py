@@ -51,6 +51,12 @@ def vllm_build() -> str:
         return "cuda"
 
 
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 def require_local_gpus(cfg: DictConfig) -> None:
     """GPUs asked of this machine (no cluster.address) exist: otherwise Ray would wait for them
     until run.start_timeout_s, or an actor would fail deep in CUDA."""
@@ -64,17 +70,16 @@ def require_local_gpus(cfg: DictConfig) -> None:
         asked = (f"cluster.gpus_per_learner={c.gpus_per_learner:g} x trainer.num_workers={cfg.trainer.num_workers} + "
                  f"cluster.gpus_per_rollout_worker={c.gpus_per_rollout_worker:g} x rollout.num_workers="
                  f"{cfg.rollout.num_workers} = {need:g} GPUs")
-    import torch
-
-    if not c.address and c.gpus_per_rollout_worker == 0 and cfg.rollout.backend == "vllm" and \
-            vllm_build() == "cuda" and torch.cuda.device_count() > 0:
+    cpu_engines = not c.address and c.gpus_per_rollout_worker == 0 and cfg.rollout.backend == "vllm"
+    if cpu_engines and vllm_build() == "cuda" and _cuda_devices() > 0:
         raise ConfigError("cluster.gpus_per_rollout_worker=0 runs the rollout engines on CPUs, but this machine has "
                           "GPUs and vLLM's CUDA build, which then still picks CUDA: give them GPUs (cluster=local_gpu, "
                           "or cluster.gpus_per_rollout_worker=1), or use rollout=hf for CPU rollouts")
     if c.address or need <= 0:
         return
+    import torch
 
-    have = torch.cuda.device_count()
+    have = _cuda_devices()
     if have == 0:
         raise ConfigError(f"{asked}, but torch {torch.__version__} sees no GPU on this machine: on a GPU machine "
                           "install the CUDA build (RLPOST_EXTRA=cuda bash launch/install.sh), or set both "

@@ -428,12 +428,18 @@ def _placement_mode_errors(cfg: Any) -> list[str]:
 
 def _shared_gpu_errors(cfg: Any) -> list[str]:
     """Disaggregated roles given a share of a GPU: Ray packs such shares from any actors onto one
-    device, so two learner ranks (one NCCL group: NCCL refuses two ranks on a device) or two
-    engines (each asks vLLM for `gpu_memory_utilization` of the whole card) may land together."""
+    device, so a learner rank and an engine, or two learner ranks (NCCL refuses two members of one
+    group on a device), or two engines (each asks vLLM for `gpu_memory_utilization` of the whole
+    card) may land together."""
     c, r, t = cfg.cluster, cfg.rollout, cfg.trainer
     if c.placement_mode != "disaggregated":
         return []
     errors = []
+    if 0 < c.gpus_per_learner < 1 and 0 < c.gpus_per_rollout_worker < 1 and t.weight_sync == "collective":
+        errors.append(f"cluster.gpus_per_learner={c.gpus_per_learner:g} and cluster.gpus_per_rollout_worker="
+                      f"{c.gpus_per_rollout_worker:g} put a learner and a rollout worker on one GPU, where NCCL "
+                      "refuses two members of the weight-sync group: set trainer.weight_sync=object_store, "
+                      "or give each a whole GPU")
     if 0 < c.gpus_per_learner < 1 and t.num_workers > 1:
         errors.append(f"cluster.gpus_per_learner={c.gpus_per_learner:g} with trainer.num_workers={t.num_workers}: "
                       "Ray may put two learner ranks on one GPU, where NCCL refuses two ranks of one group; set "
@@ -504,12 +510,6 @@ def validate(cfg: Any) -> None:
                       "GPU: raise trainer.num_workers to use more")
     errors += _tensor_parallel_errors(cfg)
     errors += _placement_mode_errors(cfg)
-    if c.placement_mode == "disaggregated" and 0 < c.gpus_per_learner < 1 and 0 < c.gpus_per_rollout_worker < 1 \
-            and cfg.trainer.weight_sync == "collective":
-        errors.append(f"cluster.gpus_per_learner={c.gpus_per_learner:g} and cluster.gpus_per_rollout_worker="
-                      f"{c.gpus_per_rollout_worker:g} put a learner and a rollout worker on one GPU, where NCCL "
-                      "refuses two members of the weight-sync group: set trainer.weight_sync=object_store, "
-                      "or give each a whole GPU")
     errors += _shared_gpu_errors(cfg)
     if not 0 < cfg.rollout.temperature:
         errors.append(f"rollout.temperature={cfg.rollout.temperature}: must be > 0 (sampling is needed for RL)")

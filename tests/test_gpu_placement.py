@@ -228,13 +228,11 @@ def test_engines_start_alone_on_a_gpu_they_may_share():
 def test_cuda_vllm_with_rollout_workers_on_cpus_is_refused_before_ray(monkeypatch):
     """vLLM's CUDA build picks its platform from NVML, not CUDA_VISIBLE_DEVICES: rollout workers
     given no GPU on a GPU machine would fail deep in vLLM, so this stops before Ray."""
-    import torch
-
     import launch.train
     from rl.config import ConfigError
     from tests.conftest import compose_config
 
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(launch.train, "_cuda_devices", lambda: 2)
     monkeypatch.setattr(launch.train, "vllm_build", lambda: "cuda")
     with pytest.raises(ConfigError, match=r"cluster.gpus_per_rollout_worker=0 .*CUDA build.*cluster=local_gpu"):
         launch.train.require_local_gpus(compose_config([]))

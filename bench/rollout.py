@@ -142,7 +142,8 @@ def start_fleet(cfg):
     start_ray(cfg)
     config = OmegaConf.to_object(cfg)
     threads, c = worker_threads(config), config.cluster
-    env = {**rollout_env(threads, c.gpus_per_rollout_worker > 0), **vllm_env(config.rollout.kv_cache_gib, threads)}
+    env = {**rollout_env(threads, c.gpus_per_rollout_worker > 0),
+           **vllm_env(config.rollout.kv_cache_gib, threads, config.rollout.enforce_eager)}
     placement = make_placement(config, print)
     deadlines = Deadlines(config.run.call_timeout_s, config.run.call_timeout_factor, config.run.start_timeout_s)
     fleet = RolloutFleet(RolloutSpec.from_config(config, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,

@@ -283,7 +283,7 @@ def rollout_engine(config) -> tuple[Any, dict[str, str]]:
 
     threads = worker_threads(config)
     env = {**rollout_env(threads, config.cluster.gpus_per_rollout_worker > 0),
-           **vllm_env(config.rollout.kv_cache_gib, threads)}
+           **vllm_env(config.rollout.kv_cache_gib, threads, config.rollout.enforce_eager)}
     return RolloutSpec.from_config(config, threads), env
 
 

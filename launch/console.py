@@ -39,7 +39,12 @@ def quiet_driver() -> None:
     transformers, datasets or DeepSpeed are imported."""
     for key, value in NO_PROGRESS_BARS.items():
         os.environ.setdefault(key, value)
-    import torch
-
-    if not torch.cuda.is_available():
+    if not gpu_driver_loaded():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+def gpu_driver_loaded() -> bool:
+    """Whether this machine runs an NVIDIA or AMD GPU kernel driver: without one no CUDA device can
+    exist. Asked of the kernel, not of `torch.cuda` (importing torch takes ~2 s, which a command
+    refused for a bad input would spend before saying why)."""
+    return os.path.exists("/proc/driver/nvidia/version") or os.path.exists("/dev/kfd")

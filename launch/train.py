@@ -207,7 +207,7 @@ def build_components(cfg: TrainConfig, log=print):
     deadlines = Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor, cfg.run.start_timeout_s)
     env = rollout_env(threads, c.gpus_per_rollout_worker > 0)
     if cfg.rollout.backend == "vllm":
-        env.update(vllm_env(cfg.rollout.kv_cache_gib, threads))
+        env.update(vllm_env(cfg.rollout.kv_cache_gib, threads, cfg.rollout.enforce_eager))
     placement = make_placement(cfg, log)
     fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
                          env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log,

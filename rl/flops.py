@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-import torch
+if TYPE_CHECKING:  # torch only where a device is measured: the planner's estimate runs before
+    import torch  # a run starts, where a refused command must answer at once
 
 
 def forward_flops_per_token(config: Mapping[str, Any], seq_len: float) -> float:
@@ -41,6 +42,8 @@ def train_flops(config: Mapping[str, Any], lengths: list[int]) -> float:
 def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 2048,
                           seconds: float = 0.5) -> float:
     """This process's measured square-matmul peak in TFLOP/s (with its torch thread count)."""
+    import torch
+
     device = torch.device(device)
     if device.type == "cuda":
         size = 8192
@@ -86,6 +89,8 @@ def datasheet_tflops(device_name: str, dtype: torch.dtype, tf32: bool = False) -
     """The card's datasheet dense peak for matmuls in `dtype` (float32 at the TF32 rate when `tf32`),
     or None for a card not in the table (report the measured peak alone then)."""
     card = datasheet_card(device_name)
+    import torch
+
     if card is None or dtype not in (torch.bfloat16, torch.float32):
         return None
     bf16, tf32_peak, fp32 = DATASHEET_TFLOPS[card]

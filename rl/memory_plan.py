@@ -479,7 +479,7 @@ def rollout_role(shape: ModelShape, s: Settings, device_bytes: float = 0.0) -> t
 def step_estimate(shape: ModelShape, s: Settings) -> tuple[float, float, str]:
     """(seconds, peak TFLOP/s per device, where the peak comes from) of one step with every
     sequence max_model_len long (the upper bound), at LEARNER_MFU / ROLLOUT_MFU of the peak."""
-    from rl.flops import forward_flops_per_token, train_flops  # imports torch: only when timing
+    from rl.flops import forward_flops_per_token, train_flops
 
     config = shape.flops_config()
     if s.peak_tflops > 0:

@@ -25,7 +25,7 @@ from rl.kl import KL_ESTIMATORS
 from rl.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
 from rl.types import TrainBatch
 from rl import lora, weight_sync
-from trainer.engine import build_engine, ds_config, zero3_load_config
+from trainer.engine import build_engine, ds_config, import_deepspeed, zero3_load_config
 from trainer.engine import full_state_dict as whole_state_dict
 from trainer.logprobs import token_logprobs
 
@@ -141,7 +141,7 @@ class LearnerWorker:
             os.environ["DS_ACCELERATOR"] = "cpu"
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        import deepspeed
+        deepspeed = import_deepspeed()
         from transformers import AutoModelForCausalLM
 
         self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device == "cuda" else torch.device("cpu")

@@ -88,9 +88,9 @@ def datasheet_card(device_name: str) -> str | None:
 def datasheet_tflops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> float | None:
     """The card's datasheet dense peak for matmuls in `dtype` (float32 at the TF32 rate when `tf32`),
     or None for a card not in the table (report the measured peak alone then)."""
-    card = datasheet_card(device_name)
     import torch
 
+    card = datasheet_card(device_name)
     if card is None or dtype not in (torch.bfloat16, torch.float32):
         return None
     bf16, tf32_peak, fp32 = DATASHEET_TFLOPS[card]

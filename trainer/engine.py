@@ -31,7 +31,7 @@ def import_deepspeed():
     try:
         import deepspeed
     finally:
-        if blocked and "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+        if blocked:  # the placeholder only: nothing could import the real MLflow meanwhile
             del sys.modules["mlflow"]
     return deepspeed
 

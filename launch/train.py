@@ -138,25 +138,37 @@ def resolve_paths(cfg: DictConfig) -> None:
     cfg.run.dir = _abs(cfg.run.dir)
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a `taskset`, a container's cpuset), not
+    the machine's count: threads beyond them only wait on each other."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def worker_threads(cfg: DictConfig) -> int:
-    return cfg.cluster.threads_per_worker or os.cpu_count() or 1
+    return cfg.cluster.threads_per_worker or usable_cores()
 
 
-def start_ray(cfg: DictConfig) -> None:
+def start_ray(cfg: DictConfig) -> bool:
+    """Connect to the configured cluster or start a local Ray; True when this call started or
+    connected it (the run ends it). A Ray this process already started (a notebook, a test
+    session) is used as it is, and False returned: the run then removes only what it created."""
     import ray
 
+    if ray.is_initialized():
+        return False
     if cfg.cluster.address:
         # Under `ray job submit --working-dir .` the job's runtime env already ships the code.
         ray.init(address=cfg.cluster.address, runtime_env={"env_vars": GPU_VISIBILITY_ENV}, log_to_driver=True)
-        return
+        return True
     # User reward modules named as `package.module:function` must import inside the actors.
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
            **GPU_VISIBILITY_ENV}  # an actor given no GPU sees none (rl/devices.py)
     needed = cfg.rollout.num_workers + cfg.trainer.num_workers + cfg.reward.num_workers
     needed += math.ceil(cfg.sandbox.num_workers * cfg.sandbox.num_cpus_per_worker)
     needed += math.ceil(cfg.task.env_workers * 0.25) if cfg.task.env else 0  # EnvService's actors
-    num_cpus = cfg.cluster.num_cpus or max(os.cpu_count() or 1, needed)
+    num_cpus = cfg.cluster.num_cpus or max(usable_cores(), needed)
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
+    return True
 
 
 def start_sandbox_pool(cfg: DictConfig):
@@ -416,9 +428,9 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                  resume=resume_from is not None or restarted, loggers=list(cfg.run.loggers),
                  config=OmegaConf.to_container(cfg, resolve=True),
                  sink_options={"project": cfg.run.project, "mlflow_tracking_uri": cfg.run.mlflow_tracking_uri})
-    start_ray(cfg)
-    fleet = rewards = learner = sandboxes = episodes = None
-    stop = StopRequest()
+    owns_ray = start_ray(cfg)
+    fleet = rewards = learner = sandboxes = episodes = placement = None
+    failed, stop = False, StopRequest()
     with stop_on_signals(stop, log.write):  # until Ray is down: a second signal stops at once
         try:
             sandboxes = start_sandbox_pool(cfg)
@@ -454,6 +466,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             write_report_or_warn(cfg.run.dir)
             return summary
         except BaseException as err:
+            failed = True
             if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")) and read_metrics(cfg.run.dir):
                 log.finish({**reward_trend(read_metrics(cfg.run.dir)), "ended_early": f"{type(err).__name__}: {err}"})
             raise
@@ -464,7 +477,10 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                     part.shutdown()
             if sandboxes is not None:
                 sandboxes.close()
-            ray.shutdown()
+            if owns_ray or failed:  # a failed start may have left actors that no handle here reaches
+                ray.shutdown()
+            elif placement is not None:
+                ray.util.remove_placement_group(placement.group)
 
 
 def print_summary(summary: dict[str, Any], run_dir: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -133,11 +134,21 @@ class SandboxPool:
 
         return sum(ray.get([w.count.remote() for w in self.workers]))
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 10.0) -> None:
+        """End the workers and wait (up to `timeout_s`) until Ray released their names: a pool
+        started next in the same Ray (another run of one session) takes the same names."""
         import ray
 
         for w in self.workers:
             ray.kill(w, no_restart=True)
+        deadline = time.monotonic() + timeout_s
+        for i in range(len(self.workers)):
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(f"{ACTOR_PREFIX}{i}")
+                except ValueError:  # dead: its name is free
+                    break
+                time.sleep(0.05)
         self.workers = []
 
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -54,14 +55,65 @@ def math_data(tmp_path_factory) -> str:
     return str(out / "data")
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """A local Ray for tests that drive actors directly (e2e tests start their own via train())."""
+SHARED_RAY_CPUS = 16  # logical: as many as the largest test asks for (actors, not cores)
+
+
+def shared_ray() -> None:
+    """The local Ray that this test session's in-process runs share, started on first use as
+    `launch.train` starts one (its actors' environment). `train()` uses a Ray its process already
+    started and removes only what it made, so the runs pay Ray's start (4-5 s) and shutdown
+    (1-1.5 s) once, not each. Tests that check starting itself run `launch.train` as a command."""
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False)
+    import launch.train
+
+    if not ray.is_initialized():
+        assert launch.train.start_ray(compose_config([f"cluster.num_cpus={SHARED_RAY_CPUS}"]))
+
+
+def ray_left_free(timeout_s: float = 10.0) -> bool:
+    """Every placement group removed and every CPU free again (actors end asynchronously)."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        if not groups and ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+def own_ray(**init_kwargs) -> None:
+    """A local Ray of this shape for one module (logical GPUs, custom resources): the shared one ends first."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(include_dashboard=False, **init_kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _shared_ray_for_slow_tests(request):
+    """Slow (end-to-end) tests get the shared Ray; GPU tests start their own."""
+    if request.node.get_closest_marker("slow") and not request.node.get_closest_marker("gpu"):
+        shared_ray()
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _end_shared_ray():
+    yield
+    import ray
+
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray for tests that drive actors directly: the shared one."""
+    shared_ray()
 
 
 @pytest.fixture(scope="session")

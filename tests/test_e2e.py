@@ -8,10 +8,12 @@ import os
 import statistics
 
 import pytest
+import ray
 import torch
 
 from launch.train import train
 from rl.run_log import read_metrics
+from tests.conftest import ray_left_free
 
 pytestmark = pytest.mark.slow
 
@@ -35,6 +37,8 @@ def test_default_run_improves_reward_and_saves_a_loadable_model(make_config):
     """The default job at reduced length: reward rises by more than its step-to-step noise."""
     cfg = make_config("run.steps=40")
     summary = train(cfg)
+    # it ran on the session's Ray (tests/conftest.py) and left it running as it found it
+    assert ray.is_initialized() and ray_left_free()
     metrics = read_metrics(cfg.run.dir)
     _assert_reward_rises(metrics)
     # after the first sync, learner and vLLM agree on the log-probs of the sampled tokens

@@ -1,5 +1,5 @@
-"""The README's environment example, run as the README says (its own module: it starts its own
-Ray through train(), which must not meet the module-scoped Ray of tests/test_episodes.py)."""
+"""The README's environment example, run as the README says (through train(), on the test
+session's shared Ray)."""
 
 from __future__ import annotations
 

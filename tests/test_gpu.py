@@ -58,6 +58,7 @@ def test_vllm_cuda_answers_like_transformers(smollm2):
     from rl.types import GenerationRequest
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
+    from tests.conftest import own_ray
 
     tok = AutoTokenizer.from_pretrained(smollm2)
     prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3? Reply with just the number."}],
@@ -70,7 +71,7 @@ def test_vllm_cuda_answers_like_transformers(smollm2):
     torch.cuda.empty_cache()
     spec = RolloutSpec(ModelConfig(path=smollm2, dtype="float32"), RolloutConfig(max_new_tokens=16, max_model_len=128),
                        seed=0, gpu=True)
-    ray.init(include_dashboard=False)
+    own_ray()
     try:
         fleet = RolloutFleet(spec, num_cpus=1, num_gpus=1)
         (sample,) = fleet.generate([GenerationRequest(prompt, "", 0, 0, seed=0, temperature=0.0)])

@@ -10,6 +10,7 @@ import os
 import pytest
 
 from rl.devices import GPU_VISIBILITY_ENV, NoCudaError, actor_device, collective_backend, local_device_index
+from tests.conftest import own_ray
 from trainer.group import sync_backend
 
 
@@ -38,7 +39,7 @@ def logical_gpus():
     import ray
 
     saved = os.environ.pop("CUDA_VISIBLE_DEVICES", None)  # else Ray maps its ids through it
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, runtime_env={"env_vars": GPU_VISIBILITY_ENV})
+    own_ray(num_cpus=4, num_gpus=2, runtime_env={"env_vars": GPU_VISIBILITY_ENV})
     yield ray
     ray.shutdown()
     if saved is not None:
@@ -59,13 +60,17 @@ def test_roles_see_only_the_gpus_they_were_given(logical_gpus):
     ray = logical_gpus
 
     @ray.remote(num_cpus=0.5)
-    def visible() -> tuple[str | None, list]:
-        return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids()
+    class Visible:  # an actor holds its GPU while it lives (two tasks may run one after the other on GPU 0)
+        def seen(self) -> tuple[str | None, list]:
+            return os.environ.get("CUDA_VISIBLE_DEVICES"), ray.get_gpu_ids()
 
-    one = [visible.options(num_gpus=1).remote() for _ in range(2)]
-    seen = ray.get(one)
+    one = [Visible.options(num_gpus=1).remote() for _ in range(2)]
+    none = Visible.remote()
+    seen = ray.get([a.seen.remote() for a in one])
     assert sorted(v for v, _ in seen) == ["0", "1"], seen
-    assert ray.get(visible.remote()) == ("", [])
+    assert ray.get(none.seen.remote()) == ("", [])
+    for actor in (*one, none):
+        ray.kill(actor)
 
     from trainer.learner import LearnerWorker
 

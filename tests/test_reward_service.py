@@ -10,6 +10,7 @@ import pytest
 
 from reward import RewardFunctionSpec, RewardLoadError, RewardScorer
 from rl.types import Sample
+from tests.conftest import own_ray
 
 ray = pytest.importorskip("ray")
 
@@ -36,7 +37,7 @@ USER_FILE = """
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False)
+    own_ray(num_cpus=2)
     yield
     ray.shutdown()
 

@@ -10,6 +10,7 @@ from reward.service import RewardService
 from rl.types import Sample
 from sandbox.job import Job, Language, Status, TestCase
 from sandbox.pool import SandboxPool, SandboxSettings, find_pool_workers
+from tests.conftest import own_ray
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -20,7 +21,7 @@ from tests.test_code_reward import FAST, ROW, SLOW  # noqa: E402  same problem a
 @pytest.fixture(scope="module")
 def benchmark_node():
     # This machine plays a CPU node that advertises the `benchmark` resource.
-    ray.init(num_cpus=4, resources={"benchmark": 2}, include_dashboard=False)
+    own_ray(num_cpus=4, resources={"benchmark": 2})
     yield
     ray.shutdown()
 

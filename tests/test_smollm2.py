@@ -47,7 +47,6 @@ def _mismatch(metrics: list[dict]) -> list[float]:
 def test_folder_loads_in_transformers_and_vllm_with_the_same_greedy_answer(smollm2):
     """The converted folder is a plain HF checkpoint: transformers and vLLM load it and answer a
     fixed chat prompt greedily with the same tokens (fp32)."""
-    import ray
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,12 +68,11 @@ def test_folder_loads_in_transformers_and_vllm_with_the_same_greedy_answer(smoll
     hf_ids = out[0, len(prompt):].tolist()
     spec = RolloutSpec(ModelConfig(path=smollm2, dtype="float32"),
                        RolloutConfig(max_new_tokens=16, max_model_len=128, kv_cache_gib=1), seed=0, threads=2)
-    ray.init(num_cpus=2, include_dashboard=False)
+    fleet = RolloutFleet(spec, num_cpus=1, env_vars=vllm_env(1, 2))  # on the session's shared Ray
     try:
-        fleet = RolloutFleet(spec, num_cpus=1, env_vars=vllm_env(1, 2))
         (sample,) = fleet.generate([GenerationRequest(prompt, "", 0, 0, seed=0, temperature=0.0)])
     finally:
-        ray.shutdown()
+        fleet.shutdown()
     print(f"greedy answer: {tok.decode(hf_ids)!r}")
     assert sample.completion_ids == hf_ids[: len(sample.completion_ids)] and sample.finish_reason == "stop"
     assert hf_ids[len(sample.completion_ids) - 1] == tok.eos_token_id

@@ -146,3 +146,19 @@ def test_code_task_and_sandbox_choices_compose_and_validate():
     assert cfg.model.path.endswith("artifacts/tiny_code/model") and cfg.rollout.max_new_tokens == 48
     with pytest.raises(ConfigError, match="sandbox.backend='chroot'"):
         compose_config(["sandbox.backend=chroot"])
+
+
+def test_all_cores_means_the_cores_this_process_may_use():
+    """`cluster.threads_per_worker=0` gives each actor the cores the launch may run on (its
+    affinity: `taskset`, a container's cpuset), not every core of the machine."""
+    from launch.train import worker_threads
+    from tests.conftest import compose_config
+
+    cfg, before = compose_config([]), os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        assert worker_threads(cfg) == 1
+    finally:
+        os.sched_setaffinity(0, before)
+    assert worker_threads(cfg) == len(before)
+    assert worker_threads(compose_config(["cluster.threads_per_worker=3"])) == 3

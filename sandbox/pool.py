@@ -20,6 +20,13 @@ from sandbox.job import COMPILE_LIMITS, Job, Method, Result, Status
 from sandbox.runner import VALGRIND_SLOWDOWN, run_job
 
 ACTOR_PREFIX = "rlpost-sandbox-"
+
+
+def worker_name(index: int) -> str:
+    """The Ray name of sandbox worker `index` (the pool names them; reward actors find them by it)."""
+    return f"{ACTOR_PREFIX}{index}"
+
+
 BACKENDS = ("process", "docker", "unsafe_local")
 
 
@@ -100,7 +107,7 @@ class SandboxPool:
             options["resources"] = {settings.resource: 1}
         actor = ray.remote(SandboxWorker)
         self.max_retries = settings.max_retries
-        self.workers = [actor.options(name=f"{ACTOR_PREFIX}{i}", **options).remote(settings)
+        self.workers = [actor.options(name=worker_name(i), **options).remote(settings)
                         for i in range(settings.num_workers)]
         try:
             # A host without isolation fails here, with the backend's own message.
@@ -145,7 +152,7 @@ class SandboxPool:
         for i in range(len(self.workers)):
             while time.monotonic() < deadline:
                 try:
-                    ray.get_actor(f"{ACTOR_PREFIX}{i}")
+                    ray.get_actor(worker_name(i))
                 except ValueError:  # dead: its name is free
                     break
                 time.sleep(0.05)
@@ -234,7 +241,7 @@ def find_pool_workers() -> list:
     workers = []
     while True:
         try:
-            workers.append(ray.get_actor(f"{ACTOR_PREFIX}{len(workers)}"))
+            workers.append(ray.get_actor(worker_name(len(workers))))
         except ValueError:
             return workers
 

@@ -105,9 +105,9 @@ def _shared_ray_for_slow_tests(request):
 @pytest.fixture(scope="session", autouse=True)
 def _end_shared_ray():
     yield
-    import ray
-
-    ray.shutdown()
+    ray = sys.modules.get("ray")  # a session that never used Ray does not import it here
+    if ray is not None:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -498,6 +498,20 @@ def print_summary(summary: dict[str, Any], run_dir: str) -> None:
                   f"{e['last']:.3f} after {e['last_step']} updates")
 
 
+def check_inputs(cfg: DictConfig, overrides: list[str]):
+    """Every check of what the user gave, in the order a user would fix them, before Ray starts:
+    the config, the host, the model and data files, the memory plan, the run directory, then the
+    data, rewards and environments loaded. Returns (inputs, the checkpoint to resume from or None);
+    raises one of INPUT_ERRORS naming the field and the fix."""
+    validate(cfg)
+    check_host(cfg)
+    ensure_inputs(cfg)
+    preflight(cfg)  # a run that cannot fit its memory is refused here, naming the fix
+    resolve_paths(cfg)
+    resume_from = check_run_dir(cfg, overrides)
+    return load_inputs(cfg), resume_from
+
+
 @hydra.main(config_path="../configs", config_name="train", version_base=None)
 def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
@@ -507,13 +521,7 @@ def main(cfg: DictConfig) -> None:
     quiet_driver()
     overrides = list(HydraConfig.get().overrides.task)
     try:
-        validate(cfg)
-        check_host(cfg)
-        ensure_inputs(cfg)
-        preflight(cfg)  # a run that cannot fit its memory is refused here, naming the fix
-        resolve_paths(cfg)
-        resume_from = check_run_dir(cfg, overrides)
-        inputs = load_inputs(cfg)
+        inputs, resume_from = check_inputs(cfg, overrides)
     except INPUT_ERRORS as err:  # RewardLoadError and DataError are ValueErrors
         fail(err)
     supervise(cfg, lambda found, restarted: train(cfg, inputs, found, restarted), overrides, resume_from)

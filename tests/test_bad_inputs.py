@@ -1,7 +1,10 @@
-"""Bad inputs through the real command line: each ends with one `error: ...` line naming the field
-(and the file and line where there is one) and the fix, exit code 2, no traceback, before Ray
-starts, in under 10 s of CPU time. Each case breaks one thing of the valid built-in tiny model
-and data."""
+"""Bad inputs: each ends with one `error: ...` line naming the field (and the file and line where
+there is one) and the fix, exit code 2, no traceback, before Ray starts. Each case breaks one
+thing of the valid built-in tiny model and data.
+
+Every case runs the command line's checks in this process (`launch.train.check_inputs`, then
+`launch.cli.fail`, as `main` does); one case of each kind of check also runs through the real
+command line, in its own process, in under 10 s."""
 
 from __future__ import annotations
 
@@ -158,11 +161,54 @@ CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_fails_fast_naming_the_field(case, tiny_dir, tmp_path):
+# One case of each kind of check (config, data rows, model folder, prompt lengths, host) also runs
+# through the real command line: a process of its own, its exit code, stderr and wall time.
+COMMAND_LINE_CASES = ["top_p_zero", "prompt_empty_in_row_4", "model_without_tokenizer",
+                      "prompt_longer_than_the_budget", "gpus_on_a_machine_without_cuda"]
+
+
+def _case_overrides(case: str, tiny_dir: str, tmp_path: Path) -> tuple[list[str], list[str]]:
     setup, expected = CASES[case]
     overrides = [f"model.path={tiny_dir}/model", f"task.train_files=[{tiny_dir}/data/train.jsonl]",
                  f"run.dir={tmp_path}/run", "run.progress=false", *setup(tiny_dir, tmp_path)]
+    return overrides, expected
+
+
+def _check_error(stderr: str, expected: list[str]) -> str:
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    for text in expected:
+        assert text in stderr, f"{text!r} not in {stderr!r}"
+    assert "Traceback" not in stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_refused_naming_the_field(case, tiny_dir, tmp_path, capsys, monkeypatch):
+    import ray
+
+    from launch.cli import INPUT_ERRORS, fail
+    from launch.train import check_inputs
+    from rl.compose import compose
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("the checks started Ray")
+
+    monkeypatch.setattr(ray, "init", no_ray)
+    overrides, expected = _case_overrides(case, tiny_dir, tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        try:  # what launch.train's main does with the config Hydra composed
+            check_inputs(compose("train", overrides), overrides)
+        except INPUT_ERRORS as err:
+            fail(err)
+    assert exited.value.code == 2
+    print(f"{case}: {_check_error(capsys.readouterr().err, expected)}")
+
+
+@pytest.mark.parametrize("case", COMMAND_LINE_CASES)
+def test_bad_input_fails_fast_naming_the_field(case, tiny_dir, tmp_path):
+    overrides, expected = _case_overrides(case, tiny_dir, tmp_path)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "launch.train", *overrides], cwd=tmp_path,
@@ -172,13 +218,9 @@ def test_bad_input_fails_fast_naming_the_field(case, tiny_dir, tmp_path):
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, proc.stderr
-    for text in expected:
-        assert text in proc.stderr, f"{text!r} not in {proc.stderr!r}"
-    assert "Traceback" not in proc.stderr
+    error = _check_error(proc.stderr, expected)
     assert RAY_STARTED not in output
-    print(f"{case}: {wall:.1f} s wall, {cpu:.1f} s CPU: {errors[0]}")
+    print(f"{case}: {wall:.1f} s wall, {cpu:.1f} s CPU: {error}")
     assert wall < 10, f"took {wall:.1f} s wall ({cpu:.1f} s CPU)"
 
 
@@ -195,16 +237,47 @@ SUPERVISED_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(SUPERVISED_CASES))
-def test_supervised_bad_input_fails_naming_the_field(case, tiny_dir, tmp_path):
+# One case of each entry point also runs through its real command line.
+SUPERVISED_COMMAND_LINE_CASES = ["sft_model_without_config_json", "rm_empty_file"]
+
+
+def _supervised_overrides(case: str, tiny_dir: str, tmp_path: Path) -> tuple[str, list[str], list[str]]:
     module, setup, expected = SUPERVISED_CASES[case]
     overrides = [o.replace("task.train_files", "data.train_files") for o in setup(tiny_dir, tmp_path)]
     if not any(o.startswith("model.path=") for o in overrides):
         overrides.append(f"model.path={tiny_dir}/model")
-    proc = subprocess.run([sys.executable, "-m", module, *overrides, "data.test_files=[]", f"run.dir={tmp_path}/run"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    return module, [*overrides, "data.test_files=[]", f"run.dir={tmp_path}/run"], expected
+
+
+@pytest.mark.parametrize("case", list(SUPERVISED_CASES))
+def test_supervised_bad_input_is_refused_naming_the_field(case, tiny_dir, tmp_path, capsys, monkeypatch):
+    import importlib
+
+    from launch.cli import INPUT_ERRORS, fail, supervised_main
+    from rl.compose import compose
+    from rl.sft_rm_config import validate_rm, validate_sft
+
+    module, overrides, expected = _supervised_overrides(case, tiny_dir, tmp_path)
+    app = module.removeprefix("launch.")
+    if app == "train_sft":
+        validate, train = validate_sft, importlib.import_module("trainer.sft").train_sft
+    else:
+        validate, train = validate_rm, importlib.import_module("trainer.reward_model").train_rm
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exited:
+        try:  # what the entry point's main does with the config Hydra composed
+            cfg = compose(app, overrides)
+        except INPUT_ERRORS as err:
+            fail(err)
+        supervised_main(cfg, validate, train)
+    assert exited.value.code == 2
+    _check_error(capsys.readouterr().err, expected)
+
+
+@pytest.mark.parametrize("case", SUPERVISED_COMMAND_LINE_CASES)
+def test_supervised_bad_input_fails_naming_the_field(case, tiny_dir, tmp_path):
+    module, overrides, expected = _supervised_overrides(case, tiny_dir, tmp_path)
+    proc = subprocess.run([sys.executable, "-m", module, *overrides], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert len([line for line in proc.stderr.splitlines() if line.startswith("error:")]) == 1, proc.stderr
-    for text in expected:
-        assert text in proc.stderr, f"{text!r} not in {proc.stderr!r}"
-    assert "Traceback" not in proc.stderr
+    _check_error(proc.stderr, expected)

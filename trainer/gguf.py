@@ -9,6 +9,7 @@ safetensors, tokenizer (with its chat template), generation config (with its EOS
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,9 +48,11 @@ def convert_gguf(gguf_file: str | os.PathLike, out_dir: str | os.PathLike, dtype
 
     gguf_file = Path(gguf_file)
     where, name = str(gguf_file.parent), gguf_file.name
+    # Each from_pretrained parses the whole GGUF header again (~5 s for a 49k-token vocabulary):
+    # the config is read once and handed to the model's load.
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=dtype)
     config = AutoConfig.from_pretrained(where, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, config=copy.deepcopy(config), dtype=dtype)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights below are dequantized: a plain model
     config.dtype = dtype

@@ -7,9 +7,10 @@ can be written to the run's sample log as JSON. Tensors appear only in `TrainBat
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where a TrainBatch is made: reward and environment workers never need torch
+    import torch
 
 
 @dataclass
@@ -128,6 +129,8 @@ class TrainBatch:
 
     def select(self, index: torch.Tensor | list[int]) -> "TrainBatch":
         """Rows `index`, trimmed to the longest remaining sequence (keeps micro-batches small)."""
+        import torch
+
         index = torch.as_tensor(index, dtype=torch.long)
         width = int(self.attention_mask[index].sum(dim=1).max().item()) if len(index) else 1
 

@@ -150,7 +150,7 @@ def test_bf16_full_weights_and_lora_with_tied_embeddings(smollm2, math_data, tmp
     exceed full fine-tuning's (merging adapters into bf16 weights is where peers lose agreement)."""
     figures = {}
     for name, extra in (("full", []), ("lora", ["model.lora.rank=8", "algorithm.lr=5e-3"])):
-        cfg = _config(smollm2, math_data, str(tmp_path / name), "model.dtype=bfloat16", "run.steps=3", *extra)
+        cfg = _config(smollm2, math_data, str(tmp_path / name), "model.dtype=bfloat16", "run.steps=2", *extra)
         train(cfg)
         metrics = _steps(cfg.run.dir)
         figures[name] = _mismatch(metrics)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
-from typing import Any, Callable
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -200,14 +200,11 @@ def engines_start_first(c) -> bool:
     return c.placement_mode == "hybrid" or 0 < c.gpus_per_learner < 1 or 0 < c.gpus_per_rollout_worker < 1
 
 
-def build_components(cfg: TrainConfig, log=print, start_meanwhile: Callable[[], Any] = lambda: None):
+def build_components(cfg: TrainConfig, log=print):
     """The rollout fleet, reward service, learner group and their placement that the typed config
     describes, all keeping the run's deadlines (`run.call_timeout_s`...) and reporting to `log`.
     The rollout workers and learner ranks go into one placement group (`cluster.placement`), one
-    bundle each; it lives until Ray shuts down (the driver's end removes it on a cluster too).
-    Every actor starts at once, the slow ones first (an engine imports vLLM: ~15 s on 2 cores);
-    `start_meanwhile` starts the caller's own (sandbox pool, environments) while they start, and
-    its result is returned last."""
+    bundle each; it lives until Ray shuts down (the driver's end removes it on a cluster too)."""
     from launch.console import actor_env, rollout_env
     from launch.placement import make_placement
     from reward.service import RewardService
@@ -234,19 +231,17 @@ def build_components(cfg: TrainConfig, log=print, start_meanwhile: Callable[[], 
     learner = LearnerGroup(LearnerSpec.from_config(cfg, threads), cfg.trainer.num_workers, num_cpus=1,
                            num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
                            weight_sync_method=cfg.trainer.weight_sync, actor_options=placement.learner,
-                           deadlines=deadlines, wait=False)
+                           deadlines=deadlines)
     rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
                             base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
-    also = start_meanwhile()
-    learner.wait_started()
-    fleet.wait_started()  # the engines take longest to start: everything else started meanwhile
+    fleet.wait_started()  # the engines took longest to start: the learner and rewards started meanwhile
     learner.connect(fleet)
     if cfg.model.lora.rank > 0:
         counts, lora = learner.parameter_counts(), cfg.model.lora
         log(f"LoRA rank {lora.rank} on {','.join(lora.target_modules)}: {counts['trainable']:,.0f} trainable "
             f"parameters of {counts['total']:,.0f} ({counts['trainable'] / counts['total']:.2%}); a weight sync "
             f"sends {learner.sync_bytes() / 2**10:,.1f} KiB instead of {counts['total_bytes'] / 2**10:,.1f} KiB")
-    return fleet, rewards, learner, placement, also
+    return fleet, rewards, learner, placement
 
 
 def start_envs(cfg: TrainConfig, tokenizer):
@@ -438,13 +433,9 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
     failed, stop = False, StopRequest()
     with stop_on_signals(stop, log.write):  # until Ray is down: a second signal stops at once
         try:
-            def start_sandboxes_and_envs():  # the environments may judge programs in the sandbox pool
-                nonlocal sandboxes
-                sandboxes = start_sandbox_pool(cfg)
-                return start_envs(config, tokenizer)
-
-            fleet, rewards, learner, placement, episodes = build_components(config, log.write,
-                                                                            start_sandboxes_and_envs)
+            sandboxes = start_sandbox_pool(cfg)
+            fleet, rewards, learner, placement = build_components(config, log.write)
+            episodes = start_envs(config, tokenizer)
             report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement,
                              episodes.envs if episodes else None)
             in_flight = None

@@ -48,10 +48,7 @@ class LearnerGroup:
         weight_sync_method: str = "collective",
         actor_options: list[dict[str, Any]] | None = None,
         deadlines: Deadlines | None = None,
-        wait: bool = True,
     ):
-        """`wait=False`: return once the ranks are asked to start; `wait_started()` then waits for
-        them and sets up their process group (other actors can start meanwhile)."""
         self.spec, self.world_size = spec, num_workers
         self.num_gpus, self.sync_method = num_gpus, weight_sync_method
         self.deadlines = deadlines or Deadlines()
@@ -63,16 +60,10 @@ class LearnerGroup:
         self.workers = [remote_cls.options(**{**options, **(actor_options[r] if actor_options else {})})
                         .remote(spec, r, num_workers) for r in range(num_workers)]
         self.where: list[dict[str, Any]] = [{} for _ in range(num_workers)]
-        self.metas: list[weight_sync.WeightMeta] = []
-        if wait:
-            self.wait_started()
-
-    def wait_started(self) -> None:
-        """Wait for every rank to be up, join them in one process group, read the weights' layout."""
         self.where = self._get([w.where.remote() for w in self.workers], "start-up", self.deadlines.start_s)
         master_addr, master_port = self._get([self.workers[0].node_address.remote()], "start-up")[0]
         self._get([w.setup.remote(master_addr, master_port) for w in self.workers], "set-up", self.deadlines.start_s)
-        self.metas = self._get([self.workers[0].weight_metas.remote()], "set-up")[0]
+        self.metas: list[weight_sync.WeightMeta] = self._get([self.workers[0].weight_metas.remote()], "set-up")[0]
 
     def name(self, rank: int) -> str:
         pid = self.where[rank].get("pid")

@@ -233,14 +233,32 @@ def _locked(root: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+# Real pretrained models the benchmarks also run on: name -> the `model=` config group that builds
+# its folder on first use (`examples.ensure_builtin`), as `launch.train` does.
+REAL_MODELS = {"smollm2": "smollm2"}  # SmolLM2-135M-Instruct: 30 layers, 49k vocabulary, tied embeddings
+
+
+def real_model(name: str) -> Path:
+    """The folder of the real model `name` (see `REAL_MODELS`), built from its package when missing."""
+    from examples import ensure_builtin
+    from rl.compose import compose
+
+    path = compose("train", [f"model={REAL_MODELS[name]}"]).model.path
+    ensure_builtin([path])
+    return Path(path)
+
+
 def build(shape: str, root: str = DEFAULT_ROOT) -> Path:
     """ROOT/<shape>: a HF model folder (model + tokenizer) of `shape` (see `SHAPES`), built when
-    missing; the folder is complete or absent (written atomically). Also writes ROOT/data."""
+    missing; the folder is complete or absent (written atomically). Also writes ROOT/data. A name
+    of `REAL_MODELS` gives that real model's folder instead."""
     from trainer.engine import save_pretrained_atomic
     from trainer.supervised import torch_threads
 
+    if shape in REAL_MODELS:
+        return real_model(shape)
     if shape not in SHAPES:
-        raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join(SHAPES)}")
+        raise ValueError(f"unknown model shape {shape!r}; choose one of {', '.join([*SHAPES, *REAL_MODELS])}")
     base = Path(root)
     out = base / shape
     if (out / "build.json").exists():

@@ -29,8 +29,12 @@ On a GPU (`--device cuda`, the default where torch sees one) the config is the o
 worker's (its `CUDA_VISIBLE_DEVICES`), both engines resident, so each takes a share that leaves
 room for the other; same engine arguments on both sides as on CPU.
 
-    python -m bench.rollout [--quick] [--shape 27m] [--batches 8x4,16x4] [--repeats 5] [--warmup 1]
-                            [--device cpu|cuda] [--out bench/results/rollout.json]
+    python -m bench.rollout [--quick] [--shape 27m|smollm2] [--batches 8x4,16x4] [--repeats 5] [--warmup 1]
+                            [--dtype float32|bfloat16] [--device cpu|cuda] [--out bench/results/rollout.json]
+
+`--shape smollm2`: the real SmolLM2-135M-Instruct (`bench.models.REAL_MODELS`). Each row also gives
+the memory-bandwidth bound of decoding (the weights' bytes x the batch's token steps / the
+bandwidth measured in this process, `machine.memory_bandwidth_gbs`) and the share of it reached.
 
 `--quick`: the 8x4 batch only, 3 timed repeats (about 1-2 minutes on 2 cores, half of it start-up).
 """
@@ -49,7 +53,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.machine import add_device_arg, machine_info, resolve_device
+from bench.machine import add_device_arg, machine_info, memory_bandwidth_gbs, resolve_device
 
 NEW_TOKENS = 128
 SAMPLES_PER_PROMPT = 4
@@ -260,7 +264,34 @@ def fleet_generate(fleet, requests) -> tuple[float, int, list[list[int]], dict[s
     return elapsed, sum(map(len, ids)), ids, split
 
 
-def measure(fleet, raw: RawEngine, tokenizer, batches: list[tuple[int, int]], repeats: int, warmup: int) -> list[dict]:
+def weight_bytes(model: str, dtype: str) -> int:
+    """Bytes of the model's weights at the engine's dtype (tied weights once, as stored)."""
+    import glob
+    import math
+
+    import torch
+    from safetensors import safe_open
+
+    numel = 0
+    for path in glob.glob(os.path.join(model, "*.safetensors")):
+        with safe_open(path, "pt") as f:
+            numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def decode_bound(row: dict, ids: list[list[int]], weights: int, bandwidth_gbs: float) -> None:
+    """Add the memory-bandwidth bound of decoding to `row`: every token step of the batch reads
+    all the weights once (KV cache and activations not counted), so a batch whose longest
+    completion is T tokens takes at least weights x T / bandwidth."""
+    steps = max(map(len, ids))
+    bound = weights * steps / (bandwidth_gbs * 1e9)
+    row.update({"token_steps": steps, "weight_bytes": weights, "decode_bound_s": bound,
+                "bound_over_fleet": bound / statistics.median(row["fleet_s"]),
+                "bound_over_raw": bound / statistics.median(row["raw_s"])})
+
+
+def measure(fleet, raw: RawEngine, tokenizer, batches: list[tuple[int, int]], repeats: int, warmup: int,
+            weights: int, bandwidth_gbs: float) -> list[dict]:
     rows = []
     for prompts, n in batches:
         requests = make_requests(tokenizer, prompts, n)
@@ -283,6 +314,7 @@ def measure(fleet, raw: RawEngine, tokenizer, batches: list[tuple[int, int]], re
                "tokens": tokens["fleet"], "same_tokens": ids["fleet"] == ids["raw"],
                "fleet_tokens_per_s": fleet_tps, "raw_tokens_per_s": raw_tps, "ratio": fleet_tps / raw_tps,
                "fleet_split_s": overhead, "fleet_s": times["fleet"], "raw_s": times["raw"], "fleet_splits_s": splits}
+        decode_bound(row, ids["fleet"], weights, bandwidth_gbs)
         print(_line(row), flush=True)
         rows.append(row)
     return rows
@@ -293,6 +325,7 @@ def _line(r: dict) -> str:
     return (f"{r['batch']:>6} {r['requests']:>4} req {r['tokens']:>6} tok   fleet {r['fleet_tokens_per_s']:8.1f} tok/s"
             f"   raw {r['raw_tokens_per_s']:8.1f} tok/s   fleet/raw {r['ratio']:.3f}   fleet: vLLM {s['vllm_s']:.3f} s"
             f" + ours {s['convert_s']:.3f} s + Ray {s['ray_s']:.3f} s"
+            f"   bandwidth bound {r['decode_bound_s']:.2f} s = {r['bound_over_fleet']:.0%} of the fleet's time"
             f"{'' if r['same_tokens'] else '   (token ids differ!)'}")
 
 
@@ -321,8 +354,11 @@ def run(args: argparse.Namespace) -> dict:
     longest = max(len(r.prompt_ids) for r in make_requests(tokenizer, max(p for p, _ in batches), 1))
     max_len, new_tokens = lengths(model, longest)
     with tempfile.TemporaryDirectory() as run_dir:
-        cfg = run_config(model, run_dir, max_len, new_tokens, device_overrides(args.device, args.gpu_memory_utilization))
+        dtype = [f"model.dtype={args.dtype}"] if args.dtype else []
+        cfg = run_config(model, run_dir, max_len, new_tokens,
+                         [*device_overrides(args.device, args.gpu_memory_utilization), *dtype])
         info = machine_info()
+        info["memory_bandwidth_gbs"] = memory_bandwidth_gbs()
         fleet, spec, env = start_fleet(cfg)
         ray.get(fleet.workers[0].__ray_call__.remote(_instrument))
         # Ray starts its workers at a lower CPU priority (worker_niceness, 15 by default): the raw
@@ -333,7 +369,8 @@ def run(args: argparse.Namespace) -> dict:
         raw = None
         try:
             raw = RawEngine(spec, env, niceness)
-            rows = measure(fleet, raw, tokenizer, batches, args.repeats, args.warmup)
+            rows = measure(fleet, raw, tokenizer, batches, args.repeats, args.warmup,
+                           weight_bytes(model, spec.model.dtype), info["memory_bandwidth_gbs"])
         finally:
             if raw is not None:
                 raw.close()
@@ -357,6 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", default="8x4,16x4", help="prompts x samples per prompt, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                        help="the engine's dtype (default: the run config's for the device)")
     parser.add_argument("--out", default="bench/results/rollout.json")
     add_device_arg(parser, "both engines")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.4,

@@ -233,9 +233,9 @@ def _locked(root: Path) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-# Real pretrained models the benchmarks also run on: name -> the `model=` config group that builds
-# its folder on first use (`examples.ensure_builtin`), as `launch.train` does.
-REAL_MODELS = {"smollm2": "smollm2"}  # SmolLM2-135M-Instruct: 30 layers, 49k vocabulary, tied embeddings
+# Real pretrained models the benchmarks also run on, each a `model=` config group that builds its
+# folder on first use (`examples.ensure_builtin`), as `launch.train` does.
+REAL_MODELS = ("smollm2",)  # SmolLM2-135M-Instruct: 30 layers, 49k vocabulary, tied embeddings
 
 
 def real_model(name: str) -> Path:
@@ -243,7 +243,7 @@ def real_model(name: str) -> Path:
     from examples import ensure_builtin
     from rl.compose import compose
 
-    path = compose("train", [f"model={REAL_MODELS[name]}"]).model.path
+    path = compose("train", [f"model={name}"]).model.path
     ensure_builtin([path])
     return Path(path)
 

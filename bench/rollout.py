@@ -265,18 +265,14 @@ def fleet_generate(fleet, requests) -> tuple[float, int, list[list[int]], dict[s
 
 
 def weight_bytes(model: str, dtype: str) -> int:
-    """Bytes of the model's weights at the engine's dtype (tied weights once, as stored)."""
-    import glob
-    import math
-
+    """Bytes of the model's weights at the engine's dtype (tied weights once): the memory
+    planner's parameter count (`rl.memory_plan.ModelShape`) of its config.json."""
     import torch
-    from safetensors import safe_open
 
-    numel = 0
-    for path in glob.glob(os.path.join(model, "*.safetensors")):
-        with safe_open(path, "pt") as f:
-            numel += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
-    return numel * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    from rl.memory_plan import ModelShape
+
+    params = ModelShape.from_config(json.loads((Path(model) / "config.json").read_text())).params()
+    return params * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
 
 
 def decode_bound(row: dict, ids: list[list[int]], weights: int, bandwidth_gbs: float) -> None:

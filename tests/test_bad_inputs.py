@@ -251,18 +251,15 @@ def _supervised_overrides(case: str, tiny_dir: str, tmp_path: Path) -> tuple[str
 
 @pytest.mark.parametrize("case", list(SUPERVISED_CASES))
 def test_supervised_bad_input_is_refused_naming_the_field(case, tiny_dir, tmp_path, capsys, monkeypatch):
-    import importlib
-
     from launch.cli import INPUT_ERRORS, fail, supervised_main
     from rl.compose import compose
     from rl.sft_rm_config import validate_rm, validate_sft
+    from trainer.reward_model import train_rm
+    from trainer.sft import train_sft
 
     module, overrides, expected = _supervised_overrides(case, tiny_dir, tmp_path)
     app = module.removeprefix("launch.")
-    if app == "train_sft":
-        validate, train = validate_sft, importlib.import_module("trainer.sft").train_sft
-    else:
-        validate, train = validate_rm, importlib.import_module("trainer.reward_model").train_rm
+    validate, train = {"train_sft": (validate_sft, train_sft), "train_rm": (validate_rm, train_rm)}[app]
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exited:
         try:  # what the entry point's main does with the config Hydra composed

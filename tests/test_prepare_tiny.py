@@ -198,18 +198,18 @@ print(json.dumps({
 
 
 @pytest.mark.slow
-def test_vllm_cpu_loads_and_samples_the_prepared_model(tmp_path: Path) -> None:
-    """vLLM tokenizes prompts like HF and stops on EOS (from generation_config) with logprobs."""
+def test_vllm_cpu_loads_and_samples_the_prepared_model(tiny_dir: str) -> None:
+    """vLLM tokenizes prompts like HF and stops on EOS (from generation_config) with logprobs: the
+    session's build of the built-in model, in an engine with the rollout worker's environment."""
     import os
     import subprocess
     import sys
 
     pytest.importorskip("vllm")
-    prepare_tiny(str(tmp_path), seed=0, n_train=200, n_test=20, n_eval=8, steps=200, n_probe=64,
-                 probe_every=10, target_accuracy=0.05, hidden=64, layers=1, heads=2, threads=0, log_every=0)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
-               VLLM_CPU_OMP_THREADS_BIND="nobind")
-    proc = subprocess.run([sys.executable, "-c", _VLLM_CHECK, str(tmp_path / "model")], env=env,
+    from rollout.vllm_engine import vllm_env
+
+    env = dict(os.environ, **vllm_env(kv_cache_gib=1, threads=0))
+    proc = subprocess.run([sys.executable, "-c", _VLLM_CHECK, f"{tiny_dir}/model"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -84,6 +84,45 @@ def test_no_tensor_of_the_full_vocabulary_logits_exists_in_forward_or_backward()
     assert LargestTensor.largest >= full_logits
 
 
+def test_a_metric_entropy_is_exact_and_adds_no_work_to_the_backward_pass():
+    """The entropy as a metric (the default: no entropy bonus) equals the full-vocabulary one, and
+    is computed once, in the forward: checkpointing runs each chunk again inside the backward
+    pass, where the operators over vocabulary-wide tensors are the same with or without it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    vocab, chunk = 300, 4
+
+    class VocabWideOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(isinstance(t, torch.Tensor) and t.dim() == 2 and t.shape[-1] == vocab
+                   for t in (out if isinstance(out, (tuple, list)) else (out,))):
+                self.count += 1
+            return out
+
+    ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(4))
+    am = torch.ones_like(ids)
+    _, ent0 = _full_vocab(_model(), ids, am, 0.7)
+    counts = {}
+    for name, with_entropy in (("metric", True), ("none", False)):
+        model = _model()
+        forward, backward = VocabWideOps(), VocabWideOps()
+        with forward:
+            lp, ent = token_logprobs(model, ids, am, 0.7, with_entropy=with_entropy, entropy_grad=False,
+                                     chunk_tokens=chunk)
+        with backward:
+            lp.sum().backward()
+        counts[name] = (forward.count, backward.count)
+        if with_entropy:
+            assert torch.allclose(ent, ent0.detach(), atol=1e-5) and not ent.requires_grad
+    print("vocabulary-wide ops (forward, backward):", counts)
+    assert counts["metric"][0] > counts["none"][0] and counts["metric"][1] == counts["none"][1] > 0, counts
+
+
 def test_no_position_asked_for_still_reaches_the_model():
     model = _model()
     ids = torch.randint(0, 300, (2, 6))

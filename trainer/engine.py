@@ -160,7 +160,11 @@ def build_engine(
     model = load_model()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    # fused: one multi-threaded pass over ZeRO's flat fp32 partition. The default CPU AdamW runs op
+    # by op, each allocating a partition-sized temporary: 1.2 s of a 12.9 s bf16 SmolLM2 step on 2
+    # cores, against 0.04-0.1 s fused (same update within 3e-8).
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                  weight_decay=weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     engine._rlpost_hf_ds_config = keep_alive  # must outlive loading; kept with the engine

@@ -25,18 +25,37 @@ def _head_of(model: torch.nn.Module) -> torch.nn.Module:
     return inner.get_output_embeddings()
 
 
-def _chunk_logprobs(head: torch.nn.Module, temperature: float, with_entropy: bool, hidden: torch.Tensor,
-                    targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) and the entropy (zeros unless `with_entropy`) of `hidden` [N, H] rows, in fp32."""
+def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """H = log Z - sum_v p_v z_v (a dot product per row: no vocabulary-wide `p * z` tensor; 1024
+    x 49,152 fp32 on 2 cores: 0.13 s against 0.20 s for exp(z - lse) * z summed)."""
+    return lse - torch.linalg.vecdot(torch.softmax(logits, dim=-1), logits)
+
+
+class _FirstPass:
+    """The entropy of a chunk as a metric (no gradient), kept from the chunk's first forward:
+    checkpointing runs the chunk again inside the backward pass, where a metric is not needed, so
+    the second run skips it (it saves no tensor for backward, so both runs save the same ones)."""
+
+    def __init__(self) -> None:
+        self.entropy: torch.Tensor | None = None
+
+
+def _chunk_logprobs(head: torch.nn.Module, temperature: float, entropy_grad: bool, metric: _FirstPass | None,
+                    hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) of `hidden` [N, H] rows in fp32, and their entropy: differentiable when
+    `entropy_grad` (an entropy bonus), else zeros here and the value, on the first pass only, in
+    `metric` (None: not asked for)."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return logp, torch.zeros_like(logp)
-    probs = torch.softmax(logits, dim=-1)
-    return logp, lse - (probs * logits).sum(-1)
+    if entropy_grad:
+        return logp, _entropy(logits, lse)
+    if metric is not None and metric.entropy is None:
+        with torch.no_grad():
+            metric.entropy = _entropy(logits, lse)
+    return logp, torch.zeros_like(logp)
 
 
 def token_logprobs(
@@ -69,7 +88,7 @@ def token_logprobs(
     positions = positions.bool()
     rows, targets = hidden[positions], input_ids[:, 1:][positions]
     head = _head_of(model)
-    step = partial(_chunk_logprobs, head, temperature, with_entropy)
+    entropy_grad = with_entropy and entropy_grad
     recompute = torch.is_grad_enabled() and rows.requires_grad
     # Non-reentrant checkpointing keeps one backward graph, so a trained head tied to the input
     # embedding gets one gradient, reduced once by ZeRO (reentrant: two, which ZeRO-1/2 refuse).
@@ -79,9 +98,11 @@ def token_logprobs(
     logps, entropies = [], []
     for start in range(0, rows.shape[0], chunk_tokens):
         part = (rows[start:start + chunk_tokens], targets[start:start + chunk_tokens])
+        metric = _FirstPass() if with_entropy and not entropy_grad else None
+        step = partial(_chunk_logprobs, head, temperature, entropy_grad, metric)
         lp, ent = checkpoint(step, *part, use_reentrant=reentrant) if recompute else step(*part)
         logps.append(lp)
-        entropies.append(ent if entropy_grad else ent.detach())
+        entropies.append(ent if metric is None else metric.entropy)
     shape = (input_ids.shape[0], input_ids.shape[1] - 1)
 
     def spread(values: list[torch.Tensor]) -> torch.Tensor:

@@ -207,7 +207,7 @@ def test_bad_input_is_refused_naming_the_field(case, tiny_dir, tmp_path, capsys,
 
 
 # Modules a refused command must never import: they start (or come with) Ray, the engines and the learner.
-HEAVY_MODULES = ("ray", "vllm", "deepspeed")
+HEAVY_MODULES = frozenset({"ray", "vllm", "deepspeed"})
 
 
 def _imported(stderr: str) -> set[str]:
@@ -238,7 +238,7 @@ def test_bad_input_fails_fast_naming_the_field(case, tiny_dir, tmp_path):
     assert RAY_STARTED not in output
     imported = _imported(proc.stderr)
     assert "hydra" in imported and "launch" in imported, "no import log: the check below would pass vacuously"
-    assert not imported & set(HEAVY_MODULES), f"a refused command imported {sorted(imported & set(HEAVY_MODULES))}"
+    assert not imported & HEAVY_MODULES, f"a refused command imported {sorted(imported & HEAVY_MODULES)}"
     print(f"{case}: {wall:.1f} s wall, {cpu:.1f} s CPU: {error}")
 
 

@@ -26,8 +26,9 @@ def _head_of(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """H = log Z - sum_v p_v z_v (a dot product per row: no vocabulary-wide `p * z` tensor; 1024
-    x 49,152 fp32 on 2 cores: 0.13 s against 0.20 s for exp(z - lse) * z summed)."""
+    """H = log Z - sum_v p_v z_v, a dot product per row (no vocabulary-wide `p * z` temporary; as
+    fast as `(softmax * z).sum(-1)` on 1024 x 49,152 fp32, 0.13 s on 2 cores; exp(z - lse) in its
+    place took 0.20 s)."""
     return lse - torch.linalg.vecdot(torch.softmax(logits, dim=-1), logits)
 
 

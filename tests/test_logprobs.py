@@ -30,7 +30,16 @@ def _full_vocab(model, ids, am, temperature):
     return logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
 
 
-def test_chunked_values_and_gradients_equal_the_full_vocabulary_computation():
+@pytest.fixture(params=["linear_head", "checkpointed"])
+def head_path(request, monkeypatch):
+    """Both ways a chunk is computed: the written-out backward of a plain linear head, and the
+    checkpointed recompute that any other head (ZeRO-3, adapters) takes."""
+    if request.param == "checkpointed":
+        monkeypatch.setattr("trainer.logprobs._plain_linear_weight", lambda head: None)
+    return request.param
+
+
+def test_chunked_values_and_gradients_equal_the_full_vocabulary_computation(head_path):
     ids = torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(1))
     am = torch.ones_like(ids)
     am[1, 7:] = 0  # a right-padded row
@@ -52,7 +61,7 @@ def test_chunked_values_and_gradients_equal_the_full_vocabulary_computation():
     assert torch.allclose(lp_all, lp0.detach() * am[:, 1:], atol=1e-5) and not ent_all.requires_grad
 
 
-def test_no_tensor_of_the_full_vocabulary_logits_exists_in_forward_or_backward():
+def test_no_tensor_of_the_full_vocabulary_logits_exists_in_forward_or_backward(head_path):
     """The memory property itself: with 2 rows x 80 scored tokens over an 8,192-entry vocabulary
     and chunks of 32 tokens, no tensor made in the forward or the backward pass (logits, their
     softmax, their gradient) is larger than one chunk's logits (as large as the embedding matrix
@@ -84,7 +93,7 @@ def test_no_tensor_of_the_full_vocabulary_logits_exists_in_forward_or_backward()
     assert LargestTensor.largest >= full_logits
 
 
-def test_a_metric_entropy_is_exact_and_adds_no_work_to_the_backward_pass():
+def test_a_metric_entropy_is_exact_and_adds_no_work_to_the_backward_pass(head_path):
     """The entropy as a metric (the default: no entropy bonus) equals the full-vocabulary one, and
     is computed once, in the forward: checkpointing runs each chunk again inside the backward
     pass, where the operators over vocabulary-wide tensors are the same with or without it."""
@@ -119,7 +128,7 @@ def test_a_metric_entropy_is_exact_and_adds_no_work_to_the_backward_pass():
         counts[name] = (forward.count, backward.count)
         if with_entropy:
             assert torch.allclose(ent, ent0.detach(), atol=1e-5) and not ent.requires_grad
-    print("vocabulary-wide ops (forward, backward):", counts)
+    print(head_path, "vocabulary-wide ops (forward, backward):", counts)
     assert counts["metric"][0] > counts["none"][0] and counts["metric"][1] == counts["none"][1] > 0, counts
 
 

@@ -7,6 +7,12 @@ Here the model runs up to its final hidden states only; the LM head is applied t
 that are asked for (the completion tokens: prompts are never trained on), a chunk of tokens at a
 time, each chunk under activation checkpointing, so its logits exist only while that chunk's
 log-probs are computed (and again, briefly, in the backward pass).
+
+A plain linear head (no bias, not partitioned by ZeRO-3, not wrapped by an adapter: every dense
+and ZeRO-1/2 run) goes through `_LinearHeadLogProbs`, whose backward is written out: it recomputes
+the chunk's matmul from the saved rows and log-normaliser and forms d logp / d logits = onehot - p
+in place, where autograd through a recomputed `logsumexp`/`gather` made three more vocabulary-wide
+passes and temporaries. Any other head recomputes the chunk under activation checkpointing.
 """
 
 from __future__ import annotations
@@ -39,6 +45,61 @@ class _FirstPass:
 
     def __init__(self) -> None:
         self.entropy: torch.Tensor | None = None
+
+
+def _plain_linear_weight(head: torch.nn.Module) -> torch.Tensor | None:
+    """The head's full weight when the head is a bias-free `nn.Linear` whose weight is all here
+    (ZeRO-3 partitions it and gathers it in module hooks only; an adapter wraps the layer)."""
+    if type(head) is torch.nn.Linear and head.bias is None and not hasattr(head.weight, "ds_id"):
+        return head.weight
+    return None
+
+
+class _LinearHeadLogProbs(torch.autograd.Function):
+    """log p(target) of `hidden` [N, H] rows through `weight` [V, H], logits in fp32 scaled by
+    `scale` (1 / temperature), and their entropy when `entropy` is "grad" (differentiable) or
+    "metric" (a value, no gradient); "none" returns an empty tensor in its place.
+
+    Saved for backward: the rows (already held by the model's graph), the targets and the fp32
+    log-normaliser, N values. The backward recomputes z = scale * h W^T and forms, in place,
+    dL/dz = g_lp * (onehot - p) - g_ent * p * (log p + H), then dh = dz W and dW = dz^T h."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, scale: float,
+                entropy: str) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = _scaled_logits(hidden, weight, scale)
+        lse = torch.logsumexp(logits, dim=-1)
+        logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+        ent = _entropy(logits, lse) if entropy != "none" else logp.new_empty(0)
+        ctx.scale, ctx.entropy_grad = scale, entropy == "grad"
+        ctx.save_for_backward(hidden, weight, targets, lse, ent if entropy == "grad" else None)
+        if entropy != "grad":
+            ctx.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp: torch.Tensor, g_ent: torch.Tensor | None):
+        hidden, weight, targets, lse, ent = ctx.saved_tensors
+        log_p = _scaled_logits(hidden, weight, ctx.scale).sub_(lse.unsqueeze(-1))
+        if ctx.entropy_grad and g_ent is not None:
+            p = log_p.exp()
+            dz = log_p.add_(ent.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_logp.unsqueeze(-1)).mul_(p).neg_()
+            del p
+        else:
+            dz = log_p.exp_().mul_(g_logp.neg().unsqueeze(-1))
+        dz.scatter_add_(-1, targets.unsqueeze(-1), g_logp.unsqueeze(-1))
+        if ctx.scale != 1.0:
+            dz.mul_(ctx.scale)
+        dz = dz.to(hidden.dtype)
+        d_hidden = dz @ weight if ctx.needs_input_grad[0] else None
+        d_weight = dz.t() @ hidden if ctx.needs_input_grad[1] else None
+        return d_hidden, d_weight, None, None, None
+
+
+def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, scale: float) -> torch.Tensor:
+    """fp32 logits of the rows (the matmul in the model's dtype, as the head computes it), scaled."""
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    return logits.mul_(scale) if scale != 1.0 else logits
 
 
 def _chunk_logprobs(head: torch.nn.Module, temperature: float, entropy_grad: bool, metric: _FirstPass | None,
@@ -90,6 +151,14 @@ def token_logprobs(
     rows, targets = hidden[positions], input_ids[:, 1:][positions]
     head = _head_of(model)
     entropy_grad = with_entropy and entropy_grad
+    weight = _plain_linear_weight(head)
+    if weight is not None:
+        mode = "grad" if entropy_grad else "metric" if with_entropy else "none"
+        parts = [_LinearHeadLogProbs.apply(rows[start:start + chunk_tokens], weight,
+                                           targets[start:start + chunk_tokens], 1.0 / temperature, mode)
+                 for start in range(0, rows.shape[0], chunk_tokens)]
+        logps, entropies = [lp for lp, _ in parts], [ent for _, ent in parts]
+        return _spread(logps, positions, hidden), _spread(entropies, positions, hidden) if with_entropy else None
     recompute = torch.is_grad_enabled() and rows.requires_grad
     # Non-reentrant checkpointing keeps one backward graph, so a trained head tied to the input
     # embedding gets one gradient, reduced once by ZeRO (reentrant: two, which ZeRO-1/2 refuse).
@@ -104,11 +173,12 @@ def token_logprobs(
         lp, ent = checkpoint(step, *part, use_reentrant=reentrant) if recompute else step(*part)
         logps.append(lp)
         entropies.append(ent if metric is None else metric.entropy)
-    shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+    return _spread(logps, positions, hidden), _spread(entropies, positions, hidden) if with_entropy else None
 
-    def spread(values: list[torch.Tensor]) -> torch.Tensor:
-        if not values:  # nothing asked for: zeros, still attached to the graph (a backward must reach the model)
-            return torch.zeros(shape, dtype=torch.float32, device=hidden.device) + hidden.sum().float() * 0
-        return torch.zeros(shape, dtype=torch.float32, device=hidden.device).masked_scatter(positions, torch.cat(values))
 
-    return spread(logps), spread(entropies) if with_entropy else None
+def _spread(values: list[torch.Tensor], positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The chunks' values at their positions of a [B, T-1] fp32 tensor, 0 elsewhere."""
+    out = torch.zeros(positions.shape, dtype=torch.float32, device=hidden.device)
+    if not values:  # nothing asked for: zeros, still attached to the graph (a backward must reach the model)
+        return out + hidden.sum().float() * 0
+    return out.masked_scatter(positions, torch.cat(values))

@@ -2,7 +2,8 @@
 
 Our stack names it `bench/arith_reward.py:score` (`reward.functions`); TRL gets the same function
 object as a `reward_funcs` entry. Both call it with keyword arguments: `prompts`, `completions`
-(decoded text, EOS stripped) and the dataset's other columns (`answer`), plus framework extras
+(decoded text, EOS stripped; TRL: a list with one assistant message where the prompts are chat
+messages) and the dataset's other columns (`answer`), plus framework extras
 (ours: `finish_reasons`, ...; TRL: `completion_ids`, `trainer_state`, ...) that `**kwargs` takes.
 
 A random-init model is never right, so an exact-match reward alone would be 0 for every sample:
@@ -20,8 +21,10 @@ def score(prompts: list[Any], completions: list[Any], answer: list[Any] | None =
     """Digit share of each completion (0..1), plus 1.0 when it equals the `answer` column."""
     answers = answer if answer is not None else [None] * len(completions)
     out = []
-    for text, ans in zip(completions, answers, strict=True):
-        text = str(text).strip()
+    for completion, ans in zip(completions, answers, strict=True):
+        if isinstance(completion, list):  # TRL, conversational prompts: [{"role": "assistant", "content": ...}]
+            completion = completion[-1]["content"] if completion else ""
+        text = str(completion).strip()
         digits = sum(ch.isdigit() for ch in text) / len(text) if text else 0.0
         exact = float(ans is not None and text == str(ans).strip())
         out.append(digits + exact)

@@ -8,8 +8,10 @@ token ids, advantages and rollout log-probs; the same `TrainBatch` objects go to
 - ours: `trainer.learner.LearnerWorker` in this process (world size 1, DeepSpeed on gloo, ZeRO
   stage 2 unless `--zero-stage`), called as the driver loop calls it every step: `score(batch)`
   then `train_step(batch, step)`. The algorithm is GRPO's defaults with the KL term off (the bare
-  loop has no reference model; `--kl` puts it back). `varlen+budget` is `varlen` with token-budget
-  micro-batches (`trainer.max_tokens_per_micro_batch`), which only our side has.
+  loop has no reference model; `--kl` puts it back). Our micro-batches are padding-free by default
+  (`trainer.padding_free`: rows packed end to end, trainer/packing.py); `varlen+padded` is `varlen`
+  with that off, `varlen+budget` with token-budget micro-batches (`trainer.max_tokens_per_micro_batch`).
+  Only our side has these.
 - bare: the same HF model (`from_pretrained`, same dtype, same torch thread count), torch AdamW on
   its parameters, one forward over the padded batch, log-softmax (model dtype) gathered at the next
   tokens times the advantages, masked mean, backward, `clip_grad_norm_`, step, `zero_grad`.
@@ -68,7 +70,7 @@ GROUP = 8
 COMPLETION = 128
 PROMPT = (6, 10)
 BUDGET = 2048  # padded tokens per micro-batch in `varlen+budget`
-SHAPES = ("fixed", "varlen", "varlen+budget")
+SHAPES = ("fixed", "varlen", "varlen+padded", "varlen+budget")
 
 
 # ---- batches ---------------------------------------------------------------------------------
@@ -138,14 +140,14 @@ class Ours:
     """Our learner, world size 1, in this process."""
 
     def __init__(self, model_path: str, dtype: str, zero_stage: int, budget: int, kl: bool, threads: int,
-                 peak: float, device: str = "cpu"):
+                 peak: float, device: str = "cpu", padding_free: bool = True):
         from rl.config import AlgorithmConfig, ModelConfig, TrainerConfig
         from rl.devices import actor_device
         from rl.weight_sync import free_port
         from trainer.learner import LearnerSpec, LearnerWorker
 
         algorithm = AlgorithmConfig(kl_coef=0.001 if kl else 0.0)
-        trainer = TrainerConfig(zero_stage=zero_stage, max_tokens_per_micro_batch=budget)
+        trainer = TrainerConfig(zero_stage=zero_stage, max_tokens_per_micro_batch=budget, padding_free=padding_free)
         self.spec = LearnerSpec(ModelConfig(path=model_path, dtype=dtype), algorithm, trainer,
                                 samples_per_step=ROWS, max_response_len=COMPLETION, temperature=1.0, seed=0,
                                 threads=threads, peak_tflops=peak)
@@ -456,13 +458,13 @@ def compare(path: str, hf_config: dict, threads: int, peaks: dict[str, float], a
     for dtype in args.dtypes:
         peak, sheet_peak = peaks[dtype], (sheet or {}).get(dtype)
         bare = Bare(path, dtype, device=args.device)
-        ours_by_budget: dict[int, Ours] = {}
+        ours_by_variant: dict[tuple[int, bool], Ours] = {}
         for shape in args.shapes:
-            budget = BUDGET if shape.endswith("+budget") else 0
-            if budget not in ours_by_budget:
-                ours_by_budget[budget] = Ours(path, dtype, args.zero_stage, budget, args.kl, threads, peak,
-                                              args.device)
-            ours = ours_by_budget[budget]
+            variant = (BUDGET if shape.endswith("+budget") else 0, not shape.endswith("+padded"))
+            if variant not in ours_by_variant:
+                ours_by_variant[variant] = Ours(path, dtype, args.zero_stage, variant[0], args.kl, threads, peak,
+                                                args.device, padding_free=variant[1])
+            ours = ours_by_variant[variant]
             batch = make_batch(shape.split("+")[0], hf_config["vocab_size"], seed=args.seed)
             tokens, flops = batch_work(batch, hf_config)
             times = interleaved({"ours": ours.step, "bare": bare.step}, batch, args.warmup, args.steps)
@@ -473,7 +475,7 @@ def compare(path: str, hf_config: dict, threads: int, peaks: dict[str, float], a
             row["ratio"] = row["ours"]["tokens_per_s"] / row["bare"]["tokens_per_s"]
             rows.append(row)
             print(_line(row) + (_gpu_line(row) if gpu else ""), flush=True)
-        for ours in ours_by_budget.values():
+        for ours in ours_by_variant.values():
             ours.close()
         bare.close()
         gc.collect()

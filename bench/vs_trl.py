@@ -21,8 +21,12 @@ the other, each in its own fresh process. The first `--warmup` steps of each are
 
 Cases (`--shapes`, `--dtypes`): `27m` (bench/models.py) 8 prompts x 4 samples x 128 new tokens,
 bf16 and fp32; `tiny` 4 x 4 x 32, fp32; `varlen` (EOS after ~geometric lengths) 8 x 4 x up to 128,
-bf16. Targets (ours / TRL samples/s): 27m bf16 >= 2.0x, 27m fp32 >= 1.4x, tiny >= 1.5x,
-varlen >= 2.0x. `--quick`: tiny only, 3 steps (a smoke test of both sides, a couple of minutes).
+bf16; `smollm2` (the real SmolLM2-135M-Instruct, bench.models.REAL_MODELS) 8 x 4 x up to 96,
+bf16 and fp32, on chat prompts: the questions of `examples.math_chat` (~45 tokens with the model's
+chat template and system prompt) as a user message, through `task.chat_template=true` on our side
+and a conversational dataset (`prompt` = a message list) on TRL's. Targets (ours / TRL
+samples/s): 27m bf16 >= 2.0x, 27m fp32 >= 1.4x, tiny >= 1.5x, varlen >= 2.0x, smollm2 >= 2.0x in
+both dtypes. `--quick`: tiny only, 3 steps (a smoke test of both sides, a couple of minutes).
 
 On GPUs (`--device cuda`, the default where torch sees one): ours adds `cluster=local_gpu` (the
 GPU profile: the learner rank and the rollout worker on a GPU each, so two GPUs; CUDA graphs; the
@@ -84,8 +88,25 @@ SHAPES: dict[str, tuple[int, int, int, dict[str, float]]] = {
     "27m": (8, 4, 128, {"bf16": 2.0, "fp32": 1.4}),
     "tiny": (4, 4, 32, {"fp32": 1.5, "bf16": 1.5}),
     "varlen": (8, 4, 128, {"bf16": 2.0, "fp32": 2.0}),
+    "smollm2": (8, 4, 96, {"bf16": 2.0, "fp32": 2.0}),
 }
-DEFAULT_DTYPES = {"27m": ("bf16", "fp32"), "tiny": ("fp32",), "varlen": ("bf16",)}
+DEFAULT_DTYPES = {"27m": ("bf16", "fp32"), "tiny": ("fp32",), "varlen": ("bf16",), "smollm2": ("bf16", "fp32")}
+CHAT_SHAPES = ("smollm2",)  # an instruct model: prompts go through its chat template on both sides
+
+
+def train_file_for(shape: str) -> Path:
+    """The prompts of a case: chat questions (examples.math_chat) for an instruct model, else the
+    2-digit additions of bench.models.write_data."""
+    if shape in CHAT_SHAPES:
+        from examples import math_chat
+
+        train_file = REPO / math_chat.DEFAULT_DIR / "data" / "train.jsonl"
+        if not train_file.exists():
+            math_chat.write_data(str(REPO / math_chat.DEFAULT_DIR))
+        return train_file.resolve()
+    from bench.models import write_data
+
+    return write_data().resolve()
 
 
 def cases(shapes: list[str], dtypes: list[str] | None) -> list[Case]:
@@ -152,7 +173,8 @@ def ours_overrides(case: Case, model: Path, train_file: Path, run_dir: Path, ste
         f"model.path={model}", f"model.dtype={DTYPES[case.dtype]}",
         f"task.train_files=[{train_file}]", f"task.prompts_per_step={case.prompts}",
         f"rollout.n={case.samples}", f"rollout.max_new_tokens={case.max_new_tokens}",
-        f"rollout.max_model_len={case.max_new_tokens + 64}", "rollout.temperature=1.0", "rollout.top_p=1.0",
+        f"rollout.max_model_len={case.max_new_tokens + (128 if case.shape in CHAT_SHAPES else 64)}",
+        *(["task.chat_template=true"] if case.shape in CHAT_SHAPES else []), "rollout.temperature=1.0", "rollout.top_p=1.0",
         "algorithm.kl_coef=0", "algorithm.lr=1e-5", "algorithm.lr_warmup_steps=0",
         f"reward.functions=[{{fn:'{REWARD_FILE}:score',weight:1.0}}]",
         f"trainer.micro_batch_size={case.prompts * case.samples}",
@@ -225,6 +247,8 @@ def trl_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     case = Case(**spec["case"])
     rows = [json.loads(line) for line in Path(spec["train_file"]).read_text().splitlines()]
+    if case.shape in CHAT_SHAPES:  # conversational: TRL applies the chat template, as ours does
+        rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
     dataset = Dataset.from_list(rows)
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     per_step = case.prompts * case.samples
@@ -407,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     todo = cases(args.shapes.split(","), args.dtypes.split(",") if args.dtypes else None)
 
-    from bench.models import build, write_data
+    from bench.models import build
 
     os.environ.update(OFFLINE_ENV)
     info = machine_info()
@@ -415,17 +439,17 @@ def main(argv: list[str] | None = None) -> None:
     print(f"vs_trl: {len(todo)} case(s), {args.steps} steps each ({args.warmup} untimed); {info['cpu']}, "
           f"{info['cores']} cores, torch threads {info['torch_threads']}"
           + (f"; on {gpus['count']} x {gpus['name']}" if args.device == "cuda" else ""), flush=True)
-    train_file = write_data()
     results = []
     for case in todo:
         model = build(case.shape).resolve()
+        train_file = train_file_for(case.shape)
         row: dict[str, Any] = {"case": case.name, **asdict(case)}
         for side, fn in (("ours", run_ours), ("trl", run_trl)):
             if args.only and args.only != side:
                 continue
             print(f"[{case.name}] {side}: {case.prompts} prompts x {case.samples} samples x {case.max_new_tokens} "
                   f"tokens, {args.steps} steps ...", flush=True)
-            row[side] = fn(case, model, train_file.resolve(), args)
+            row[side] = fn(case, model, train_file, args)
             r = row[side]
             print(f"[{case.name}] {side}: {r['samples_per_s']:.2f} samples/s, {r['tokens_per_s']:.1f} tokens/s "
                   f"(mean step {r['mean_step_s']:.2f} s, process {r['wall_s']:.0f} s)", flush=True)

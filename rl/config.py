@@ -165,6 +165,9 @@ class TrainerConfig:
     # > 0: micro-batches are cut by padded tokens (rows x longest row) instead of rows, rows sorted
     # by length first, so variable-length batches do not pay for padding
     max_tokens_per_micro_batch: int = 0
+    # each micro-batch's rows packed end to end into rows of its longest one (trainer/packing.py):
+    # the layers see no padding; used only if the model gives packed rows their padded values
+    padding_free: bool = True
     offload_optimizer: bool = False
     ref_offload: bool = False  # keep the frozen reference model's weights on CPU (ZeRO-3 param offload)
     zero3_persistence_threshold: int = 0  # DeepSpeed's 1e5 keeps small tensors whole; 0 shards all

@@ -202,3 +202,55 @@ def test_deepspeed_update_through_chunked_logprobs_equals_torch(stage, lora):
     proc = subprocess.run([sys.executable, "-c", ENGINE_CASE, str(stage), lora], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_packed_rows_give_the_padded_values_and_gradients(head_path):
+    """Right-padded rows of 9, 4, 3, 1 and 1 tokens packed into bins of 9 (trainer/packing.py):
+    two rows instead of five, each token once, and the log-probs, entropies and every parameter's
+    gradient are those of the padded batch; the model passes `packing_matches`."""
+    from trainer.logprobs import packing_matches
+    from trainer.packing import pack_rows
+
+    lengths = [9, 4, 3, 1, 1]
+    ids = torch.randint(1, 300, (5, 9), generator=torch.Generator().manual_seed(5))
+    am = (torch.arange(9)[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = ids * am
+    packed = pack_rows(ids, am)
+    assert packed is not None and packed.input_ids.shape == (2, 9)  # [9] and [4, 3, 1, 1]
+    assert sorted(packed.source[packed.source >= 0].tolist()) == am.flatten().nonzero().squeeze(1).tolist()
+    where = am[:, 1:].bool().clone()
+    where[0, :2] = False  # a prompt not asked for
+    weights = torch.randn(5, 8, generator=torch.Generator().manual_seed(6)) * where
+    results = []
+    for pack in (False, True):
+        model = _model()
+        lp, ent = token_logprobs(model, ids, am, 0.7, with_entropy=True, positions=where, chunk_tokens=4, pack=pack)
+        ((lp * weights).sum() + (ent * weights).sum()).backward()
+        results.append((lp.detach(), ent.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    assert torch.allclose(lp0, lp1, atol=1e-5) and torch.allclose(ent0, ent1, atol=1e-5)
+    assert (lp1[~where] == 0).all() and (lp1[where] != 0).all()
+    for name, grad in g0.items():
+        assert torch.allclose(grad, g1[name], atol=1e-5), name
+    assert packing_matches(_model(), 300)
+    # left padding, or nothing to save: the padded layout
+    assert pack_rows(ids.flip(1), am.flip(1)) is None and pack_rows(ids[:1], am[:1]) is None
+
+
+def test_a_model_that_ignores_packed_positions_is_caught():
+    """The check the learner makes before packing: attention that ignores position ids (here a
+    model that always gets a plain causal mask) mixes the rows of a bin, and fails it."""
+    from trainer.logprobs import packing_matches
+
+    class Unpacked(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def get_output_embeddings(self):
+            return self.inner.get_output_embeddings()
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):
+            return self.inner(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kw)
+
+    assert packing_matches(_model(), 300) and not packing_matches(Unpacked(_model()), 300)

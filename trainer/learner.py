@@ -27,7 +27,7 @@ from rl.types import TrainBatch
 from rl import lora, weight_sync
 from trainer.engine import build_engine, ds_config, import_deepspeed, zero3_load_config
 from trainer.engine import full_state_dict as whole_state_dict
-from trainer.logprobs import token_logprobs
+from trainer.logprobs import packing_matches, token_logprobs
 
 
 def _assigned_gpus() -> list:
@@ -155,6 +155,7 @@ class LearnerWorker:
         self.engine = self._trainable(
             lambda: self._with_adapters(AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype)),
             ds_config, spec.algorithm.lr)
+        self.pack = spec.trainer.padding_free and self._packing_holds()
         # With LoRA the reference policy is the same engine with its adapters off: no second copy.
         self.uses_ref = spec.algorithm.kl_coef > 0
         self.ref = self._reference(dtype) if self.uses_ref and not self.lora else None
@@ -179,6 +180,18 @@ class LearnerWorker:
         self._dtype = dtype
         self._offloaded = False  # states moved to the host for the rollout engine on this GPU (hybrid)
         self.peak_tflops = spec.peak_tflops  # 0: measured at the first update (when the rollout engines are idle)
+
+    def _packing_holds(self) -> bool:
+        """Padding-free micro-batches only for a model that gives packed rows their padded values
+        (`trainer.logprobs.packing_matches`); said once either way."""
+        self.engine.eval()
+        holds = packing_matches(self.engine, self.engine.module.config.vocab_size, self.device)
+        self.engine.train()
+        if self.rank == 0:
+            print("learner: padding-free micro-batches (rows packed end to end)" if holds else
+                  "learner: trainer.padding_free=true but this model mixes packed rows (its attention ignores "
+                  "position ids); micro-batches stay padded", flush=True)
+        return holds
 
     def _with_adapters(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model as loaded, or with `model.lora` set, wrapped by peft: LoRA matrices on the
@@ -273,7 +286,7 @@ class LearnerWorker:
                 where = self._to_device(mb.loss_mask) > 0  # only the trained tokens' log-probs are used
                 if recompute:
                     lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True,
-                                           positions=where)
+                                           positions=where, pack=self.pack)
                     put(old, rows, lp)
                     put(entropy, rows, e)
                 if ref is not None:
@@ -292,9 +305,9 @@ class LearnerWorker:
     def _ref_logprobs(self, ids: torch.Tensor, am: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         """The reference policy's log-probs: its own engine, or (LoRA) the policy with adapters off."""
         if self.ref is not None:
-            return token_logprobs(self.ref, ids, am, self.spec.temperature, positions=where)[0]
+            return token_logprobs(self.ref, ids, am, self.spec.temperature, positions=where, pack=self.pack)[0]
         with self.engine.module.disable_adapter():
-            return token_logprobs(self.engine, ids, am, self.spec.temperature, positions=where)[0]
+            return token_logprobs(self.engine, ids, am, self.spec.temperature, positions=where, pack=self.pack)[0]
 
     @staticmethod
     def _values(critic, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
@@ -367,7 +380,7 @@ class LearnerWorker:
         fused = mb.old_logprobs is None
         logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature,
                                        with_entropy=a.entropy_coef > 0 or (fused and first_pass),
-                                       entropy_grad=a.entropy_coef > 0, positions=mask > 0)
+                                       entropy_grad=a.entropy_coef > 0, positions=mask > 0, pack=self.pack)
         old = logp.detach() if fused else self._to_device(mb.old_logprobs)
         if fused and first_pass:
             _add_mismatch(sums, old.cpu(), mb.rollout_logprobs, mb.loss_mask)

@@ -22,7 +22,8 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rl.memory_plan import LOGPROB_CHUNK_TOKENS as CHUNK_TOKENS  # 1024 x 49,152 x 4 bytes = 200 MB in fp32
+from rl.memory_plan import LOGPROB_CHUNK_TOKENS as CHUNK_TOKENS
+from trainer.packing import pack_rows  # 1024 x 49,152 x 4 bytes = 200 MB in fp32
 
 
 def _head_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -129,6 +130,7 @@ def token_logprobs(
     entropy_grad: bool = True,
     positions: torch.Tensor | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
+    pack: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t in 0..T-2, shape [B, T-1] (fp32).
 
@@ -140,15 +142,26 @@ def token_logprobs(
 
     The model is called as usual (so a DeepSpeed engine's forward hooks run) for its last hidden
     states (`output_hidden_states`, with the logits of one position only); the LM head then runs
-    on `chunk_tokens` selected tokens at a time.
+    on `chunk_tokens` selected tokens at a time. `pack`: the right-padded rows run packed into
+    fewer rows (trainer/packing.py; only for a model `packing_matches` has checked), same values.
     """
-    out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
-                logits_to_keep=1)
-    hidden = out.hidden_states[-1][:, :-1]
     if positions is None:
         positions = attention_mask[:, 1:].bool()
     positions = positions.bool()
-    rows, targets = hidden[positions], input_ids[:, 1:][positions]
+    packed = pack_rows(input_ids, attention_mask) if pack else None
+    if packed is None:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
+                    logits_to_keep=1)
+        hidden = out.hidden_states[-1][:, :-1]
+        rows, targets = hidden[positions], input_ids[:, 1:][positions]
+        index = positions.flatten().nonzero().squeeze(1)  # boolean indexing's order: row-major
+    else:  # no attention mask: the restarting position ids make the model's mask block-causal
+        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
+                    output_hidden_states=True, logits_to_keep=1)
+        hidden = out.hidden_states[-1][:, :-1]
+        where, index = packed.scored(positions)
+        rows, targets = hidden[where], packed.input_ids[:, 1:][where]
+    spread = partial(_spread, index, positions.shape, hidden)
     head = _head_of(model)
     entropy_grad = with_entropy and entropy_grad
     weight = _plain_linear_weight(head)
@@ -158,7 +171,7 @@ def token_logprobs(
                                            targets[start:start + chunk_tokens], 1.0 / temperature, mode)
                  for start in range(0, rows.shape[0], chunk_tokens)]
         logps, entropies = [lp for lp, _ in parts], [ent for _, ent in parts]
-        return _spread(logps, positions, hidden), _spread(entropies, positions, hidden) if with_entropy else None
+        return spread(logps), spread(entropies) if with_entropy else None
     recompute = torch.is_grad_enabled() and rows.requires_grad
     # Non-reentrant checkpointing keeps one backward graph, so a trained head tied to the input
     # embedding gets one gradient, reduced once by ZeRO (reentrant: two, which ZeRO-1/2 refuse).
@@ -173,12 +186,26 @@ def token_logprobs(
         lp, ent = checkpoint(step, *part, use_reentrant=reentrant) if recompute else step(*part)
         logps.append(lp)
         entropies.append(ent if metric is None else metric.entropy)
-    return _spread(logps, positions, hidden), _spread(entropies, positions, hidden) if with_entropy else None
+    return spread(logps), spread(entropies) if with_entropy else None
 
 
-def _spread(values: list[torch.Tensor], positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """The chunks' values at their positions of a [B, T-1] fp32 tensor, 0 elsewhere."""
-    out = torch.zeros(positions.shape, dtype=torch.float32, device=hidden.device)
+def _spread(index: torch.Tensor, shape: torch.Size, hidden: torch.Tensor, values: list[torch.Tensor]) -> torch.Tensor:
+    """The chunks' values at their flat `index` in a [B, T-1] fp32 tensor, 0 elsewhere."""
+    out = torch.zeros(shape.numel(), dtype=torch.float32, device=hidden.device)
     if not values:  # nothing asked for: zeros, still attached to the graph (a backward must reach the model)
-        return out + hidden.sum().float() * 0
-    return out.masked_scatter(positions, torch.cat(values))
+        return (out + hidden.sum().float() * 0).view(shape)
+    return out.index_put((index.to(out.device),), torch.cat(values)).view(shape)
+
+
+def packing_matches(model: torch.nn.Module, vocab_size: int, device: torch.device | str = "cpu") -> bool:
+    """Whether `model` gives packed rows (trainer/packing.py) the log-probs it gives them padded:
+    three rows of 5, 3 and 2 tokens, two of which share a bin. A model whose attention ignored the
+    packed position ids would let the rows see each other and fail this (then the learner pads)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab_size, (3, 5), generator=g).to(device)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], device=device)
+    with torch.no_grad():
+        padded, _ = token_logprobs(model, ids, mask)
+        packed, _ = token_logprobs(model, ids, mask, pack=True)
+    exact = next(_head_of(model).parameters()).dtype == torch.float32
+    return bool(torch.allclose(padded, packed, atol=1e-4 if exact else 5e-2))  # bf16: another matmul blocking

@@ -2,7 +2,7 @@
 
 The work is one GRPO step's update on the `27m` model shape (bench/models.py): 32 rows of a
 6-10 token prompt and a completion of 128 tokens (`fixed`), or of 1 to 128 tokens spread over the
-rows (`varlen`, right-padded to the longest row, as `rl.batch.build_train_batch` pads them). Random
+rows (`varlen`, right-padded to the longest row, as `rl.data.batch.build_train_batch` pads them). Random
 token ids, advantages and rollout log-probs; the same `TrainBatch` objects go to both sides.
 
 - ours: `trainer.learner.LearnerWorker` in this process (world size 1, DeepSpeed on gloo, ZeRO
@@ -19,20 +19,20 @@ token ids, advantages and rollout log-probs; the same `TrainBatch` objects go to
 Both sides run in this process, their timed steps interleaved (ours, bare, ours, ...) so that load
 from other processes on a shared machine falls on both alike; warm-up steps are excluded and the
 median step is reported. Trained tokens are the non-pad tokens of the rows; MFU is the model FLOPs
-of those tokens (`rl.flops.train_flops`: forward + backward, padding and recomputation not counted)
+of those tokens (`rl.plan.flops.train_flops`: forward + backward, padding and recomputation not counted)
 per second over this process's matmul peak, measured at start with the same thread count.
 
 Targets: ours bf16 MFU >= 50% of the measured bf16 peak; ours >= 0.9x bare tokens/s (issue 21; 0.85x before).
 
 On a GPU (`--device cuda`, the default where torch sees one) both sides run on the first visible
-GPU: ours as a rank Ray gave that GPU (`rl.devices.actor_device`: DeepSpeed on CUDA, NCCL default
+GPU: ours as a rank Ray gave that GPU (`rl.plan.devices.actor_device`: DeepSpeed on CUDA, NCCL default
 group), bare with the model and AdamW on it; the batch starts on the host for both, as the driver
 hands it over. Every timed region starts and ends with `torch.cuda.synchronize()`, and each side
 reports its peak GPU memory (`torch.cuda.max_memory_allocated`, reset at each step: it includes
 the other side's resident weights and optimizer states, this process holding both) and its step's
 own extra over what was allocated when the step began. MFU is given against the matmul peak
 measured on the GPU in this process and against the card's datasheet dense peak
-(`rl.flops.DATASHEET_TFLOPS`; fp32 against the plain FP32 figure unless TF32 matmuls are on), or
+(`rl.plan.flops.DATASHEET_TFLOPS`; fp32 against the plain FP32 figure unless TF32 matmuls are on), or
 the measured one alone for a card not in the table.
 
 `--profile` instead times the phases of a bf16 step on the fixed batch, ours beside bare (model
@@ -62,8 +62,8 @@ from typing import Callable
 import torch
 
 from bench.machine import add_device_arg, machine_info, resolve_device
-from rl.flops import datasheet_card, datasheet_tflops, measure_matmul_tflops, train_flops
-from rl.types import TrainBatch
+from rl.plan.flops import datasheet_card, datasheet_tflops, measure_matmul_tflops, train_flops
+from rl.data.types import TrainBatch
 
 ROWS = 32  # 4 prompts x 8 samples: one GRPO step's batch
 GROUP = 8
@@ -76,7 +76,7 @@ SHAPES = ("fixed", "varlen", "varlen+padded", "varlen+budget")
 # ---- batches ---------------------------------------------------------------------------------
 
 def make_batch(shape: str, vocab: int, seed: int = 0, rows: int = ROWS) -> TrainBatch:
-    """A right-padded TrainBatch laid out as `rl.batch.build_train_batch` lays one out."""
+    """A right-padded TrainBatch laid out as `rl.data.batch.build_train_batch` lays one out."""
     g = torch.Generator().manual_seed(seed)
     prompt_lens = torch.randint(PROMPT[0], PROMPT[1] + 1, (rows,), generator=g).tolist()
     if shape == "fixed":
@@ -141,9 +141,9 @@ class Ours:
 
     def __init__(self, model_path: str, dtype: str, zero_stage: int, budget: int, kl: bool, threads: int,
                  peak: float, device: str = "cpu", padding_free: bool = True):
-        from rl.config import AlgorithmConfig, ModelConfig, TrainerConfig
-        from rl.devices import actor_device
-        from rl.weight_sync import free_port
+        from rl.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
+        from rl.plan.devices import actor_device
+        from rl.wire.weight_sync import free_port
         from trainer.learner import LearnerSpec, LearnerWorker
 
         algorithm = AlgorithmConfig(kl_coef=0.001 if kl else 0.0)

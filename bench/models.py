@@ -241,7 +241,7 @@ REAL_MODELS = ("smollm2",)  # SmolLM2-135M-Instruct: 30 layers, 49k vocabulary, 
 def real_model(name: str) -> Path:
     """The folder of the real model `name` (see `REAL_MODELS`), built from its package when missing."""
     from examples import ensure_builtin
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     path = compose("train", [f"model={name}"]).model.path
     ensure_builtin([path])

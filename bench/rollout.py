@@ -3,7 +3,7 @@
 Both sides generate the same requests on the same model (a `bench/models.py` shape, `27m` by
 default: random-init Llama, hidden 512, 6 layers, 8k byte-level BPE vocab) with the same engine
 settings: `rollout.vllm_engine.engine_kwargs` of the run's default config with 128 new tokens;
-one request per sample, each with its own seed (as `rl.data` makes them), temperature 1, top-p 1,
+one request per sample, each with its own seed (as `rl.data.dataset` makes them), temperature 1, top-p 1,
 the sampled token's log-prob returned.
 
 - fleet: `RolloutFleet.generate(requests) -> list[Sample]`, called from this driver, with one
@@ -87,9 +87,9 @@ def model_path(shape: str) -> str:
 
 
 def make_requests(tokenizer, prompts: int, n: int, seed: int = 0):
-    """`prompts` x `n` GenerationRequests, seeds derived as `rl.data` derives them (step 0)."""
-    from rl.data import derive_seed
-    from rl.types import GenerationRequest
+    """`prompts` x `n` GenerationRequests, seeds derived as `rl.data.dataset` derives them (step 0)."""
+    from rl.data.dataset import derive_seed
+    from rl.data.types import GenerationRequest
 
     texts = [PROMPTS[i % len(PROMPTS)] + ("" if i < len(PROMPTS) else f" ({i})") for i in range(prompts)]
     return [GenerationRequest(tokenizer(t).input_ids, t, g, k, derive_seed(seed, 0, g, k))
@@ -123,7 +123,7 @@ def device_overrides(device: str, gpu_memory_utilization: float) -> list[str]:
 def run_config(model: str, run_dir: str, max_len: int, new_tokens: int, extra: list[str] = ()) -> Any:
     """The composed, validated config of `launch.train` for this model (paths resolved)."""
     import launch.train
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     cfg = compose("train", [f"model.path={model}", f"run.dir={run_dir}", f"rollout.max_new_tokens={new_tokens}",
                             f"rollout.n={SAMPLES_PER_PROMPT}", f"rollout.max_model_len={max_len}", *extra])
@@ -138,7 +138,7 @@ def start_fleet(cfg):
     from launch.console import rollout_env
     from launch.placement import make_placement
     from launch.train import start_ray, worker_threads
-    from rl.faults import Deadlines
+    from rl.run.faults import Deadlines
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env
@@ -266,10 +266,10 @@ def fleet_generate(fleet, requests) -> tuple[float, int, list[list[int]], dict[s
 
 def weight_bytes(model: str, dtype: str) -> int:
     """Bytes of the model's weights at the engine's dtype (tied weights once): the memory
-    planner's parameter count (`rl.memory_plan.ModelShape`) of its config.json."""
+    planner's parameter count (`rl.plan.memory_plan.ModelShape`) of its config.json."""
     import torch
 
-    from rl.memory_plan import ModelShape
+    from rl.plan.memory_plan import ModelShape
 
     params = ModelShape.from_config(json.loads((Path(model) / "config.json").read_text())).params()
     return params * torch.empty(0, dtype=getattr(torch, dtype)).element_size()

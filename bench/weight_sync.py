@@ -6,9 +6,9 @@ process to another:
 
 - raw: a torch.distributed gloo broadcast (`ProcessGroupGloo`, CPU) between two plain processes
   (at the CPU priority Ray gives its workers, nice 15, like the actors of `ours`),
-  bucket by bucket (`rl.weight_sync.buckets`, 16 MiB) into buffers allocated once: the transport
+  bucket by bucket (`rl.wire.weight_sync.buckets`, 16 MiB) into buffers allocated once: the transport
   alone, the ceiling.
-- wire: our protocol alone, in the same two processes: `rl.weight_sync.send` of the model's
+- wire: our protocol alone, in the same two processes: `rl.wire.weight_sync.send` of the model's
   tensors and `receive` on the other side, its tensors dropped (nothing loaded). The sender's
   tensors lie as DeepSpeed ZeRO-1/2 keeps a learner's parameters (views of one flat buffer: whole
   buckets go as one view); `wire (separate)`: as separate tensors (ZeRO-0/3, a plain module: each
@@ -38,7 +38,7 @@ of a group on one GPU) the same comparison runs as a GPU run syncs: the config i
 are the model's in bf16, and every side moves them GPU to GPU over NCCL: raw is an NCCL broadcast
 between the two plain processes (one GPU each, as Ray gives its actors: `CUDA_VISIBLE_DEVICES`) of
 buffers on the GPUs, then one `torch.cuda.synchronize()` on each; wire and ours use the weight-sync
-group on NCCL (`rl.weight_sync` synchronizes the stream after each bucket); raw+load reloads vLLM
+group on NCCL (`rl.wire.weight_sync` synchronizes the stream after each bucket); raw+load reloads vLLM
 from the GPU buffers. Ours also reports the rollout worker's peak extra GPU memory during a sync
 (`torch.cuda.max_memory_allocated` in its process).
 
@@ -125,7 +125,7 @@ def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup:
     import torch
     import torch.distributed as dist
 
-    from rl.weight_sync import WeightMeta, buckets, init_group, receive, send
+    from rl.wire.weight_sync import WeightMeta, buckets, init_group, receive, send
 
     # raw: a plain gloo group of torch.distributed. Not the default group (`init_process_group`):
     # the vLLM engine in this process makes a default group of its own.
@@ -198,7 +198,7 @@ def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup:
 
 def plain_pair(path: str, repeats: int, warmup: int, engine, gpus: list[str] | None = None,
                dtype: str = "float32") -> dict[str, Any]:
-    from rl.weight_sync import free_port
+    from rl.wire.weight_sync import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -264,7 +264,7 @@ def run_config(path: str, run_dir: str, device: str = "cpu"):
     from omegaconf import OmegaConf
 
     import launch.train
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     # kl_coef=0: no reference model (it takes no part in a sync); peak_tflops given: no probe
     cfg = compose("train", [f"model.path={path}", f"run.dir={run_dir}", "rollout.max_model_len=128",
@@ -293,7 +293,7 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
     import launch.train
     from launch.console import actor_env
     from launch.placement import make_placement
-    from rl.faults import Deadlines
+    from rl.run.faults import Deadlines
     from rollout.fleet import RolloutFleet
     from trainer.group import LearnerGroup
     from trainer.learner import LearnerSpec
@@ -422,7 +422,7 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     from bench.machine import add_device_arg, machine_info, resolve_device
     from launch.console import quiet_driver
-    from rl.weight_sync import BUCKET_BYTES
+    from rl.wire.weight_sync import BUCKET_BYTES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="27m only, 3 repeats")

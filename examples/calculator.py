@@ -1,7 +1,7 @@
 """The built-in calculator task: multi-step sums solved with a calculator tool, over several turns.
 
 The smallest multi-turn tool task: the prompt is a sum of three 2-digit numbers (`12+34+56`), the
-model may call a calculator (`rl.tools` format) that adds two numbers at a time, and its last turn,
+model may call a calculator (`rl.data.tools` format) that adds two numbers at a time, and its last turn,
 the one without a tool call, is its answer (`102`), right or wrong. A worked episode::
 
     <bos><|user|>12+34+56<|end|>
@@ -36,8 +36,8 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from examples.tiny import (Recipe, build_model, build_tokenizer, episode_logprobs, main, save_model, warm_up_episodes,
                            write_jsonl, write_summary)
-from rl.env import Environment, StepResult, as_step_result
-from rl.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls
+from rl.data.env import Environment, StepResult, as_step_result
+from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls
 from trainer.supervised import torch_threads
 
 DEFAULT_DIR = "artifacts/tiny_calc"
@@ -202,10 +202,10 @@ def sample_episodes(
 ) -> dict[str, float]:
     """Play one `Calculator` episode per row turn by turn with HF `generate`, as the RL runner
     does (prompt = the chat template of the user message; each turn sampled up to EOS; the
-    observation tokenized by `rl.episodes.ObservationEncoder`): mean reward (`success`), model
+    observation tokenized by `rl.data.episodes.ObservationEncoder`): mean reward (`success`), model
     turns and tool calls per episode, and the share of episodes that ended with an answer.
     temperature 0 is greedy; sampling uses a forked RNG (the caller's state is untouched)."""
-    from rl.episodes import ObservationEncoder
+    from rl.data.episodes import ObservationEncoder
 
     encode = ObservationEncoder(tokenizer, chat=True, role="tool", cap=max_observation_tokens)
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id

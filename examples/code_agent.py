@@ -48,7 +48,7 @@ from examples.code_speedup import (CORRECT_KINDS, DEFAULT_MIX, KINDS, CodeProble
 from examples.tiny import (Recipe, build_model, build_tokenizer, episode_logprobs, main, save_model, warm_up_episodes,
                            write_jsonl, write_summary)
 from reward.code_speedup import SandboxFailure, judge, speedup_to_reward
-from rl.env import Environment, StepResult
+from rl.data.env import Environment, StepResult
 from sandbox.job import Status
 from trainer.supervised import torch_threads
 

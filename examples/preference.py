@@ -165,7 +165,7 @@ def build(
     `policy_path` is the causal LM the RM starts from (default: the built-in tiny policy, built
     when missing). `overrides` are extra `launch.train_rm` config overrides (e.g. "optim.epochs=2").
     """
-    from rl.compose import compose
+    from rl.config.compose import compose
     from trainer.reward_model import train_rm
 
     out = Path(out_dir)

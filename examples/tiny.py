@@ -29,7 +29,7 @@ PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
 # Chat models (the multi-turn tool tasks): role markers and the end-of-turn token as special
 # tokens; <|end|> ends every turn, so it is the EOS that stops generation at the end of the model's
-# turn. The tool-call tags (rl.tools) are ordinary added tokens: they stay in decoded text.
+# turn. The tool-call tags (rl.data.tools) are ordinary added tokens: they stay in decoded text.
 END, CHAT_ROLES, TOOL_TAGS = "<|end|>", ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"), \
     ("<tool_call>", "</tool_call>")
 CHAT_TEMPLATE = (

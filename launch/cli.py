@@ -8,8 +8,8 @@ import os
 import sys
 from typing import Any, Callable
 
-from rl.config import ConfigError
-from rl.run_log import refuse_existing_run
+from rl.config.schema import ConfigError
+from rl.run.run_log import refuse_existing_run
 from sandbox.backend import SandboxUnavailable
 
 # Problems with what the user gave (config, files, data, host), found before or while loading.
@@ -128,7 +128,7 @@ def supervised_inputs(cfg: Any) -> None:
 
 def run_supervised(app: str, train: Callable[[Any], Any], overrides: list[str] | tuple[str, ...] = ()) -> Any:
     """`launch.train_sft.run` / `launch.train_rm.run`: the command line without a subprocess."""
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     cfg = compose(app, overrides)
     supervised_inputs(cfg)
@@ -147,5 +147,5 @@ def supervised_main(cfg: Any, validate: Callable[[Any], None], train: Callable[[
         fail(err)
     try:
         train(cfg)
-    except ValueError as err:  # rl.data.DataError: a file, column or row problem found while loading
+    except ValueError as err:  # rl.data.dataset.DataError: a file, column or row problem found while loading
         fail(err)

@@ -2,8 +2,8 @@
 whether it fits the machine (or the declared GPUs), and what a step costs, before anything starts.
 
 The config is composed from `configs/train.yaml` with the overrides, exactly as `launch.train`
-composes it, and validated the same way (`rl.config.validate`); of the model only `config.json`
-is read. The arithmetic is `rl/memory_plan.py`; this module detects the hardware and prints.
+composes it, and validated the same way (`rl.config.schema.validate`); of the model only `config.json`
+is read. The arithmetic is `rl/plan/memory_plan.py`; this module detects the hardware and prints.
 Exit code 0 when the run fits, 2 (with one `error:` line naming the fix) when it does not.
 `launch.train` runs the same check (`preflight`) before Ray starts; `cluster.preflight=false` skips it.
 """
@@ -18,8 +18,8 @@ import sys
 from typing import Any
 
 from launch.cli import INPUT_ERRORS, fail, require_model
-from rl.config import ConfigError
-from rl.memory_plan import GIB, ModelShape, Plan, Settings, find_fix, make_plan, refusal
+from rl.config.schema import ConfigError
+from rl.plan.memory_plan import GIB, ModelShape, Plan, Settings, find_fix, make_plan, refusal
 
 
 def host_memory_bytes() -> float:
@@ -140,7 +140,7 @@ def preflight(cfg: Any) -> Plan | None:
 
 def main(argv: list[str] | None = None) -> None:
     from examples import ensure_builtin
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     overrides = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in overrides):

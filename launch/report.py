@@ -17,7 +17,7 @@ import statistics
 import sys
 from typing import Any
 
-from rl.loggers import flatten
+from rl.run.loggers import flatten
 
 TIME_PARTS = ("time/rollout_s", "time/reward_s", "time/score_s", "time/train_s", "time/sync_s", "time/eval_s")
 # (title, y label, metric keys: the first one present of each tuple is drawn)
@@ -156,7 +156,7 @@ def config_diff(run_dir: str) -> list[tuple[str, Any, Any]]:
         return []
     from omegaconf import OmegaConf
 
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     tree: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
     ran = flatten(tree)

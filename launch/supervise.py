@@ -17,8 +17,8 @@ import sys
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from rl import checkpoint
-from rl.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
+from rl.run import checkpoint
+from rl.run.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

@@ -1,7 +1,7 @@
 """`python -m launch.train [group=option ...] [key=value ...]`: one GRPO run as a Hydra app.
 
 Bad config fails here, before Ray or any model starts: Hydra checks keys and types against
-`rl.config.TrainConfig`, then `rl.config.validate` checks ranges. Heavy imports come after that.
+`rl.config.schema.TrainConfig`, then `rl.config.schema.validate` checks ranges. Heavy imports come after that.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 from examples import ensure_builtin
 from launch.cli import INPUT_ERRORS, fail, require_model, require_writable
 from launch.console import quiet_driver
-from launch.plan import preflight  # the memory plan (rl/memory_plan.py), checked before Ray starts
-from rl.colocation import GpuHandover
-from rl.config import ConfigError, TrainConfig, validate
-from rl.devices import GPU_VISIBILITY_ENV
+from launch.plan import preflight  # the memory plan (rl/plan/memory_plan.py), checked before Ray starts
+from rl.run.colocation import GpuHandover
+from rl.config.schema import ConfigError, TrainConfig, validate
+from rl.plan.devices import GPU_VISIBILITY_ENV
 
 
 def _abs(path: str) -> str:
@@ -112,7 +112,7 @@ def require_lora_targets(model_path: str, targets: list[str]) -> None:
 
     from safetensors import safe_open
 
-    from rl.lora import kept_weight_names
+    from rl.wire.lora import kept_weight_names
 
     names: list[str] = []
     for path in glob.glob(os.path.join(model_path, "*.safetensors")):
@@ -162,7 +162,7 @@ def start_ray(cfg: DictConfig) -> bool:
         return True
     # User reward modules named as `package.module:function` must import inside the actors.
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
-           **GPU_VISIBILITY_ENV}  # an actor given no GPU sees none (rl/devices.py)
+           **GPU_VISIBILITY_ENV}  # an actor given no GPU sees none (rl/plan/devices.py)
     needed = cfg.rollout.num_workers + cfg.trainer.num_workers + cfg.reward.num_workers
     needed += math.ceil(cfg.sandbox.num_workers * cfg.sandbox.num_cpus_per_worker)
     needed += math.ceil(cfg.task.env_workers * 0.25) if cfg.task.env else 0  # EnvService's actors
@@ -211,7 +211,7 @@ def build_components(cfg: TrainConfig, log=print):
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env
-    from rl.faults import Deadlines
+    from rl.run.faults import Deadlines
     from trainer.group import LearnerGroup
     from trainer.learner import LearnerSpec
 
@@ -249,8 +249,8 @@ def start_envs(cfg: TrainConfig, tokenizer):
     if not cfg.task.env:
         return None
     from reward.envs import EnvService
-    from rl.episodes import Episodes, Limits, ObservationEncoder
-    from rl.faults import Deadlines
+    from rl.data.episodes import Episodes, Limits, ObservationEncoder
+    from rl.run.faults import Deadlines
 
     t, r = cfg.task, cfg.rollout
     envs = EnvService(t.env, dict(t.env_kwargs), num_workers=t.env_workers, timeout_s=t.env_timeout_s,
@@ -288,7 +288,7 @@ def load_inputs(cfg: DictConfig):
     (imported here once, so a bad name fails in seconds), the prompts and the tokenizer."""
     from reward.loader import load_environment
     from reward.scorer import RewardScorer
-    from rl.data import PromptDataset
+    from rl.data.dataset import PromptDataset
 
     scorer = RewardScorer(reward_specs(cfg), base_dir=os.getcwd()) if cfg.reward.functions else None
     if cfg.task.env:
@@ -320,7 +320,7 @@ def load_inputs(cfg: DictConfig):
             if scorer is not None:
                 require_reward_columns(cfg, scorer, part)
     if cfg.task.env:  # the chat template must render observations in task.observation_role
-        from rl.episodes import ObservationEncoder
+        from rl.data.episodes import ObservationEncoder
 
         ObservationEncoder(data.tokenizer, cfg.task.chat_template, cfg.task.observation_role,
                            cfg.task.max_observation_tokens)
@@ -360,7 +360,7 @@ def check_run_dir(cfg: DictConfig, overrides: list[str] | None = None):
 
     `overrides` (the command line's): on resume, a resumable key not among them takes its saved
     value (a run saved every 5 steps keeps saving every 5). None: take `cfg` as it is."""
-    from rl import checkpoint
+    from rl.run import checkpoint
 
     require_writable(cfg.run.dir)
     saved_path = os.path.join(cfg.run.dir, "config.yaml")
@@ -414,10 +414,10 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
 
     from launch.placement import report_placement
     from launch.supervise import stop_on_signals
-    from rl import checkpoint
-    from rl.faults import StopRequest
+    from rl.run import checkpoint
+    from rl.run.faults import StopRequest
     from rl.loop import run_loop
-    from rl.run_log import RunLog, read_metrics
+    from rl.run.run_log import RunLog, read_metrics
     from trainer.sft import pad_id_of
 
     tokenizer, data, eval_data = inputs or load_inputs(cfg)
@@ -439,7 +439,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement,
                              episodes.envs if episodes else None)
             in_flight = None
-            handover = GpuHandover.of(config, fleet, learner)  # who holds the GPUs (rl/colocation.py)
+            handover = GpuHandover.of(config, fleet, learner)  # who holds the GPUs (rl/run/colocation.py)
             if resume_from is not None:
                 path, state = resume_from
                 learner.load_checkpoint(os.path.join(path, "learner"))

@@ -9,7 +9,7 @@ itself is `trainer.reward_model.train_rm`.
 
 With no arguments it trains on the built-in tiny preference task (`examples/preference.py`),
 building the task data and the tiny policy it starts from when they are missing.
-Bad config fails here before torch loads: keys and types against `rl.sft_rm_config.TrainRMConfig`.
+Bad config fails here before torch loads: keys and types against `rl.config.supervised.TrainRMConfig`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from omegaconf import DictConfig
 
 from launch.cli import run_supervised, supervised_main
 from launch.console import quiet_driver
-from rl.compose import compose
-from rl.sft_rm_config import validate_rm
+from rl.config.compose import compose
+from rl.config.supervised import validate_rm
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:

@@ -13,7 +13,7 @@ on a one-process DeepSpeed engine (`trainer.zero_stage` 0-3), reports the held-o
 every epoch, and saves `<run.dir>/final_model` (`save_pretrained` + tokenizer); the training
 itself is `trainer.sft.train_sft`. With no arguments it continues the warm-up of the built-in tiny
 policy on its arithmetic data (built when missing). Bad config fails before torch loads
-(`rl.sft_rm_config.TrainSFTConfig`).
+(`rl.config.supervised.TrainSFTConfig`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from omegaconf import DictConfig
 
 from launch.cli import run_supervised, supervised_main
 from launch.console import quiet_driver
-from rl.compose import compose
-from rl.sft_rm_config import validate_sft
+from rl.config.compose import compose
+from rl.config.supervised import validate_sft
 
 
 def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:

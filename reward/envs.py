@@ -1,4 +1,4 @@
-"""`EnvService`: the Ray actors that run environments (rl/env.py), one instance per episode.
+"""`EnvService`: the Ray actors that run environments (rl/data/env.py), one instance per episode.
 
 Episodes are spread over `task.env_workers` actors by key; inside an actor each episode's
 `reset`/`step` runs in a thread of its own (so a slow sandbox call or an `async` environment does
@@ -18,8 +18,8 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from rl.env import StepResult, as_step_result
-from rl.faults import Deadlines, hung
+from rl.data.env import StepResult, as_step_result
+from rl.run.faults import Deadlines, hung
 from reward.loader import RewardLoadError, load_environment
 from reward.scorer import RewardCallTimeout, call_with_timeout
 
@@ -86,7 +86,7 @@ class EnvWorker:
 
 
 class EnvService:
-    """The driver's handle (implements `rl.episodes.Envs`): episode `key` lives on worker
+    """The driver's handle (implements `rl.data.episodes.Envs`): episode `key` lives on worker
     `key % num_workers`."""
 
     def __init__(self, spec: str, kwargs: dict[str, Any], *, num_workers: int = 1, timeout_s: float = 60.0,

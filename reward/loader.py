@@ -47,11 +47,11 @@ def load_reward_function(
 
 
 def load_environment(spec: str, base_dir: str | None = None, *, field: str = "task.env") -> type:
-    """Import the environment class named by `spec` (rl/env.py): a class with a `step` method."""
+    """Import the environment class named by `spec` (rl/data/env.py): a class with a `step` method."""
     obj = load_object(spec, base_dir, field=field)
     if not inspect.isclass(obj) or not callable(getattr(obj, "step", None)):
         raise RewardLoadError(f"{field}={spec!r}: {spec.rpartition(':')[2]!r} is not a class with a step(text, "
-                              "token_ids) method; point at an environment class (see rl/env.py)")
+                              "token_ids) method; point at an environment class (see rl/data/env.py)")
     return obj
 
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from rl.types import Sample, ScoredSample
+from rl.data.types import Sample, ScoredSample
 from reward.loader import RewardLoadError, load_reward_function
 
 RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "finish_reasons")

@@ -16,8 +16,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, RuntimeEnvSetupError
 
-from rl.faults import Deadlines, hung
-from rl.types import Sample, ScoredSample
+from rl.run.faults import Deadlines, hung
+from rl.data.types import Sample, ScoredSample
 from reward.loader import RewardLoadError
 from reward.scorer import RewardFunctionSpec, RewardScorer
 

@@ -4,8 +4,8 @@ It owns the step counter, the policy version and the logging, and talks to the r
 reward service and learner only through the small protocols below, so the same loop runs
 colocated on a laptop or spread over a Ray cluster (and imports neither Ray nor DeepSpeed).
 With `algorithm.off_policy_steps = k > 0` generation and rewards run ahead in a background
-thread (`rl.pipeline`), up to k steps, while the learner trains; weight syncs wait for a batch
-boundary. With an environment (`task.env`) each sample is a multi-turn episode (`rl.episodes`);
+thread (`rl.run.pipeline`), up to k steps, while the learner trains; weight syncs wait for a batch
+boundary. With an environment (`task.env`) each sample is a multi-turn episode (`rl.data.episodes`);
 with `eval.every_steps` held-out rows are evaluated before the first update, every N steps and
 after the last one.
 """
@@ -19,22 +19,22 @@ from typing import Protocol
 
 import torch
 
-from rl import checkpoint
-from rl.advantages import group_success_stats
-from rl.batch import build_train_batch
-from rl.colocation import GpuHandover
-from rl.dapo import informative_groups, overlong_penalty
-from rl.data import PromptDataset
-from rl.config import AlgorithmConfig, TrainConfig
-from rl.episodes import Episodes, with_episode_rewards
-from rl.estimate import estimate_advantages
-from rl.evaluate import due, evaluate
-from rl.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
-from rl.flops import step_cost
-from rl.kl_control import KL_CONTROLLERS, kl_controller_from_dict
-from rl.pipeline import RolloutPipeline
-from rl.run_log import RunLog
-from rl.types import GenerationRequest, Sample, ScoredSample, TrainBatch
+from rl.run import checkpoint
+from rl.algo.advantages import group_success_stats
+from rl.data.batch import build_train_batch
+from rl.run.colocation import GpuHandover
+from rl.algo.dapo import informative_groups, overlong_penalty
+from rl.data.dataset import PromptDataset
+from rl.config.schema import AlgorithmConfig, TrainConfig
+from rl.data.episodes import Episodes, with_episode_rewards
+from rl.algo.estimate import estimate_advantages
+from rl.run.evaluate import due, evaluate
+from rl.run.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
+from rl.plan.flops import step_cost
+from rl.algo.kl_control import KL_CONTROLLERS, kl_controller_from_dict
+from rl.run.pipeline import RolloutPipeline
+from rl.run.run_log import RunLog
+from rl.data.types import GenerationRequest, Sample, ScoredSample, TrainBatch
 
 
 class Fleet(Protocol):
@@ -242,7 +242,7 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, 
     batch = build_train_batch(scored, pad_id, version, mask_truncated=a.mask_truncated,
                               max_staleness=a.off_policy_steps)
     try:
-        handover.to_learner()  # engines free the GPU for the learner (rl/colocation.py)
+        handover.to_learner()  # engines free the GPU for the learner (rl/run/colocation.py)
         batch = learner.score(batch)
         t_score = time.perf_counter()
         kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update

@@ -12,8 +12,8 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
-from rl.faults import ActorFailure, Deadlines, first_line, hung
-from rl.types import GenerationRequest, Sample
+from rl.run.faults import ActorFailure, Deadlines, first_line, hung
+from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 from rollout.worker import RolloutWorker
 

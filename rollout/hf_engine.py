@@ -7,7 +7,7 @@ from typing import Iterable
 
 import torch
 
-from rl.types import GenerationRequest, Sample
+from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec, finish_reason
 
 

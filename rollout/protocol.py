@@ -7,8 +7,8 @@ from typing import Iterable, Protocol
 
 import torch
 
-from rl.config import ModelConfig, RolloutConfig, TrainConfig
-from rl.types import GenerationRequest, Sample
+from rl.config.schema import ModelConfig, RolloutConfig, TrainConfig
+from rl.data.types import GenerationRequest, Sample
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
-from rl.types import GenerationRequest, Sample
+from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 
 

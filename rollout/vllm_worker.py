@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-from rl import weight_sync
+from rl.wire import weight_sync
 
 
 class SyncExtension:

@@ -7,10 +7,10 @@ import time
 
 import torch
 
-from rl import weight_sync
-from rl.devices import actor_device
-from rl.lora import AdapterMerger, kept_weight_names
-from rl.types import GenerationRequest, Sample
+from rl.wire import weight_sync
+from rl.plan.devices import actor_device
+from rl.wire.lora import AdapterMerger, kept_weight_names
+from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 
 
@@ -30,7 +30,7 @@ def adapter_merger(spec: RolloutSpec) -> AdapterMerger | None:
     """With `model.lora`: the base weights of the targeted (and stacked) modules, read from the
     model's safetensors files, that every LoRA sync is merged into; else None (full syncs). Kept
     in host memory, not on the engine's GPU: vLLM has already claimed its share of that, and the
-    planner counts this copy on the host (each merge copies one weight over, `rl.lora.merge`)."""
+    planner counts this copy on the host (each merge copies one weight over, `rl.wire.lora.merge`)."""
     cfg = spec.model.lora
     if cfg.rank <= 0:
         return None
@@ -60,7 +60,7 @@ def _assigned_gpus() -> list:
 
 class RolloutWorker:
     def __init__(self, spec: RolloutSpec, index: int = 0):
-        # the device Ray gave this worker, not whether the machine has CUDA (rl/devices.py)
+        # the device Ray gave this worker, not whether the machine has CUDA (rl/plan/devices.py)
         self.device = actor_device(_assigned_gpus(), torch.cuda.is_available(), f"rollout worker {index}")
         self.spec = spec
         self.engine = make_engine(spec, seed=spec.seed + index)

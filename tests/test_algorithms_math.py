@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from rl.advantages import (
+from rl.algo.advantages import (
     ADVANTAGE_INPUTS,
     ADVANTAGES,
     discounted_returns,
@@ -18,9 +18,9 @@ from rl.advantages import (
     token_level_rewards,
     whiten,
 )
-from rl.kl import KL_ESTIMATORS
-from rl.kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, kl_controller_from_dict
-from rl.losses import (
+from rl.algo.kl import KL_ESTIMATORS
+from rl.algo.kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, kl_controller_from_dict
+from rl.algo.losses import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     LossNormalizer,

@@ -189,7 +189,7 @@ def test_bad_input_is_refused_naming_the_field(case, tiny_dir, tmp_path, capsys,
 
     from launch.cli import INPUT_ERRORS, fail
     from launch.train import check_inputs
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     def no_ray(*args, **kwargs):
         raise AssertionError("the checks started Ray")
@@ -270,8 +270,8 @@ def _supervised_overrides(case: str, tiny_dir: str, tmp_path: Path) -> tuple[str
 @pytest.mark.parametrize("case", list(SUPERVISED_CASES))
 def test_supervised_bad_input_is_refused_naming_the_field(case, tiny_dir, tmp_path, capsys, monkeypatch):
     from launch.cli import INPUT_ERRORS, fail, supervised_main
-    from rl.compose import compose
-    from rl.sft_rm_config import validate_rm, validate_sft
+    from rl.config.compose import compose
+    from rl.config.supervised import validate_rm, validate_sft
     from trainer.reward_model import train_rm
     from trainer.sft import train_sft
 

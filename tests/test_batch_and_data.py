@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-from rl.batch import build_train_batch
-from rl.data import DataError, PromptDataset, derive_seed
-from rl.types import Sample, ScoredSample
+from rl.data.batch import build_train_batch
+from rl.data.dataset import DataError, PromptDataset, derive_seed
+from rl.data.types import Sample, ScoredSample
 from trainer.group import reduce_metrics, shard_rows
-from rl.weight_sync import WeightMeta, buckets
+from rl.wire.weight_sync import WeightMeta, buckets
 
 
 def _scored(prompt, completion, logprobs, reward=1.0, error=None, group=0, version=0):
@@ -29,7 +29,7 @@ def test_train_batch_alignment_and_masking():
     assert batch.loss_mask.tolist() == [[0, 1, 1], [0, 0, 0]]
     assert batch.rollout_logprobs[0].tolist() == pytest.approx([0, -0.1, -0.2])
     assert batch.rollout_logprobs[1].tolist() == pytest.approx([-0.3, 0, 0])
-    assert batch.advantages.abs().sum() == 0  # filled by rl.estimate after the learner scores
+    assert batch.advantages.abs().sum() == 0  # filled by rl.algo.estimate after the learner scores
     sub = batch.select([1])
     assert sub.input_ids.tolist() == [[5, 9]] and sub.loss_mask.shape == (1, 1)
 

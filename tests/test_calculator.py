@@ -9,7 +9,7 @@ import pytest
 
 from examples.calculator import (ERROR_BAD_CALL, ERROR_BAD_EXPRESSION, ERROR_UNKNOWN_TOOL, Calculator, Problem,
                                  calculator_tokenizer, evaluate, sum_splits, write_data)
-from rl.env import StepResult, as_step_result
+from rl.data.env import StepResult, as_step_result
 
 CALL_12_34 = '<tool_call>{"name":"calculator","arguments":{"expression":"12+34"}}</tool_call>'
 
@@ -106,8 +106,8 @@ def test_worked_episode():
 def test_warm_up_ids_are_what_the_runner_builds():
     """The SFT example of an episode = the chat template of the whole conversation, and also the
     runner's pieces put end to end: prompt ids, each turn's ids, each observation's ids
-    (rl.episodes.ObservationEncoder); the loss covers the assistant turns (content + <|end|>) only."""
-    from rl.episodes import ObservationEncoder
+    (rl.data.episodes.ObservationEncoder); the loss covers the assistant turns (content + <|end|>) only."""
+    from rl.data.episodes import ObservationEncoder
     from trainer.sft import IGNORE_INDEX, chat_example
 
     tok = calculator_tokenizer()
@@ -136,7 +136,7 @@ def test_warm_up_ids_are_what_the_runner_builds():
 
 
 def test_config_composes():
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     cfg = compose("train", ["task=calculator"])
     assert cfg.task.env == "examples.calculator:Calculator" and cfg.task.chat_template is True
@@ -181,7 +181,7 @@ def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_pa
     prompts each, half the task config's batch); samples.jsonl holds whole episodes with tool
     calls, tool answers and turn boundaries; eval runs before the first update and every 20 steps."""
     from launch.train import train
-    from rl.run_log import read_metrics
+    from rl.run.run_log import read_metrics
     from tests.conftest import compose_config
     from tests.test_e2e import _assert_reward_rises
 

@@ -98,7 +98,7 @@ def test_code_agent_task_learns_end_to_end(tiny_code_agent, tmp_path):
     program's) rises above the starting policy's, and so does the held-out evaluation, greedy and
     sampled, before the first update and after 5 (measured: greedy 0.23 -> 0.44, sampled 0.13 -> 0.29)."""
     from launch.train import train
-    from rl.run_log import read_metrics
+    from rl.run.run_log import read_metrics
     from tests.conftest import compose_config
 
     out, _ = tiny_code_agent

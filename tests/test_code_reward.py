@@ -9,7 +9,7 @@ import pytest
 
 from reward.code_speedup import SandboxFailure, judge, make_job, speedup_reward, speedup_to_reward
 from reward.scorer import RewardFunctionSpec, RewardScorer
-from rl.types import Sample
+from rl.data.types import Sample
 from sandbox.job import Job, Language, Method, Status, TestCase
 from sandbox.runner import run_job
 

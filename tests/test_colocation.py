@@ -1,9 +1,9 @@
-"""The GPU hand-over between rollout engines and learner ranks (rl/colocation.py): the order of
+"""The GPU hand-over between rollout engines and learner ranks (rl/run/colocation.py): the order of
 the calls that free and reclaim memory, on a fleet and learner that record them. The real calls
 run in tests/test_faults.py (hybrid placement on CPU, DeepSpeed offload_states round trips) and
 on a GPU in tests/test_gpu.py."""
 
-from rl.colocation import GpuHandover
+from rl.run.colocation import GpuHandover
 
 
 class Recorder:

@@ -9,7 +9,7 @@ import time
 import pytest
 from hydra import compose, initialize_config_dir
 
-from rl.config import ConfigError, validate
+from rl.config.schema import ConfigError, validate
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -31,10 +31,10 @@ def test_default_config_is_valid():
 
 
 def test_config_choices_match_the_registries():
-    """rl/config.py lists choices without importing torch (fast CLI errors); keep them in step."""
-    from rl.config import _CHOICES
-    from rl.kl import KL_ESTIMATORS
-    from rl.losses import LOSS_AGGREGATIONS
+    """rl/config/schema.py lists choices without importing torch (fast CLI errors); keep them in step."""
+    from rl.config.schema import _CHOICES
+    from rl.algo.kl import KL_ESTIMATORS
+    from rl.algo.losses import LOSS_AGGREGATIONS
 
     assert set(_CHOICES["algorithm.kl_estimator"]) == set(KL_ESTIMATORS.names())
     assert set(_CHOICES["algorithm.loss_agg"]) == set(LOSS_AGGREGATIONS)

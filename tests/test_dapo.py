@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from rl.dapo import informative_groups, overlong_penalty
+from rl.algo.dapo import informative_groups, overlong_penalty
 
 
 def test_informative_groups_drop_all_equal_and_single_valid_groups():

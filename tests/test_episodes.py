@@ -9,18 +9,18 @@ import os
 import pytest
 import torch
 
-from rl.batch import build_train_batch
-from rl.env import StepResult
-from rl.episodes import Limits, ObservationEncoder, run_episodes, with_episode_rewards
-from rl.evaluate import eval_metrics, pass_at_k
-from rl.types import GenerationRequest, Sample, ScoredSample
+from rl.data.batch import build_train_batch
+from rl.data.env import StepResult
+from rl.data.episodes import Limits, ObservationEncoder, run_episodes, with_episode_rewards
+from rl.run.evaluate import eval_metrics, pass_at_k
+from rl.data.types import GenerationRequest, Sample, ScoredSample
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ENVS = os.path.join(HERE, "episode_envs.py")
 
 
 class InProcessEnvs:
-    """The `rl.episodes.Envs` protocol over environment objects in this process (the runner's
+    """The `rl.data.episodes.Envs` protocol over environment objects in this process (the runner's
     unit tests; the Ray service is tested below)."""
 
     def __init__(self, make):
@@ -131,7 +131,7 @@ def test_a_failing_environment_costs_its_episode_only():
 
 def test_episode_rewards_add_to_the_reward_functions_and_a_failed_function_is_never_a_zero():
     s = Sample([1], [5, 2], [-1.0, -1.0], "stop", 0, "p", "c", 0, 0, completion_mask=[1, 1], turns=[])
-    from rl.types import Turn
+    from rl.data.types import Turn
 
     s.turns = [Turn("model", 0, 2, "c", reward=0.5)]
     ok = ScoredSample(s, 2.0, {"f": 2.0})
@@ -254,7 +254,7 @@ def test_three_turn_episode_log_probs_of_every_model_token_match_the_learner_s(r
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from reward.envs import EnvService
-    from rl.config import ModelConfig, RolloutConfig
+    from rl.config.schema import ModelConfig, RolloutConfig
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env

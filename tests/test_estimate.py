@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from rl.config import AlgorithmConfig
-from rl.estimate import estimate_advantages
+from rl.config.schema import AlgorithmConfig
+from rl.algo.estimate import estimate_advantages
 
 MASK = torch.tensor([[0.0, 1.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0]])  # prompt position, then completions, padding
 

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from launch.supervise import command
-from rl.faults import ActorFailure, Deadlines
-from rl.run_log import read_metrics
+from rl.run.faults import ActorFailure, Deadlines
+from rl.run.run_log import read_metrics
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
@@ -196,7 +196,7 @@ def broken(prompts, completions, **kwargs):
 @pytest.mark.slow
 def test_rewards_that_all_fail_stop_the_run_with_the_error_and_a_summary(make_config, tmp_path):
     from launch.train import train
-    from rl.faults import RewardsFailing
+    from rl.run.faults import RewardsFailing
 
     reward_file = tmp_path / "broken.py"
     reward_file.write_text(ALWAYS_FAILS)
@@ -207,7 +207,7 @@ def test_rewards_that_all_fail_stop_the_run_with_the_error_and_a_summary(make_co
     summary = json.load(open(os.path.join(cfg.run.dir, "summary.json")))
     assert summary["steps_run"] == 3 and summary["first_steps_reward_mean"] is None
     assert "RewardsFailing" in summary["ended_early"]
-    from rl.checkpoint import latest
+    from rl.run.checkpoint import latest
 
     assert latest(cfg.run.dir)[1].next_step == 3  # a fixed reward file resumes from here
 
@@ -245,8 +245,8 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
     from safetensors.torch import load_file
 
     from launch.train import check_run_dir, train
-    from rl.checkpoint import latest
-    from rl.config import ConfigError
+    from rl.run.checkpoint import latest
+    from rl.config.schema import ConfigError
 
     # a reward that takes 0.3 s per step: the SIGTERM sent on "step 2/4" lands in step 3 on any
     # host (a step took 0.2 s, CI once saw the run end before the signal came; the hybrid layout's
@@ -310,7 +310,7 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
 
 def test_first_signal_asks_for_a_stop_and_a_second_stops_at_once():
     from launch.supervise import stop_on_signals
-    from rl.faults import StopRequest
+    from rl.run.faults import StopRequest
 
     stop, said = StopRequest(), []
     before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under `cmd &` in a script
@@ -321,3 +321,18 @@ def test_first_signal_asks_for_a_stop_and_a_second_stops_at_once():
             os.kill(os.getpid(), signal.SIGTERM)
         assert exited.value.code == 128 + signal.SIGTERM
     assert signal.getsignal(signal.SIGINT) is before  # handlers restored
+
+
+def test_a_checkpoint_pickled_before_rl_had_sub_packages_still_loads(tmp_path):
+    """`in_flight.pkl` of a run checkpointed when the types lived in the flat `rl.types` loads
+    after the move to `rl.data.types` (rl.run.checkpoint.MOVED_MODULES)."""
+    import pickle
+
+    from rl.data.types import GenerationRequest
+    from rl.run.checkpoint import load_in_flight
+
+    ahead = {7: [GenerationRequest(prompt_ids=[1, 2], prompt_text="2+2", group_id=0, sample_index=1, seed=11)]}
+    old_layout = pickle.dumps(ahead, protocol=0).replace(b"rl.data.types", b"rl.types")
+    assert b"rl.data.types" not in old_layout and b"rl.types" in old_layout
+    (tmp_path / "in_flight.pkl").write_bytes(old_layout)
+    assert load_in_flight(str(tmp_path)) == ahead

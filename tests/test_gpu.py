@@ -37,7 +37,7 @@ def _placement() -> list[str]:
 
 def _run(smollm2: str, math_data: str, run_dir: str, *overrides: str) -> list[dict]:
     from launch.train import train
-    from rl.run_log import read_metrics
+    from rl.run.run_log import read_metrics
     from tests.conftest import compose_config
 
     cfg = compose_config(["model=smollm2", "task=math_chat", f"model.path={smollm2}",
@@ -54,8 +54,8 @@ def test_vllm_cuda_answers_like_transformers(smollm2):
     import ray
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl.config import ModelConfig, RolloutConfig
-    from rl.types import GenerationRequest
+    from rl.config.schema import ModelConfig, RolloutConfig
+    from rl.data.types import GenerationRequest
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from tests.conftest import own_ray

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from rl.devices import GPU_VISIBILITY_ENV, NoCudaError, actor_device, collective_backend, local_device_index
+from rl.plan.devices import GPU_VISIBILITY_ENV, NoCudaError, actor_device, collective_backend, local_device_index
 from tests.conftest import own_ray
 from trainer.group import sync_backend
 
@@ -168,7 +168,7 @@ def test_hybrid_placement_puts_each_learner_rank_on_its_rollout_workers_gpu(logi
     (["trainer.zero_stage=0"], "set trainer.zero_stage=1, 2 or 3"),
 ])
 def test_hybrid_settings_that_cannot_work_are_refused_naming_the_fix(overrides, message):
-    from rl.config import ConfigError, validate
+    from rl.config.schema import ConfigError, validate
     from tests.conftest import compose_config
 
     good = ["cluster.placement_mode=hybrid", "cluster.gpus_per_learner=1", "cluster.gpus_per_rollout_worker=1",
@@ -183,7 +183,7 @@ def test_hybrid_settings_that_cannot_work_are_refused_naming_the_fix(overrides, 
 def test_hybrid_gpu_profile_is_a_valid_hybrid_run():
     """`cluster=hybrid_gpu`: learner rank and engine share each GPU, IPC weight sync, sleep
     between steps, bf16 and CUDA graphs, and the settings pass validation."""
-    from rl.config import validate
+    from rl.config.schema import validate
     from tests.conftest import compose_config
 
     cfg = compose_config(["cluster=hybrid_gpu"])
@@ -207,7 +207,7 @@ def test_hybrid_gpu_profile_is_a_valid_hybrid_run():
 def test_disaggregated_shares_that_may_pack_one_role_twice_on_a_gpu_are_refused(overrides, message, fix):
     """Ray packs fractional GPU shares of any actors onto one device: two learner ranks there break
     NCCL, two engines there each claim `gpu_memory_utilization` of the whole card."""
-    from rl.config import ConfigError, validate
+    from rl.config.schema import ConfigError, validate
     from tests.conftest import compose_config
 
     with pytest.raises(ConfigError, match=message):
@@ -234,7 +234,7 @@ def test_cuda_vllm_with_rollout_workers_on_cpus_is_refused_before_ray(monkeypatc
     """vLLM's CUDA build picks its platform from NVML, not CUDA_VISIBLE_DEVICES: rollout workers
     given no GPU on a GPU machine would fail deep in vLLM, so this stops before Ray."""
     import launch.train
-    from rl.config import ConfigError
+    from rl.config.schema import ConfigError
     from tests.conftest import compose_config
 
     monkeypatch.setattr(launch.train, "_cuda_devices", lambda: 2)

@@ -1,13 +1,13 @@
-"""GRPO math against hand-computed values (rl/advantages.py, rl/losses.py, rl/kl.py)."""
+"""GRPO math against hand-computed values (rl/algo/advantages.py, rl/algo/losses.py, rl/algo/kl.py)."""
 
 import math
 
 import pytest
 import torch
 
-from rl.advantages import ADVANTAGES, grpo_advantages, group_success_stats
-from rl.kl import KL_ESTIMATORS
-from rl.losses import LossNormalizer, aggregate, ppo_clip_loss
+from rl.algo.advantages import ADVANTAGES, grpo_advantages, group_success_stats
+from rl.algo.kl import KL_ESTIMATORS
+from rl.algo.losses import LossNormalizer, aggregate, ppo_clip_loss
 
 
 def test_grpo_group_normalization_hand_values():

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from rl.batch import plan_micro_batches, split_to_count
-from rl.flops import forward_flops_per_token, train_flops
-from rl.importance import effective_sample_size, importance_weights
+from rl.data.batch import plan_micro_batches, split_to_count
+from rl.plan.flops import forward_flops_per_token, train_flops
+from rl.algo.importance import effective_sample_size, importance_weights
 
 
 def _lps():

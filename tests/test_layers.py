@@ -4,7 +4,12 @@ higher one. Every import counts, also one inside a function.
     rl  <-  rollout, sandbox, trainer  <-  reward  <-  examples  <-  launch
     (bench and tests may import anything; nothing imports launch)
 
-`rl` itself imports no Ray, DeepSpeed or vLLM. Run alone: `python -m pytest tests/test_layers.py`.
+`rl` itself imports no Ray, DeepSpeed or vLLM. Inside it, its sub-packages point one way too:
+
+    rl.wire, rl.config, rl.data  <-  rl.algo (math; may read config), rl.plan, rl.run  <-  rl.loop
+
+and `rl.algo`, the algorithm math, imports no I/O at all (files, processes, sockets, pickling),
+only tensors. Run alone: `python -m pytest tests/test_layers.py`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,17 @@ ALLOWED = {
     "bench": {"rl", "rollout", "sandbox", "trainer", "reward", "examples", "launch"},  # a user of it all, like tests
 }
 FORBIDDEN_IN_RL = {"ray", "deepspeed", "vllm"}
+# rl's sub-packages -> the others of rl they may import (itself always); rl.loop, the recipe, any
+RL_ALLOWED = {
+    "rl.wire": set(),  # the learner <-> rollout wire: both sides import it
+    "rl.config": set(),
+    "rl.data": set(),
+    "rl.algo": {"rl.config"},
+    "rl.plan": {"rl.wire"},
+    "rl.run": {"rl.config", "rl.data"},
+    "rl.loop": {"rl.wire", "rl.config", "rl.data", "rl.algo", "rl.plan", "rl.run"},
+}
+PURE_MATH_MAY_IMPORT = {"__future__", "dataclasses", "typing", "math", "torch"}
 
 
 def _modules() -> dict[str, Path]:
@@ -127,10 +143,32 @@ def test_rl_imports_no_ray_deepspeed_or_vllm() -> None:
     assert bad == []
 
 
+def _rl_part(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_rl_sub_packages_point_one_way() -> None:
+    ours, _ = _graph()
+    parts = {_rl_part(m) for m in ours if m.startswith("rl.")}
+    assert parts == set(RL_ALLOWED), f"rl has sub-packages the rule does not name: {parts ^ set(RL_ALLOWED)}"
+    upward = [f"{a} imports {b}" for a, targets in ours.items() if a.startswith("rl.") for b in sorted(targets)
+              if b.startswith("rl.") and _rl_part(b) != _rl_part(a) and _rl_part(b) not in RL_ALLOWED[_rl_part(a)]]
+    assert upward == []
+
+
+def test_the_algorithm_math_imports_no_io() -> None:
+    _, external = _graph()
+    math_modules = [m for m in external if m.startswith("rl.algo")]
+    assert len(math_modules) >= 9
+    bad = [f"{m} imports {sorted(ext - PURE_MATH_MAY_IMPORT)}" for m, ext in external.items()
+           if m in math_modules and ext - PURE_MATH_MAY_IMPORT]
+    assert bad == []
+
+
 def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path) -> None:
     """The walk is not vacuous: it finds every package's modules and resolves relative imports."""
     ours, _ = _graph()
     assert {"rl.loop", "trainer.learner", "examples.arith", "launch.train", "sandbox.pool"} <= set(ours)
-    assert "rl.config" in ours["rl.loop"] and "trainer.engine" in ours["trainer.learner"]
+    assert "rl.config.schema" in ours["rl.loop"] and "trainer.engine" in ours["trainer.learner"]
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert os.path.basename(__file__) == "test_layers.py"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.batch import build_train_batch
-from rl.config import AlgorithmConfig, ModelConfig, TrainerConfig
-from rl.types import Sample, ScoredSample
+from rl.data.batch import build_train_batch
+from rl.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
+from rl.data.types import Sample, ScoredSample
 from trainer.group import LearnerGroup
 from trainer.learner import LearnerSpec
 from trainer.logprobs import token_logprobs
@@ -146,7 +146,7 @@ def test_lora_update_trains_and_stores_the_adapters_only(ray_local, tiny_dir, tm
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl.config import LoraConfig
+    from rl.config.schema import LoraConfig
 
     path = f"{tiny_dir}/model"
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()

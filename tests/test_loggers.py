@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from rl.run_log import RunLog
+from rl.run.run_log import RunLog
 
 CONFIG = {"algorithm": {"name": "grpo", "lr": 0.001}, "run": {"steps": 3, "loggers": ["wandb", "mlflow"]}}
 
@@ -119,12 +119,12 @@ def test_a_resumed_run_appends_to_the_same_mlflow_and_wandb_runs(tmp_path):
 
 
 def test_unknown_logger_is_a_config_error():
-    from rl.config import ConfigError
+    from rl.config.schema import ConfigError
     from tests.conftest import compose_config
 
     with pytest.raises(ConfigError, match=r"run.loggers=\['tensorboard', 'neptune'\]: unknown 'neptune'"):
         compose_config(["run.loggers=[tensorboard,neptune]"])
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     with pytest.raises(ConfigError, match=r"run.loggers=\['mlflow', 'neptune'\]"):  # SFT and RM runs too
         compose("train_sft", ["run.loggers=[mlflow,neptune]"])
@@ -135,7 +135,7 @@ def test_a_run_with_every_logger_writes_them_all_and_its_report(make_config):
     """The default task for 3 steps with run.loggers=[tensorboard,jsonl,wandb,mlflow]: each sink
     holds the run's metrics, config and summary, and the run draws report.png at its end."""
     from launch.train import train
-    from rl.run_log import read_metrics
+    from rl.run.run_log import read_metrics
 
     cfg = make_config("run.steps=3", "task.prompts_per_step=8", "run.save_every=0", "run.save_final_model=false",
                       "run.loggers=[tensorboard,jsonl,wandb,mlflow]")

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from rl.lora import AdapterMerger, kept_weight_names, merge, split_wire_name, stacked_targets, wire_name
+from rl.wire.lora import AdapterMerger, kept_weight_names, merge, split_wire_name, stacked_targets, wire_name
 
 
 def _tiny_llama():
@@ -99,7 +99,7 @@ def test_bf16_engine_merges_from_the_fp32_base_rounding_once():
 
 
 def test_lora_config_errors():
-    from rl.config import ConfigError
+    from rl.config.schema import ConfigError
     from tests.conftest import compose_config
 
     for override, field in (("model.lora.rank=-1", "model.lora.rank"), ("model.lora.alpha=0", "model.lora.alpha"),
@@ -116,7 +116,7 @@ def test_lora_run_learns_with_adapter_only_syncs(make_config):
     the reward rises, the rollout's log-probs equal the learner's after every sync, each sync
     sends the adapters only, and the final model is saved merged and as a peft adapter."""
     from launch.train import train
-    from rl.run_log import read_metrics
+    from rl.run.run_log import read_metrics
     from tests.test_e2e import _assert_reward_rises
 
     cfg = make_config("run.steps=30", "model.lora.rank=8", "model.lora.alpha=16",

@@ -1,4 +1,4 @@
-"""The preflight planner (rl/memory_plan.py, launch/plan.py): its arithmetic written out by hand for
+"""The preflight planner (rl/plan/memory_plan.py, launch/plan.py): its arithmetic written out by hand for
 three configurations, the refusal of a run that cannot fit (before Ray starts, naming the fix).
 Its estimate against the peak memory of a real run is checked on the real model
 (tests/test_smollm2.py)."""
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.memory_plan import GIB, LEARNER_RUNTIME_GIB, ModelShape, Settings, make_plan
+from rl.plan.memory_plan import GIB, LEARNER_RUNTIME_GIB, ModelShape, Settings, make_plan
 from test_bad_inputs import RAY_STARTED
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +212,7 @@ def test_3b_full_finetune_on_24_gib_is_refused_before_anything_starts(tmp_path):
 
 def test_preflight_can_be_skipped():
     from launch.plan import preflight
-    from rl.compose import compose
+    from rl.config.compose import compose
 
     cfg = compose("train", ["cluster.preflight=false", "cluster.memory_gib=0.5"])
     assert preflight(cfg) is None

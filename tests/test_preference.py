@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rl.preference import bradley_terry_loss, pairwise_accuracy, preference_metrics
+from rl.algo.preference import bradley_terry_loss, pairwise_accuracy, preference_metrics
 from examples.preference import WRONG_KINDS, answer_distance, preference_splits
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from reward import RewardFunctionSpec, RewardLoadError, RewardScorer, load_reward_function
 from reward.builtin import exact_answer, format_number
-from rl.types import Sample, ScoredSample
+from rl.data.types import Sample, ScoredSample
 
 
 def make_sample(completion: str, i: int = 0, finish_reason: str = "stop", **metadata: object) -> Sample:

@@ -9,7 +9,7 @@ from typing import Iterator
 import pytest
 
 from reward import RewardFunctionSpec, RewardLoadError, RewardScorer
-from rl.types import Sample
+from rl.data.types import Sample
 from tests.conftest import own_ray
 
 ray = pytest.importorskip("ray")

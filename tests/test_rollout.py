@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.config import ModelConfig, RolloutConfig
-from rl.data import PromptDataset
+from rl.config.schema import ModelConfig, RolloutConfig
+from rl.data.dataset import PromptDataset
 from rollout.fleet import RolloutFleet, split_by_group
 from rollout.protocol import RolloutSpec
 from rollout.vllm_engine import vllm_env

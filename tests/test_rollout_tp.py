@@ -12,9 +12,9 @@ import shutil
 import pytest
 import torch
 
-from rl.config import ModelConfig, RolloutConfig
-from rl.types import GenerationRequest
-from rl.weight_sync import WeightMeta, buckets, free_port, init_group, send
+from rl.config.schema import ModelConfig, RolloutConfig
+from rl.data.types import GenerationRequest
+from rl.wire.weight_sync import WeightMeta, buckets, free_port, init_group, send
 from rollout.protocol import RolloutSpec
 from rollout.vllm_engine import vllm_env
 from rollout.worker import RolloutWorker
@@ -134,7 +134,7 @@ def test_tp2_lora_sync_merges_in_each_tp_worker(ray_local, tiny_dir, tmp_path):
     its shard; the engine then samples from W0 + alpha/rank * B @ A."""
     import ray
 
-    from rl.config import LoraConfig
+    from rl.config.schema import LoraConfig
 
     model_dir = str(tmp_path / "tied")
     model = _tied_tiny(tiny_dir, model_dir)

@@ -7,7 +7,7 @@ import pytest
 
 from reward import RewardFunctionSpec
 from reward.service import RewardService
-from rl.types import Sample
+from rl.data.types import Sample
 from sandbox.job import Job, Language, Status, TestCase
 from sandbox.pool import SandboxPool, SandboxSettings, find_pool_workers
 from tests.conftest import own_ray

@@ -16,7 +16,7 @@ import statistics
 import pytest
 
 from launch.train import check_run_dir, train
-from rl.run_log import read_metrics
+from rl.run.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -50,8 +50,8 @@ def test_folder_loads_in_transformers_and_vllm_with_the_same_greedy_answer(smoll
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl.config import ModelConfig, RolloutConfig
-    from rl.types import GenerationRequest
+    from rl.config.schema import ModelConfig, RolloutConfig
+    from rl.data.types import GenerationRequest
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env

@@ -79,7 +79,7 @@ def test_served_reward_prefers_chosen_on_held_out_pairs(built_rm) -> None:
 def test_served_reward_through_the_scorer_and_the_cache(built_rm) -> None:
     from reward import model_reward
     from reward.scorer import RewardScorer
-    from rl.types import Sample
+    from rl.data.types import Sample
 
     out, _ = built_rm
     path = str(out / "model")
@@ -105,7 +105,7 @@ def test_reward_model_config_composes_for_grpo() -> None:
     from hydra import compose, initialize_config_dir
 
     from examples import builtin_dir
-    from rl.config import validate
+    from rl.config.schema import validate
 
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base=None):
         cfg = compose("train", overrides=["reward=model"])
@@ -146,7 +146,7 @@ def test_pooling_reads_the_last_real_token_with_right_padding() -> None:
 
 def test_missing_chosen_column_fails_naming_it(tiny_dir, tmp_path) -> None:
     from launch.train_rm import run
-    from rl.data import DataError
+    from rl.data.dataset import DataError
 
     bad = tmp_path / "prefs.jsonl"
     bad.write_text("".join(json.dumps({"prompt": "1+2=", "better": "3", "rejected": "4"}) + "\n" for _ in range(4)))
@@ -177,7 +177,7 @@ def test_ppo_against_the_reward_model_raises_its_score(built_rm, make_config) ->
     import statistics
 
     from launch.train import train
-    from rl.run_log import read_metrics
+    from rl.run.run_log import read_metrics
 
     out, _ = built_rm
     cfg = make_config("algorithm=ppo", "reward=model", f"reward.functions.0.kwargs.path={out}/model",

@@ -153,7 +153,7 @@ def test_sft_cli_rejects_bad_config_fast_naming_the_field(tmp_path) -> None:
 
 def test_sft_missing_messages_column_fails_naming_it(tiny_dir, tmp_path) -> None:
     from launch.train_sft import run
-    from rl.data import DataError
+    from rl.data.dataset import DataError
 
     with pytest.raises(DataError, match="data.messages_key='messages'"):
         run([f"model.path={tiny_dir}/model", "data.format=chat", f"data.train_files=[{tiny_dir}/data/train.jsonl]",

@@ -85,7 +85,7 @@ def test_image_has_the_sandbox_tools_and_runs_the_default_job_by_default(image):
     p = _run(["docker", "run", "--rm", "--network", "none", image, "sh", "-c",
               "for c in bwrap valgrind gcc g++; do command -v $c || exit 1; done && python --version && "
               "bash launch/install.sh && cd / && "
-              "python -c 'import sandbox._helper, rl.config; print(sandbox.__file__)' && echo OK"], 300)
+              "python -c 'import sandbox._helper, rl.config.schema; print(sandbox.__file__)' && echo OK"], 300)
     assert p.returncode == 0, p.stdout + p.stderr
     lines = p.stdout.split("\n")
     assert [os.path.basename(x) for x in lines[:4]] == ["bwrap", "valgrind", "gcc", "g++"], p.stdout

@@ -1,4 +1,4 @@
-"""The weight-sync wire protocol (`rl.weight_sync`) between real processes: buckets arrive whole
+"""The weight-sync wire protocol (`rl.wire.weight_sync`) between real processes: buckets arrive whole
 and in order at every receiver (sent without a copy where the sender's tensors lie end to end), a
 group whose peer never comes fails instead of hanging, and a receiver streams: two bucket buffers
 in memory, not a second copy of the model, also when it loads into a live vLLM engine."""
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from rl.weight_sync import WeightMeta, buckets, free_port, init_group, receive, send
+from rl.wire.weight_sync import WeightMeta, buckets, free_port, init_group, receive, send
 
 METAS = [WeightMeta("a", (2, 3), "float32"), WeightMeta("b", (4,), "float32"), WeightMeta("c", (2,), "bfloat16")]
 TENSORS = {"a": torch.arange(6.0).reshape(2, 3), "b": -torch.arange(4.0), "c": torch.tensor([1.5, 2.5], dtype=torch.bfloat16)}
@@ -193,7 +193,7 @@ def _sync_sender(port: int, model_dir: str, new_dir: str, limit: int, to_receive
     broadcast twice in `limit`-byte buckets as `LearnerWorker.broadcast_weights` does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl.weight_sync import WeightMeta, buckets
+    from rl.wire.weight_sync import WeightMeta, buckets
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
@@ -215,7 +215,7 @@ def _sync_receiver(port: int, model_dir: str, new_dir: str, limit: int, from_sen
     `update_weights(receive(...))`, then during one fed a materialised list (the old way)."""
     import gc
 
-    from rl.config import ModelConfig, RolloutConfig
+    from rl.config.schema import ModelConfig, RolloutConfig
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import VLLMEngine, vllm_env
 
@@ -234,8 +234,8 @@ def _sync_receiver(port: int, model_dir: str, new_dir: str, limit: int, from_sen
         engine.update_weights(tensors if mode == "streamed" else list(tensors), 1)
         peaks[mode] = _rss("VmHWM") - before
         if mode == "streamed":
-            from rl.data import derive_seed
-            from rl.types import GenerationRequest
+            from rl.data.dataset import derive_seed
+            from rl.data.types import GenerationRequest
 
             ids = engine.tokenizer("def add(a, b):").input_ids
             sample = engine.generate([GenerationRequest(ids, "", 0, 0, derive_seed(0, 0, 0, 0))])[0]
@@ -278,7 +278,7 @@ def test_sync_into_vllm_holds_two_buckets_not_a_second_model(tmp_path, monkeypat
     layer being loaded, below the model's size; fed a materialised list (the old code) it grows
     by most of the model. The engine then samples from the new weights, tied embeddings included.
     Measured: 64 MiB streamed vs 109 MiB materialised (untied), 49 vs 93 MiB (tied)."""
-    from rl.weight_sync import BUCKET_BYTES
+    from rl.wire.weight_sync import BUCKET_BYTES
 
     model_dir = _model_27m(tied, tmp_path)
     new_dir = str(tmp_path / "new")

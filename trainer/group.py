@@ -13,11 +13,11 @@ import ray
 import torch
 from ray.exceptions import RayActorError, RayTaskError
 
-from rl import weight_sync
-from rl.devices import collective_backend
-from rl.importance import effective_sample_size
-from rl.faults import ActorFailure, Deadlines, first_line, hung
-from rl.types import TrainBatch
+from rl.wire import weight_sync
+from rl.plan.devices import collective_backend
+from rl.algo.importance import effective_sample_size
+from rl.run.faults import ActorFailure, Deadlines, first_line, hung
+from rl.data.types import TrainBatch
 from trainer.learner import LearnerSpec, LearnerWorker
 
 

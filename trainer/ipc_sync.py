@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from rl.weight_sync import IPC_BUFFER_BYTES, WeightMeta
+from rl.wire.weight_sync import IPC_BUFFER_BYTES, WeightMeta
 
 
 def buffer_bytes(metas: list[WeightMeta]) -> int:

@@ -16,15 +16,15 @@ from typing import Any, Iterator
 
 import torch
 
-from rl.batch import plan_micro_batches, split_to_count
-from rl.config import AlgorithmConfig, ModelConfig, TrainConfig, TrainerConfig
-from rl.devices import actor_device, collective_backend, local_device_index
-from rl.flops import measure_matmul_tflops, train_flops
-from rl.importance import importance_weights
-from rl.kl import KL_ESTIMATORS
-from rl.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
-from rl.types import TrainBatch
-from rl import lora, weight_sync
+from rl.data.batch import plan_micro_batches, split_to_count
+from rl.config.schema import AlgorithmConfig, ModelConfig, TrainConfig, TrainerConfig
+from rl.plan.devices import actor_device, collective_backend, local_device_index
+from rl.plan.flops import measure_matmul_tflops, train_flops
+from rl.algo.importance import importance_weights
+from rl.algo.kl import KL_ESTIMATORS
+from rl.algo.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
+from rl.data.types import TrainBatch
+from rl.wire import lora, weight_sync
 from trainer.engine import build_engine, ds_config, import_deepspeed, zero3_load_config
 from trainer.engine import full_state_dict as whole_state_dict
 from trainer.logprobs import packing_matches, token_logprobs
@@ -108,7 +108,7 @@ def _accumulate(engine, plan: list[torch.Tensor], backward) -> None:
 class LearnerWorker:
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int):
         self.spec, self.rank, self.world_size = spec, rank, world_size
-        # the device Ray gave this rank, not whether the machine has CUDA (rl/devices.py)
+        # the device Ray gave this rank, not whether the machine has CUDA (rl/plan/devices.py)
         self.device_kind = actor_device(_assigned_gpus(), torch.cuda.is_available(), f"learner rank {rank}")
 
     def where(self) -> dict:

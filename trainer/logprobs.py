@@ -22,7 +22,7 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rl.memory_plan import LOGPROB_CHUNK_TOKENS as CHUNK_TOKENS
+from rl.plan.memory_plan import LOGPROB_CHUNK_TOKENS as CHUNK_TOKENS
 from trainer.packing import pack_rows  # 1024 x 49,152 x 4 bytes = 200 MB in fp32
 
 

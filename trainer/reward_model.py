@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 
-from rl.data import load_encoded
-from rl.preference import bradley_terry_loss, pairwise_accuracy
+from rl.data.dataset import load_encoded
+from rl.algo.preference import bradley_terry_loss, pairwise_accuracy
 from trainer.sft import collate_right_padded, pad_id_of, tokenize_pair
 from trainer.supervised import fit, torch_threads
 

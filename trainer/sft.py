@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from rl.data import load_encoded
+from rl.data.dataset import load_encoded
 from trainer.supervised import TorchStepper, fit, lr_factor, torch_threads, train_loop
 
 IGNORE_INDEX = -100

@@ -8,7 +8,7 @@ optimizer; what it steps is a `Stepper`:
 
 So the SFT warm-up of the built-in tiny model and `python -m launch.train_sft` run the same loop
 with the same loss (`trainer.sft.completion_batch_loss`); only the optimizer wrapper differs.
-`fit` is that loop on a one-process DeepSpeed engine writing a run directory (`rl.run_log.RunLog`)
+`fit` is that loop on a one-process DeepSpeed engine writing a run directory (`rl.run.run_log.RunLog`)
 and the final model: what `trainer.sft.train_sft` and `trainer.reward_model.train_rm` call.
 """
 
@@ -198,7 +198,7 @@ def fit(
 ) -> dict[str, Any]:
     """Train with a one-process DeepSpeed engine and write the run directory; returns the summary.
 
-    `cfg` has the `model`, `optim`, `trainer` and `run` sections of `rl/sft_rm_config.py`.
+    `cfg` has the `model`, `optim`, `trainer` and `run` sections of `rl/config/supervised.py`.
     `load_model()` builds the model (called under the ZeRO-3 context; seed it yourself);
     `loss_fn(engine, indices)` is one micro-batch's loss (see `train_loop`); `evaluate(engine)`
     returns held-out metrics (keys like "eval/loss"), run before training, after every epoch,
@@ -215,7 +215,7 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
          loss_fn: LossFn, evaluate: Callable[[Any], dict[str, float]] | None, summary: dict[str, Any] | None):
     from omegaconf import OmegaConf
 
-    from rl.run_log import RunLog, row_line
+    from rl.run.run_log import RunLog, row_line
     from trainer.engine import build_engine, ds_config, full_state_dict, init_single_process, save_pretrained_atomic
 
     o = cfg.optim

@@ -15,9 +15,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from rl.data import derive_seed
-from rl.env import Observation, StepResult
-from rl.types import GenerationRequest, Sample, ScoredSample, Turn
+from rl.data.dataset import derive_seed
+from rl.data.env import Observation, StepResult
+from rl.data.types import GenerationRequest, Sample, ScoredSample, Turn
 
 
 class Envs(Protocol):

@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from rl.config import validate
-from rl.sft_rm_config import validate_rm, validate_sft
+from rl.config.schema import validate
+from rl.config.supervised import validate_rm, validate_sft
 
-CONFIG_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+CONFIG_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs"))
 VALIDATORS = {"train": validate, "train_rm": validate_rm, "train_sft": validate_sft}
 
 

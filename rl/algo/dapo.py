@@ -5,7 +5,7 @@ System at Scale"), as pure functions the driver loop applies.
   only dilutes the batch; drop such groups and sample more prompts (up to a bound).
 - Overlong reward shaping: a soft, length-aware penalty in the last `buffer` tokens before the
   generation budget, -1 at or beyond it.
-- Truncated-completion masking ("overlong filtering") lives in `rl.batch.build_train_batch`.
+- Truncated-completion masking ("overlong filtering") lives in `rl.data.batch.build_train_batch`.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.registry import Registry
+from rl.algo.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss", "algorithm.policy_loss")
 LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")

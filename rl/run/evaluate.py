@@ -14,9 +14,9 @@ import statistics
 import time
 from typing import Callable
 
-from rl.config import EvalConfig
-from rl.data import PromptDataset
-from rl.types import GenerationRequest, Sample, ScoredSample
+from rl.config.schema import EvalConfig
+from rl.data.dataset import PromptDataset
+from rl.data.types import GenerationRequest, Sample, ScoredSample
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.advantages import ADVANTAGES, token_level_rewards, whiten
-from rl.config import AlgorithmConfig
-from rl.kl import KL_ESTIMATORS
+from rl.algo.advantages import ADVANTAGES, token_level_rewards, whiten
+from rl.config.schema import AlgorithmConfig
+from rl.algo.kl import KL_ESTIMATORS
 
 OUTCOME_ESTIMATORS = ("grpo", "rloo")   # one advantage per sample, broadcast to its tokens
 TOKEN_ESTIMATORS = ("reinforce_pp", "gae")

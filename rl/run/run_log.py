@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    from rl.types import ScoredSample
+    from rl.data.types import ScoredSample
 
 SUMMARY_KEYS = (("reward/mean", "reward {:.3f}"), ("episode/turns_mean", "{:.1f} turns"),
                 ("eval/greedy_mean_reward", "eval greedy {:.3f}"), ("eval/pass_at_1", "pass@1 {:.3f}"),
@@ -66,11 +66,11 @@ def _on_terminal() -> bool:
 
 class RunLog:
     """Appends to <run>/metrics.jsonl and <run>/samples.jsonl, and sends every row to the metric
-    sinks `loggers` names (`rl.loggers`: TensorBoard events in <run>/tb, wandb, MLflow).
+    sinks `loggers` names (`rl.run.loggers`: TensorBoard events in <run>/tb, wandb, MLflow).
 
     `config_yaml` (when given) is written to <run>/config.yaml; a new run (`resume=False`) refuses
     a directory that already holds one. `config` (the resolved config as a dict) goes to the
-    sinks, `sink_options` to `rl.loggers.make_sinks`. `line(step, total, values)` formats a
+    sinks, `sink_options` to `rl.run.loggers.make_sinks`. `line(step, total, values)` formats a
     step's console line.
     """
 
@@ -81,7 +81,7 @@ class RunLog:
                  sink_options: dict[str, Any] | None = None):
         from tqdm import tqdm
 
-        from rl.loggers import make_sinks
+        from rl.run.loggers import make_sinks
 
         if not resume:
             refuse_existing_run(run_dir)

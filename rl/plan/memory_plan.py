@@ -3,7 +3,7 @@ devices, what a step costs, and the smallest change of config that makes an impo
 
 Pure functions over plain data: a model's `config.json` (as a dict) and the run's settings
 (`Settings.from_config`, read from a `TrainConfig` or Hydra's DictConfig alike). No torch, Ray,
-DeepSpeed or vLLM is imported to plan memory (the step-time estimate reuses `rl.flops`, imported
+DeepSpeed or vLLM is imported to plan memory (the step-time estimate reuses `rl.plan.flops`, imported
 when it is needed). `launch/plan.py` detects the hardware and prints the table.
 
 Accounting (bytes; P = parameters, P_t = trained ones, w = 4 for float32 / 2 for bfloat16, N =
@@ -117,7 +117,7 @@ class ModelShape:
                    attention_bias=bool(node.get("attention_bias", False)), mlp_bias=bool(node.get("mlp_bias", False)))
 
     def flops_config(self) -> dict[str, int]:
-        """The keys `rl.flops.forward_flops_per_token` reads."""
+        """The keys `rl.plan.flops.forward_flops_per_token` reads."""
         return {"hidden_size": self.hidden, "num_hidden_layers": self.layers, "num_attention_heads": self.heads,
                 "head_dim": self.head_dim, "num_key_value_heads": self.kv_heads,
                 "intermediate_size": self.intermediate, "vocab_size": self.vocab}
@@ -460,7 +460,7 @@ def rollout_role(shape: ModelShape, s: Settings, device_bytes: float = 0.0) -> t
         else:
             parts["KV cache (the batch's)"] = demand
     if s.lora_rank > 0:  # the base weights adapters are merged into, kept in host memory (rollout/worker.py)
-        from rl.lora import stacked_targets
+        from rl.wire.lora import stacked_targets
 
         shapes = shape.linear_shapes()
         kept = shape.layers * sum(a * b for t, (a, b) in shapes.items() if t in stacked_targets(s.lora_targets))
@@ -479,7 +479,7 @@ def rollout_role(shape: ModelShape, s: Settings, device_bytes: float = 0.0) -> t
 def step_estimate(shape: ModelShape, s: Settings) -> tuple[float, float, str]:
     """(seconds, peak TFLOP/s per device, where the peak comes from) of one step with every
     sequence max_model_len long (the upper bound), at LEARNER_MFU / ROLLOUT_MFU of the peak."""
-    from rl.flops import forward_flops_per_token, train_flops
+    from rl.plan.flops import forward_flops_per_token, train_flops
 
     config = shape.flops_config()
     if s.peak_tflops > 0:
@@ -558,11 +558,11 @@ def make_plan(shape: ModelShape, s: Settings, host_bytes: float, gpu_bytes: floa
 
 
 def _hybrid_checks(shape: ModelShape, s: Settings, learner: Role, rollout: Role, gpu_bytes: float) -> list[Check]:
-    """A learner rank and an engine on one GPU (rl/colocation.py): each phase of the hand-over
+    """A learner rank and an engine on one GPU (rl/run/colocation.py): each phase of the hand-over
     must fit the card. The learner trains beside the engine's CUDA context (asleep, its weights
     and KV cache dropped); the engine takes its share beside the learner's context (offloaded);
     during the sync both hold their weights, plus the CUDA IPC staging buffer."""
-    from rl.weight_sync import IPC_BUFFER_BYTES
+    from rl.wire.weight_sync import IPC_BUFFER_BYTES
 
     context = GPU_RUNTIME_GIB * GIB
     weights = shape.params() * s.dtype_bytes

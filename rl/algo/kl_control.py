@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rl.registry import Registry
+from rl.algo.registry import Registry
 
 KL_CONTROLLERS = Registry("KL controller", "algorithm.kl_ctrl")
 

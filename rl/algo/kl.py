@@ -6,14 +6,14 @@ With log-ratio d = logp - ref_logp, on tokens sampled from the policy:
   k3 = exp(-d) - 1 + d         unbiased, always >= 0 (GRPO's choice)
   k3_clamped = clamp(k3, -10, 10)   k3 with outliers capped ("low_var_kl" in verl)
 
-Controllers that set the KL coefficient over training live in `rl/kl_control.py`.
+Controllers that set the KL coefficient over training live in `rl/algo/kl_control.py`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rl.registry import Registry
+from rl.algo.registry import Registry
 
 KL_ESTIMATORS = Registry("KL estimator", "algorithm.kl_estimator")
 

@@ -1,6 +1,6 @@
 """Structured config schemas of the supervised trainers: `launch.train_sft` and `launch.train_rm`.
 
-Same rules as `rl/config.py`: Hydra merges `configs/train_sft.yaml` / `configs/train_rm.yaml`
+Same rules as `rl/config/schema.py`: Hydra merges `configs/train_sft.yaml` / `configs/train_rm.yaml`
 into these dataclasses, so a misspelled key or a wrong type fails at start naming the field;
 `validate_sft` / `validate_rm` add range checks with the field's name and the fix.
 No torch imports here: the CLI must reject bad input in well under a second.
@@ -13,8 +13,7 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from rl.config import ModelConfig, check_schema, raise_errors
-from rl.loggers import logger_errors
+from rl.config.schema import ModelConfig, check_schema, logger_errors, raise_errors
 
 
 @dataclass
@@ -44,7 +43,7 @@ class SupervisedRunConfig:
     eval_every: int = 0  # evaluate every N steps as well as after every epoch; 0 = epochs only
     save_final_model: bool = True
     progress: bool = True
-    loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # as the RL run's (rl/loggers.py)
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # as the RL run's (rl/run/loggers.py)
     project: str = "rlpost"
     mlflow_tracking_uri: str = ""
 
@@ -144,13 +143,13 @@ def _divisor(batch: int, micro: int) -> int:
 
 def validate_rm(cfg: Any) -> None:
     """Raise ConfigError naming every bad field of a merged TrainRMConfig, with the fix."""
-    check_schema(cfg, TrainRMConfig, "train_rm", "rl/sft_rm_config.py")
+    check_schema(cfg, TrainRMConfig, "train_rm", "rl/config/supervised.py")
     raise_errors(_common_errors(cfg))
 
 
 def validate_sft(cfg: Any) -> None:
     """Raise ConfigError naming every bad field of a merged TrainSFTConfig, with the fix."""
-    check_schema(cfg, TrainSFTConfig, "train_sft", "rl/sft_rm_config.py")
+    check_schema(cfg, TrainSFTConfig, "train_sft", "rl/config/supervised.py")
     errors = _common_errors(cfg)
     if cfg.data.format not in ("completion", "chat"):
         errors.append(f"data.format={cfg.data.format!r}: choose one of completion, chat")

@@ -77,4 +77,15 @@ def load_in_flight(path: str) -> dict[int, Any]:
     if not os.path.exists(file):
         return {}
     with open(file, "rb") as f:
-        return pickle.load(f)
+        return _Unpickler(f).load()
+
+
+# Where the classes a checkpoint of an earlier layout pickled live now (rl/ was flat before it got
+# sub-packages): a run checkpointed before the move resumes after it.
+MOVED_MODULES = {"rl.types": "rl.data.types", "rl.episodes": "rl.data.episodes", "rl.batch": "rl.data.batch",
+                 "rl.data": "rl.data.dataset", "rl.env": "rl.data.env", "rl.tools": "rl.data.tools"}
+
+
+class _Unpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(MOVED_MODULES.get(module, module), name)

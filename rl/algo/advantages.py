@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.registry import Registry
+from rl.algo.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator", "algorithm.advantage")
 ADVANTAGE_INPUTS = {"grpo": "outcome", "rloo": "outcome", "reinforce_pp": "token", "gae": "critic"}

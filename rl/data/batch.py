@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.types import ScoredSample, TrainBatch
+from rl.data.types import ScoredSample, TrainBatch
 
 
 def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mask_truncated: bool = False,
@@ -15,7 +15,7 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
 
     A sample whose reward failed keeps its row (the learner's batch size stays fixed) with a zero
     loss mask, so it contributes nothing; so does a completion cut at the token budget when
-    `mask_truncated` (DAPO's overlong filtering). Advantages are filled in later (`rl.estimate`).
+    `mask_truncated` (DAPO's overlong filtering). Advantages are filled in later (`rl.algo.estimate`).
     Samples must come from policy versions `version - max_staleness` .. `version` (asynchronous
     rollouts, `algorithm.off_policy_steps`): older ones are refused, never trained on.
     """

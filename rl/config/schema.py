@@ -10,23 +10,37 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-from rl.loggers import logger_errors
+
+
+# metric sinks of `run.loggers` (rl/run/loggers.py writes them)
+LOGGERS = ("tensorboard", "jsonl", "wandb", "mlflow")
+
+
+def logger_errors(names: Iterable[str]) -> list[str]:
+    """The config error for `run.loggers` naming an unknown sink (empty when all are known)."""
+    names = list(names)
+    unknown = [name for name in names if name not in LOGGERS]
+    if not unknown:
+        return []
+    return [f"run.loggers={names}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(LOGGERS)}, "
+            "e.g. run.loggers=[tensorboard,jsonl,wandb]"]
+
 
 
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    advantage: str = "grpo"  # grpo | rloo | reinforce_pp | gae (rl/advantages.py)
+    advantage: str = "grpo"  # grpo | rloo | reinforce_pp | gae (rl/algo/advantages.py)
     norm_by_std: bool = True  # grpo only; False = Dr.GRPO (mean-centred only)
     gamma: float = 1.0  # reinforce_pp, gae
     lam: float = 0.95  # gae
     whiten_advantages: bool = True  # gae: normalise advantages over the batch (PPO)
-    policy_loss: str = "ppo_clip"  # ppo_clip | ppo_dual_clip | gspo | cispo (rl/losses.py)
+    policy_loss: str = "ppo_clip"  # ppo_clip | ppo_dual_clip | gspo | cispo (rl/algo/losses.py)
     loss_agg: str = "token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum | seq_mean_token_sum_norm
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2  # > clip_eps_low: DAPO's clip-higher
@@ -57,7 +71,7 @@ class AlgorithmConfig:
     # Asynchronous rollouts: the next batches generate while the learner trains on this one, from
     # weights at most this many versions old (0 = on-policy, lock-step).
     off_policy_steps: int = 0
-    # Behaviour (rollout engine) vs learner policy mismatch (rl/importance.py):
+    # Behaviour (rollout engine) vs learner policy mismatch (rl/algo/importance.py):
     # behaviour_clip: with off_policy_steps > 0, PPO's clipped ratio is pi_learner / pi_rollout, a
     #   trust region around the policy that sampled (measured best with off_policy_steps=1, README
     #   "Speed"); on-policy it leaves PPO's ratio against the learner's old policy as it is;
@@ -133,7 +147,7 @@ class TaskConfig:
     # true: each prompt is sent as a user message through the tokenizer's chat template (with
     # the generation prompt), and observations become the template's tool (or user) turns
     chat_template: bool = False
-    # Multi-turn episodes (rl/env.py): the environment class, "package.module:Class" or
+    # Multi-turn episodes (rl/data/env.py): the environment class, "package.module:Class" or
     # "path/file.py:Class", built per episode with env_kwargs; null = single-turn completions
     env: str | None = None
     env_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -147,7 +161,7 @@ class TaskConfig:
 
 @dataclass
 class EvalConfig:
-    """Evaluation on held-out rows during training (rl/evaluate.py): greedy and sampled."""
+    """Evaluation on held-out rows during training (rl/run/evaluate.py): greedy and sampled."""
 
     every_steps: int = 0  # 0 = never; else before the first update and every N steps
     files: list[str] = field(default_factory=list)  # JSONL/Parquet rows like task.train_files
@@ -193,7 +207,7 @@ class ClusterConfig:
     placement_mode: str = "disaggregated"
     peak_tflops: float = 0.0  # per device, for MFU; 0 = the learner measures its matmul peak at start
     price_per_device_hour: float = 0.0  # for the per-step cost metric (cost/step_usd); 0 = not shown
-    # Preflight memory plan (rl/memory_plan.py, `python -m launch.plan`): launch.train refuses a run
+    # Preflight memory plan (rl/plan/memory_plan.py, `python -m launch.plan`): launch.train refuses a run
     # that cannot fit, before Ray starts. memory_gib: RAM of the machine the roles share (0 = detect
     # this one's); gpu_memory_gib: memory of one GPU (0 = detect it with nvidia-smi, else unchecked).
     memory_gib: float = 0.0
@@ -229,7 +243,7 @@ class RunConfig:
     call_timeout_s: float = 300.0  # deadline of an actor call at least; past it the actor counts as hung
     call_timeout_factor: float = 10.0  # ...or this many times the slowest earlier call of the same kind
     start_timeout_s: float = 900.0  # deadline of actor start-up (model load, engine and DeepSpeed set-up)
-    # metric sinks (rl/loggers.py): tensorboard, jsonl (always written), wandb (offline unless
+    # metric sinks (rl/run/loggers.py): tensorboard, jsonl (always written), wandb (offline unless
     # WANDB_MODE=online), mlflow (a file store in <run>/mlruns unless mlflow_tracking_uri is set)
     loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
     project: str = "rlpost"  # the wandb project and MLflow experiment
@@ -368,7 +382,7 @@ def unknown_keys(node: Any, schema: type, prefix: str = "") -> list[str]:
     return found
 
 
-def check_schema(cfg: Any, schema: type = TrainConfig, app: str = "train", where: str = "rl/config.py") -> None:
+def check_schema(cfg: Any, schema: type = TrainConfig, app: str = "train", where: str = "rl/config/schema.py") -> None:
     """Reject keys the schema does not know, also ones forced in with Hydra's `+key=value`."""
     unknown = unknown_keys(cfg, schema)
     if unknown:

@@ -31,7 +31,7 @@ class GenerationRequest:
 class Sample:
     """A sampled completion with the per-token log-probs of the policy that produced it.
 
-    An episode (multi-turn, `rl.episodes`) is one Sample too: `completion_ids` holds every token
+    An episode (multi-turn, `rl.data.episodes`) is one Sample too: `completion_ids` holds every token
     after the prompt, the model's turns exactly as sampled and the observations as tokenized once,
     `completion_mask` marks which are the model's (1) and `turns` says where each turn lies."""
 

@@ -17,17 +17,7 @@ import os
 import time
 from typing import Any, Iterable, Protocol
 
-LOGGERS = ("tensorboard", "jsonl", "wandb", "mlflow")
-
-
-def logger_errors(names: Iterable[str]) -> list[str]:
-    """The config error for `run.loggers` naming an unknown sink (empty when all are known)."""
-    names = list(names)
-    unknown = [name for name in names if name not in LOGGERS]
-    if not unknown:
-        return []
-    return [f"run.loggers={names}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(LOGGERS)}, "
-            "e.g. run.loggers=[tensorboard,jsonl,wandb]"]
+from rl.config.schema import LOGGERS
 
 
 class MetricSink(Protocol):

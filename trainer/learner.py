@@ -185,8 +185,16 @@ class LearnerWorker:
         """Padding-free micro-batches only for a model that gives packed rows their padded values
         (`trainer.logprobs.packing_matches`); said once either way."""
         self.engine.eval()
-        holds = packing_matches(self.engine, self.engine.module.config.vocab_size, self.device)
+        try:
+            holds = packing_matches(self.engine, self.engine.module.get_input_embeddings().num_embeddings, self.device)
+        except (TypeError, ValueError, RuntimeError) as err:  # e.g. a forward that takes no position_ids
+            print(f"learner rank {self.rank}: the packing check failed ({type(err).__name__}: {err})", flush=True)
+            holds = False
         self.engine.train()
+        if self.world_size > 1:  # one layout on every rank: pack only where all ranks found it holds
+            agreed = torch.tensor([int(holds)], device=self.device)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            holds = bool(agreed.item())
         if self.rank == 0:
             print("learner: padding-free micro-batches (rows packed end to end)" if holds else
                   "learner: trainer.padding_free=true but this model mixes packed rows (its attention ignores "

@@ -34,12 +34,12 @@ class PackedRows:
     def scored(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Where the padded batch's `positions` ([rows, width-1] bool: log p of the next token is
         wanted) lie in the bins: a [bins, capacity-1] mask, and for each selected bin position (in
-        the mask's row-major order) its flat index in [rows, width-1]. The next token of a scored
-        token is in the same row, so it is the next column of the same bin."""
+        the mask's row-major order) its flat index in [rows, width-1]. A row's tokens are
+        consecutive in its bin, so the next token is the next column; a row's last token (whose
+        next one, padded, is a pad) is never selected."""
         src = self.source[:, :-1]
-        real = src >= 0
         row, col = src.clamp(min=0) // self.width, src.clamp(min=0) % self.width
-        inside = real & (col < self.width - 1)
+        inside = (src >= 0) & (self.source[:, 1:] == src + 1)  # the next bin column holds this row's next token
         wanted = inside & positions[row, col.clamp(max=self.width - 2)]
         return wanted, (row * (self.width - 1) + col)[wanted]
 

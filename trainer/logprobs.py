@@ -22,8 +22,8 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rl.plan.memory_plan import LOGPROB_CHUNK_TOKENS as CHUNK_TOKENS
-from trainer.packing import pack_rows  # 1024 x 49,152 x 4 bytes = 200 MB in fp32
+from rl.plan.memory_plan import LOGPROB_CHUNK_TOKENS as CHUNK_TOKENS  # 1024 x 49,152 x 4 bytes = 200 MB in fp32
+from trainer.packing import pack_rows
 
 
 def _head_of(model: torch.nn.Module) -> torch.nn.Module:

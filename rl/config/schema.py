@@ -15,8 +15,6 @@ from typing import Any, Iterable
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
-
-
 # metric sinks of `run.loggers` (rl/run/loggers.py writes them)
 LOGGERS = ("tensorboard", "jsonl", "wandb", "mlflow")
 
@@ -29,7 +27,6 @@ def logger_errors(names: Iterable[str]) -> list[str]:
         return []
     return [f"run.loggers={names}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(LOGGERS)}, "
             "e.g. run.loggers=[tensorboard,jsonl,wandb]"]
-
 
 
 @dataclass

@@ -446,7 +446,10 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                 handover.to_sync()
                 learner.sync_weights(fleet, state.policy_version)  # engines started from model.path
                 in_flight = checkpoint.load_in_flight(path)
-                ahead = f" ({len(in_flight)} batch(es) generated ahead kept)" if in_flight else ""
+                stream = (in_flight or {}).get("streaming")
+                ahead = (f" ({len(stream['ready'])} finished group(s) kept, {len(stream['pending'])} request(s) "
+                         "in flight sent again)" if stream else
+                         f" ({len(in_flight)} batch(es) generated ahead kept)" if in_flight else "")
                 log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}{ahead}")
             handover.to_rollout()
             run_loop(config, pad_id_of(tokenizer), data, fleet, rewards, learner, log, start_step=start_step,

@@ -5,7 +5,9 @@ reward service and learner only through the small protocols below, so the same l
 colocated on a laptop or spread over a Ray cluster (and imports neither Ray nor DeepSpeed).
 With `algorithm.off_policy_steps = k > 0` generation and rewards run ahead in a background
 thread (`rl.run.pipeline`), up to k steps, while the learner trains; weight syncs wait for a batch
-boundary. With an environment (`task.env`) each sample is a multi-turn episode (`rl.data.episodes`);
+boundary. With `rollout.mode=streaming` there are no batches to wait for: requests flow through
+the engines continuously, finished groups queue up, and weight syncs land mid-generation
+(`rl.run.streaming`; samples at most k versions old, counted at their oldest token). With an environment (`task.env`) each sample is a multi-turn episode (`rl.data.episodes`);
 with `eval.every_steps` held-out rows are evaluated before the first update, every N steps and
 after the last one.
 """
@@ -33,6 +35,7 @@ from rl.run.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
 from rl.plan.flops import step_cost
 from rl.algo.kl_control import KL_CONTROLLERS, kl_controller_from_dict
 from rl.run.pipeline import RolloutPipeline
+from rl.run.streaming import StreamingRollouts
 from rl.run.run_log import RunLog
 from rl.data.types import GenerationRequest, Sample, ScoredSample, TrainBatch
 
@@ -111,6 +114,37 @@ def collect(cfg: TrainConfig, data: PromptDataset, sampler: Sampler,
     return [s for g in chosen for s in g], generated, metrics
 
 
+def make_rollouts(cfg: TrainConfig, data: PromptDataset, sampler: Sampler, start_step: int,
+                  in_flight: dict | None) -> RolloutPipeline | StreamingRollouts | None:
+    """What makes each step's groups ahead of the learner: nothing (on-policy, lock-step), batches
+    generated up to k steps ahead, or a stream. `in_flight`: what a checkpoint recorded of it."""
+    a, P, n = cfg.algorithm, cfg.task.prompts_per_step, cfg.rollout.n
+    streaming = cfg.rollout.mode == "streaming"
+    if in_flight and streaming != ("streaming" in in_flight):
+        was = "streaming" if "streaming" in in_flight else "batch"
+        raise ValueError(f"the checkpoint holds rollouts in flight of rollout.mode={was}: resume it with "
+                         f"rollout.mode={was}")
+    if streaming:
+        def draw(b: int) -> list[GenerationRequest]:  # prompt batch b, group ids unique over the run
+            requests = data.requests(b, P, n)
+            for r in requests:
+                r.group_id += b * P
+            return requests
+
+        def informative(group: list[ScoredSample]) -> bool:
+            reward, valid, ids = _reward_tensors(group)
+            return bool(informative_groups(reward, ids, valid))
+
+        rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
+        return StreamingRollouts(sampler.fleet, draw, lambda samples: _shape_rewards(cfg, sampler.score(samples)),
+                                 groups_per_step=P, n=n, max_staleness=a.off_policy_steps,
+                                 start_step=start_step, end=cfg.run.steps * rounds, informative=informative if a.dynamic_sampling else None,
+                                 max_rounds=rounds, state=(in_flight or {}).get("streaming"))
+    if a.off_policy_steps:
+        return RolloutPipeline(lambda s: collect(cfg, data, sampler, s), a.off_policy_steps, cfg.run.steps, in_flight)
+    return None
+
+
 def _shape_rewards(cfg: TrainConfig, scored: list[ScoredSample]) -> list[ScoredSample]:
     """DAPO's overlong penalty, added to every scored sample's reward."""
     a = cfg.algorithm
@@ -182,13 +216,14 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
     version = start_step
     failing: list[str] = []  # the first reward error of each step, in a row, whose rewards all failed
     sampler = Sampler(fleet, rewards, episodes)
-    pipeline = RolloutPipeline(lambda s: collect(cfg, data, sampler, s), a.off_policy_steps, run.steps,
-                               in_flight) if a.off_policy_steps else None
+    pipeline = make_rollouts(cfg, data, sampler, start_step, in_flight)
 
     handover = GpuHandover.of(cfg, sampler.fleet, learner)
 
     def save(next_step: int, with_in_flight: bool = True) -> None:
-        ahead = pipeline.in_flight() if pipeline and with_in_flight else {}
+        # (a stream's record is the driver's own: kept even when the fleet is broken)
+        keep = with_in_flight or isinstance(pipeline, StreamingRollouts)
+        ahead = pipeline.in_flight() if pipeline and keep else {}
         with handover.learner_resident() if with_in_flight else nullcontext():  # (else the fleet is broken)
             checkpoint.save(log.run_dir, checkpoint.LoopState(next_step, version, kl_ctrl.to_dict()),
                             learner.save_checkpoint, run.keep_checkpoints, in_flight=ahead)
@@ -224,7 +259,7 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
 
 
 def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, learner: Learner,
-          log: RunLog, step: int, version: int, kl_ctrl, pipeline: RolloutPipeline | None,
+          log: RunLog, step: int, version: int, kl_ctrl, pipeline: RolloutPipeline | StreamingRollouts | None,
           save, evaluated: dict[str, float], handover: GpuHandover) -> tuple[dict[str, float], list[ScoredSample]]:
     """One step trained at policy `version`: its batch (made now, or ahead by the pipeline),
     scores, advantages, the update, the weight sync; logs and returns its metrics (with the
@@ -286,6 +321,8 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, 
         "policy/version_count": float(version + 1),
         "policy/staleness_mean": statistics.fmean(behind),
         "policy/staleness_max": float(max(behind)),
+        "policy/staleness_bound": float(a.off_policy_steps),
+        "rollout/streaming": float(cfg.rollout.mode == "streaming"),
         **_cost_metrics(cfg, train_metrics, t_train - t_rew, t_end - t0),
         **_episode_metrics(samples),
         **evaluated,

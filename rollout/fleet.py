@@ -6,6 +6,7 @@ tokens). Replacements are bounded by `rollout.max_restarts` per run, retries by 
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -52,20 +53,41 @@ class RolloutFleet:
         returns while the engines start, so the caller can start the learner meanwhile; call
         `wait_started()` before using the fleet."""
         base: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+        if spec.rollout.mode == "streaming":  # a weight sync runs while a drain waits (rollout/worker.py)
+            base["max_concurrency"] = 4
         if env_vars:
             base["runtime_env"] = {"env_vars": env_vars}
         n = spec.rollout.num_workers
         self.spec, self.deadlines, self.log = spec, deadlines or Deadlines(), log
         self._options = [{**base, **(actor_options[i] if actor_options else {})} for i in range(n)]
         self._remote = ray.remote(RolloutWorker)
-        self.version = 0  # the policy version every worker holds (set by the learner's sync)
+        self._version = 0  # the policy version every worker holds (set by the learner's sync)
         self.restarts = 0
+        # Streaming (`submit`/`drain`): each worker's requests in flight by (group, sample), with the
+        # time they were sent; requests of replaced workers waiting to be sent again; workers that
+        # failed during a drain (with their handle then) and replaced workers without the weights yet.
+        self._lock = threading.RLock()
+        self._outstanding: list[dict[tuple[int, int], tuple[GenerationRequest, float]]] = [{} for _ in range(n)]
+        self._lost: list[GenerationRequest] = []
+        self._broken: dict[int, tuple[Any, str]] = {}
+        self._unsynced: set[int] = set()
         # Set by the learner when it connects: rejoin the weight-sync group and load the weights.
         self.on_replace: Callable[[], None] | None = None
         self.workers = [self._start(i) for i in range(n)]
         self.where: list[dict[str, Any]] = [{} for _ in range(n)]
         if wait:
             self.wait_started()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        """Set by the learner once every worker holds `version`: replaced workers are up to date."""
+        self._version = version
+        with self._lock:
+            self._unsynced.clear()
 
     def wait_started(self) -> None:
         """Wait for every worker's engine to be up (start-up errors surface here)."""
@@ -126,7 +148,12 @@ class RolloutFleet:
             self.log(f"WARNING: {self.name(i)} failed during {phase}: {why}; replacing it "
                      f"(replacement {self.restarts} of rollout.max_restarts={limit})")
             ray.kill(self.workers[i], no_restart=True)
-            self.workers[i] = self._start(i)
+            with self._lock:
+                self.workers[i] = self._start(i)
+                self._lost += [req for req, _ in self._outstanding[i].values()]  # streaming: sent again
+                self._outstanding[i] = {}
+                self._broken.pop(i, None)
+                self._unsynced.add(i)
         self._started(failed)
         self.log(f"Replaced: {', '.join(self.name(i) for i in failed)} up")
 
@@ -155,6 +182,86 @@ class RolloutFleet:
         samples = [s for part in self._on_all(calls, "generate").values() for s in part]
         order = {(r.group_id, r.sample_index): i for i, r in enumerate(requests)}
         return sorted(samples, key=lambda s: order[(s.group_id, s.sample_index)])
+
+    # --- streaming (`rollout.mode=streaming`): requests flow continuously, samples are drained ---
+
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        """Send each group's requests to the worker with the fewest in flight (a group stays on one
+        worker, for prefix caching). Workers that failed or lack the current weights get none; with
+        no worker able to take them, the requests wait for `drain` to send them."""
+        with self._lock:
+            able = [i for i in range(len(self.workers)) if i not in self._broken and i not in self._unsynced]
+            if not able:
+                self._lost += requests
+                return
+            groups: dict[int, list[GenerationRequest]] = {}
+            for r in requests:
+                groups.setdefault(r.group_id, []).append(r)
+            now = time.monotonic()
+            for members in groups.values():
+                i = min(able, key=lambda j: len(self._outstanding[j]))
+                self._outstanding[i].update({(r.group_id, r.sample_index): (r, now) for r in members})
+                self.workers[i].submit.remote(members)  # a dead worker surfaces at the next drain
+
+    def in_flight(self) -> list[GenerationRequest]:
+        """Every request sent and not yet drained, and those waiting to be sent again."""
+        with self._lock:
+            return [req for reqs in self._outstanding for req, _ in reqs.values()] + list(self._lost)
+
+    def drain(self, wait_s: float) -> list[Sample]:
+        """The samples finished on every worker since the last drain (waiting up to `wait_s`).
+
+        A worker that dies, stops answering, raises, or holds a request past its deadline is noted
+        as broken and gets no more requests; `repair` (called by the driver's main thread, which
+        also runs the weight syncs) replaces it and sends its requests again. An engine left paused
+        longer than `rollout.pause_timeout_s` is named and resumed."""
+        with self._lock:
+            if self._lost:
+                lost, self._lost = self._lost, []
+                self.submit(lost)
+            handles = {i: self.workers[i] for i in range(len(self.workers))
+                       if self._outstanding[i] and i not in self._broken}
+        if not handles:
+            time.sleep(wait_s)
+            return []
+        errors: dict[int, str] = {}
+        results, failed = self.wait({i: w.drain.remote(wait_s) for i, w in handles.items()}, "drain", errors)
+        samples: list[Sample] = []
+        now = time.monotonic()
+        request_deadline = self.deadlines.of("request")
+        with self._lock:
+            for i, why in {**failed, **errors}.items():
+                if self.workers[i] is handles[i]:
+                    self._broken[i] = (handles[i], why)
+            for i, out in results.items():
+                if self.workers[i] is not handles[i]:
+                    continue  # replaced meanwhile: its requests were sent again
+                for s in out["samples"]:
+                    _, sent = self._outstanding[i].pop((s.group_id, s.sample_index), (None, now))
+                    self.deadlines.record("request", now - sent)
+                    samples.append(s)
+                oldest = min((sent for _, sent in self._outstanding[i].values()), default=now)
+                if now - oldest > request_deadline:
+                    self._broken[i] = (handles[i], f"a request of it has run {now - oldest:.0f} s without finishing "
+                                                   f"(the deadline: {request_deadline:.0f} s, run.call_timeout_s or "
+                                                   "run.call_timeout_factor x the slowest request so far)")
+                if out["paused_s"] > self.spec.rollout.pause_timeout_s:
+                    self.log(f"WARNING: {self.name(i)} has been left paused for {out['paused_s']:.0f} s (over "
+                             f"rollout.pause_timeout_s={self.spec.rollout.pause_timeout_s:g}; a weight sync that "
+                             "never finished?): resuming it")
+                    handles[i].resume.remote()
+        return samples
+
+    def repair(self) -> None:
+        """Replace the workers `drain` found broken (their requests are sent again) and bring them
+        up to date (`on_replace`). Called from the thread that runs the weight syncs."""
+        with self._lock:
+            broken = {i: why for i, (handle, why) in self._broken.items() if self.workers[i] is handle}
+            self._broken.clear()
+        if broken:
+            self.replace(broken, "streaming generation")
+            if self.on_replace is not None:
+                self.on_replace()
 
     def sleep(self, level: int | None = None) -> None:
         self._on_all({i: (lambda i=i: self.workers[i].sleep.remote(level)) for i in range(len(self.workers))},

@@ -12,6 +12,10 @@ methods are used. Names start with `rlpost_`: vLLM refuses an extension attribut
 
 from __future__ import annotations
 
+import os
+import pickle
+import signal
+import threading
 import time
 
 from rl.wire import weight_sync
@@ -36,6 +40,36 @@ class SyncExtension:
             from rollout.worker import adapter_merger
 
             self._rlpost_merger = adapter_merger(lora_spec)
+
+    def rlpost_join_pickled(self, payload: bytes) -> None:
+        """`rlpost_join` with its arguments pickled: AsyncLLM's RPC to its engine-core process encodes
+        arguments with msgpack, which turns the WeightMeta and RolloutSpec dataclasses into dicts."""
+        self.rlpost_join(*pickle.loads(payload))
+
+    def rlpost_reload_pickled(self, payload: bytes) -> None:
+        """`reload_weights` of pickled (name, tensor) pairs (msgpack would turn the tensors into lists)."""
+        self.reload_weights(weights_iterator=iter(pickle.loads(payload)))
+        self.rlpost_restore_tied()
+
+    def rlpost_watch_parent(self, actor_pid: int) -> None:
+        """End this process (and vLLM's engine core above it, when that is not the actor itself) once
+        the Ray actor `actor_pid` is gone: an actor killed outright cannot shut its AsyncLLM down,
+        and vLLM's engine-core process does not watch its parent (its TP workers do)."""
+        core = os.getppid()  # the engine core with tensor parallelism, else the actor itself
+
+        def watch() -> None:
+            while True:
+                try:
+                    os.kill(actor_pid, 0)
+                except ProcessLookupError:
+                    break
+                time.sleep(1.0)
+            if core != actor_pid:
+                os.kill(core, signal.SIGKILL)
+            os._exit(1)
+
+        if os.getpid() != actor_pid:
+            threading.Thread(target=watch, name="rlpost-watch-parent", daemon=True).start()
 
     def rlpost_close(self) -> None:
         weight_sync.close_group(self._rlpost_group)

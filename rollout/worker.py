@@ -15,6 +15,10 @@ from rollout.protocol import RolloutSpec
 
 
 def make_engine(spec: RolloutSpec, seed: int):
+    if spec.rollout.backend == "vllm" and spec.rollout.mode == "streaming":
+        from rollout.vllm_stream import AsyncVLLMEngine
+
+        return AsyncVLLMEngine(spec, seed)
     if spec.rollout.backend == "vllm":
         from rollout.vllm_engine import VLLMEngine
 
@@ -79,6 +83,20 @@ class RolloutWorker:
 
     def version(self) -> int:
         return self.engine.version
+
+    # Streaming engines only (`rollout.mode=streaming`, rollout/vllm_stream.py): the actor then runs
+    # its calls in threads (max_concurrency), so a weight sync proceeds while a drain waits.
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        self.engine.submit(requests)
+
+    def drain(self, wait_s: float) -> dict:
+        return self.engine.drain(wait_s)
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
 
     def where(self) -> dict:
         """This actor's process and Ray node (for placement reports and fault messages)."""

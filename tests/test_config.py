@@ -162,3 +162,21 @@ def test_all_cores_means_the_cores_this_process_may_use():
         os.sched_setaffinity(0, before)
     assert worker_threads(cfg) == len(before)
     assert worker_threads(compose_config(["cluster.threads_per_worker=3"])) == 3
+
+
+def test_streaming_mode_names_what_it_needs():
+    """rollout.mode=streaming is refused, field by field, where it cannot run as asked (never a
+    silent fallback to batches)."""
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["rollout.mode=streaming", "algorithm.off_policy_steps=1"])
+    assert cfg.rollout.mode == "streaming" and cfg.rollout.inflight_kv == "keep"
+    with pytest.raises(ConfigError) as err:
+        compose_config(["rollout.mode=streaming", "rollout.backend=hf", "rollout.inflight_kv=drop"])
+    text = str(err.value)
+    assert "set rollout.backend=vllm" in text and "algorithm.off_policy_steps=1" in text
+    assert "rollout.inflight_kv='drop': choose one of keep, recompute" in text
+    with pytest.raises(ConfigError, match="task.env=.*set rollout.mode=batch"):
+        compose_config(["rollout.mode=streaming", "algorithm.off_policy_steps=1", "task=calculator"])
+    with pytest.raises(ConfigError, match="rollout.mode='stream': choose one of batch, streaming"):
+        compose_config(["rollout.mode=stream"])

@@ -117,6 +117,17 @@ class RolloutConfig:
     # GPUs (vLLM worker processes) per engine, each holding a shard of the model; with GPUs set
     # cluster.gpus_per_rollout_worker to the same number (vllm backend only)
     tensor_parallel_size: int = 1
+    # batch: each step's prompts are generated together (with algorithm.off_policy_steps=k, up to k
+    # batches ahead in a thread). streaming: every engine runs vLLM's AsyncLLM with requests flowing
+    # continuously; finished groups queue up for the learner, weight syncs pause the engines with
+    # their requests kept and resume them (a sample may span versions; the staleness bound,
+    # algorithm.off_policy_steps >= 1, counts its oldest token) (rl/run/streaming.py)
+    mode: str = "batch"
+    # streaming: the KV cache of requests in flight across a weight sync: keep (reuse the blocks the
+    # old weights computed: fastest) or recompute (drop them; the prompt and tokens so far are
+    # prefilled again under the new weights)
+    inflight_kv: str = "keep"
+    pause_timeout_s: float = 300.0  # streaming: an engine paused this long is named and resumed
 
 
 @dataclass
@@ -278,6 +289,8 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
     "model.dtype": ("float32", "bfloat16"),
     "rollout.backend": ("vllm", "hf"),
+    "rollout.mode": ("batch", "streaming"),
+    "rollout.inflight_kv": ("keep", "recompute"),
     "trainer.zero_stage": (0, 1, 2, 3),
     "trainer.weight_sync": ("collective", "object_store", "ipc"),
     "sandbox.backend": ("process", "docker", "unsafe_local"),
@@ -310,6 +323,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "rollout.max_restarts": (0, True, None, "3"),
     "rollout.max_retries": (0, True, None, "2"),
     "rollout.tensor_parallel_size": (1, True, None, "1 (or the GPUs one engine spans, e.g. 2)"),
+    "rollout.pause_timeout_s": (0, False, None, "300"),
     "reward.timeout_s": (0, False, None, "60"),
     "reward.max_failed_steps": (1, True, None, "3"),
     "sandbox.num_workers": (0, True, None, "0 (jobs run in the reward worker) or 2"),
@@ -494,6 +508,32 @@ def _tensor_parallel_errors(cfg: Any) -> list[str]:
     return errors
 
 
+def _streaming_errors(cfg: Any) -> list[str]:
+    """What `rollout.mode=streaming` needs: vLLM's AsyncLLM, engines that keep generating while the
+    learner trains (never asleep) and a staleness bound that lets them run ahead."""
+    r, a = cfg.rollout, cfg.algorithm
+    if r.mode != "streaming":
+        return []
+    errors = []
+    if r.backend != "vllm":
+        errors.append(f"rollout.mode=streaming runs vLLM's AsyncLLM: set rollout.backend=vllm (not {r.backend!r}) "
+                      "or rollout.mode=batch")
+    if a.off_policy_steps < 1:
+        errors.append("rollout.mode=streaming generates while the learner trains, so samples are up to "
+                      "algorithm.off_policy_steps versions old (counted at their oldest token): set "
+                      "algorithm.off_policy_steps=1 (or more)")
+    if r.sleep_between_steps:
+        errors.append("rollout.mode=streaming keeps the engines generating while the learner trains: they cannot "
+                      "sleep; set rollout.sleep_between_steps=false (and cluster.placement_mode=disaggregated)")
+    if cfg.task.env:
+        errors.append(f"rollout.mode=streaming runs single-turn completions (task.env={cfg.task.env!r} episodes "
+                      "run turn by turn): set rollout.mode=batch with algorithm.off_policy_steps")
+    if cfg.trainer.weight_sync == "ipc":
+        errors.append("rollout.mode=streaming loads weights through its engines' worker RPC: set "
+                      "trainer.weight_sync=collective (or object_store)")
+    return errors
+
+
 def validate(cfg: Any) -> None:
     """Raise ConfigError listing every bad field of a merged TrainConfig, with the fix."""
     check_schema(cfg)
@@ -523,6 +563,7 @@ def validate(cfg: Any) -> None:
         errors.append(f"cluster.gpus_per_learner={c.gpus_per_learner:g}: at most 1; a learner rank computes on one "
                       "GPU: raise trainer.num_workers to use more")
     errors += _tensor_parallel_errors(cfg)
+    errors += _streaming_errors(cfg)
     errors += _placement_mode_errors(cfg)
     errors += _shared_gpu_errors(cfg)
     if not 0 < cfg.rollout.temperature:

@@ -50,6 +50,10 @@ class Sample:
     completion_mask: list[int] | None = None
     turns: list[Turn] | None = None  # episodes only, in order
     error: str | None = None  # the episode failed (environment raised, hung, answered badly)
+    # Streaming rollouts (in-flight weight updates): the policy version that sampled each completion
+    # token (an observation token carries its turn's last one); None = all `policy_version`. A sample
+    # may span versions; `policy_version` is then its first token's, the oldest.
+    token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
@@ -59,6 +63,13 @@ class Sample:
         if self.completion_mask is not None and len(self.completion_mask) != len(self.completion_ids):
             raise ValueError(f"Sample has {len(self.completion_ids)} completion tokens but a mask of "
                              f"{len(self.completion_mask)}")
+        if self.token_versions is not None and len(self.token_versions) != len(self.completion_ids):
+            raise ValueError(f"Sample has {len(self.completion_ids)} completion tokens but "
+                             f"{len(self.token_versions)} token versions")
+
+    def oldest_version(self) -> int:
+        """The policy version of the sample's oldest token (the staleness bound counts it)."""
+        return min(self.token_versions, default=self.policy_version) if self.token_versions else self.policy_version
 
     def turn_rewards(self) -> list[tuple[int, float]]:
         """(index in completion_ids of the turn's last model token, reward) of each rewarded turn."""
@@ -94,7 +105,7 @@ class ScoredSample:
         """The sample log's row: prompt, completion, the dataset columns the reward saw (`data`,
         e.g. the answer), reward and its components, error; then the rest of the sample."""
         rest = asdict(self.sample)
-        for key in ("prompt_ids", "completion_ids", "logprobs", "completion_mask", "error"):
+        for key in ("prompt_ids", "completion_ids", "logprobs", "completion_mask", "token_versions", "error"):
             rest.pop(key)  # an episode's error is the ScoredSample's (below)
         if rest["turns"] is None:
             rest.pop("turns")

@@ -31,7 +31,7 @@ TIME_KEYS = (("time/rollout_s", "rollout"), ("time/reward_s", "reward"), ("time/
 
 def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
     """The RL step line: reward, KL, throughput and time, e.g. `step 3/60 | reward 0.412 | ...`."""
-    parts = [f"step {step + 1}/{total}"]
+    parts = [f"step {step + 1}/{total}" + _mode(metrics)]
     parts += [fmt.format(metrics[k]) for k, fmt in SUMMARY_KEYS if k in metrics]
     split = [f"{name} {metrics[k]:.2f}" for k, name in TIME_KEYS if k in metrics and metrics[k] > 0]
     if split and "time/step_s" in metrics:
@@ -39,6 +39,14 @@ def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
     if metrics.get("reward/errors_count"):
         parts.append(f"{int(metrics['reward/errors_count'])} reward errors")
     return " | ".join(parts)
+
+
+def _mode(metrics: dict[str, float]) -> str:
+    """How the step's samples were made, e.g. ` [streaming, <=1 behind]` (never a silent fallback)."""
+    bound = int(metrics.get("policy/staleness_bound", 0))
+    if metrics.get("rollout/streaming"):
+        return f" [streaming, <={bound} behind]"
+    return f" [batches <={bound} ahead]" if bound else ""
 
 
 def row_line(title: str) -> Callable[[int, int, dict[str, float]], str]:

@@ -1,0 +1,184 @@
+"""Streaming vLLM backend (`rollout.mode=streaming`): vLLM's `AsyncLLM`, requests flowing continuously.
+
+Requests are submitted one group at a time and finished samples are drained whenever the driver
+asks, so no batch waits for its slowest sample. A weight sync pauses the engine with its requests
+kept (`pause_generation(mode="keep")`), loads, and resumes them: tokens sampled after the load
+carry the new version, so every sample records the policy version of each of its tokens
+(DESIGN.md "Asynchronous steps"). `rollout.inflight_kv=recompute` drops the KV cache of the kept
+requests at the pause, so their tokens so far are prefilled again under the new weights.
+
+AsyncLLM runs its engine core in a child process (also on CPU), so the weights always go through
+the vLLM worker's RPC (`rollout/vllm_worker.py`), as with tensor parallelism; the engine's event
+loop runs in a thread of its own, so the Ray actor's methods stay plain blocking calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import pickle
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from rl.data.types import GenerationRequest, Sample
+from rollout.protocol import RolloutSpec
+from rollout.vllm_engine import engine_kwargs, vllm_env
+
+
+class AsyncVLLMEngine:
+    in_process = False  # the model runs in vLLM's engine-core process: weights go through its RPC
+
+    def __init__(self, spec: RolloutSpec, seed: int):
+        r = spec.rollout
+        for key, value in vllm_env(r.kv_cache_gib, spec.threads, r.enforce_eager).items():
+            if key != "VLLM_ENABLE_V1_MULTIPROCESSING":  # AsyncLLM's core always runs in a child process
+                os.environ.setdefault(key, value)
+        logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
+        self.rollout = r
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True).start()
+        self.llm = self._call(self._build(engine_kwargs(spec, seed)))
+        self._call(self.llm.collective_rpc("rlpost_watch_parent", args=(os.getpid(),)))
+        self._call(self.llm.collective_rpc("rlpost_record_tied"))
+        self.version = 0
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._done: list[Sample | BaseException] = []
+        self._running = 0
+        self._paused_since: float | None = None
+        self._sync = threading.Lock()  # one pause/load/resume at a time
+
+    @staticmethod
+    async def _build(kwargs: dict[str, Any]):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs, disable_log_stats=True))
+
+    def _call(self, coro, timeout: float | None = None):
+        """Run a coroutine on the engine's loop and wait for its result (from any thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    async def _sample(self, req: GenerationRequest) -> Sample:
+        """One request, its output read token by token as it streams: each token is tagged with the
+        version of the weights loaded when it came out (the version changes only while paused)."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        r = self.rollout
+        params = SamplingParams(
+            n=1, temperature=r.temperature if req.temperature is None else req.temperature, top_p=r.top_p,
+            max_tokens=r.max_new_tokens if req.max_tokens is None else req.max_tokens, seed=req.seed,
+            logprobs=0, output_kind=RequestOutputKind.DELTA)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        text: list[str] = []
+        finish = None
+        request_id = f"g{req.group_id}-s{req.sample_index}-{next(self._ids)}"
+        async for out in self.llm.generate({"prompt_token_ids": list(req.prompt_ids)}, params, request_id):
+            c = out.outputs[0]
+            ids += c.token_ids
+            logprobs += [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or ())]
+            versions += [self.version] * len(c.token_ids)
+            text.append(c.text)
+            finish = c.finish_reason or finish
+        return Sample(prompt_ids=list(req.prompt_ids), completion_ids=ids, logprobs=logprobs,
+                      finish_reason="stop" if finish == "stop" else "length",
+                      policy_version=versions[0] if versions else self.version, prompt_text=req.prompt_text,
+                      completion_text="".join(text), group_id=req.group_id, sample_index=req.sample_index,
+                      metadata=req.metadata, token_versions=versions)
+
+    def submit(self, requests: list[GenerationRequest]) -> None:
+        """Start the requests; their samples come out of `drain` as each finishes."""
+        with self._cond:
+            self._running += len(requests)
+        for req in requests:
+            asyncio.run_coroutine_threadsafe(self._sample(req), self._loop).add_done_callback(self._finished)
+
+    def _finished(self, future) -> None:
+        with self._cond:
+            self._running -= 1
+            self._done.append(future.exception() or future.result())
+            self._cond.notify_all()
+
+    def drain(self, wait_s: float) -> dict[str, Any]:
+        """The samples finished since the last call (waiting up to `wait_s` for a first one), how
+        many requests are still running, and for how long the engine has been paused (0: it is not).
+        A request that failed raises here (its engine is broken: the fleet replaces the worker)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done, timeout=wait_s)
+            done, self._done = self._done, []
+            running = self._running
+        for item in done:
+            if isinstance(item, BaseException):
+                raise item
+        since = self._paused_since
+        return {"samples": done, "running": running, "paused_s": time.monotonic() - since if since else 0.0}
+
+    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        """A blocking batch (evaluation, tests), beside whatever is streaming."""
+        async def all_of():
+            return await asyncio.gather(*(self._sample(r) for r in requests))
+
+        return self._call(all_of())
+
+    @contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Requests kept and frozen for the duration (their KV cache too unless `inflight_kv` is
+        recompute); resumed however the body ends."""
+        with self._sync:
+            self.pause()
+            try:
+                yield
+            finally:
+                self.resume()
+
+    def pause(self) -> None:
+        self._call(self.llm.pause_generation(mode="keep", clear_cache=self.rollout.inflight_kv == "recompute"))
+        self._paused_since = time.monotonic()
+
+    def resume(self) -> None:
+        self._call(self.llm.resume_generation())
+        self._paused_since = None
+
+    def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
+                         metas: list, lora_spec: RolloutSpec | None = None) -> None:
+        payload = pickle.dumps((host, port, first_rank, world_size, backend, metas, lora_spec))
+        self._call(self.llm.collective_rpc("rlpost_join_pickled", args=(payload,)))
+
+    def receive_weights(self, version: int) -> list[dict[str, float]]:
+        """Pause, take rank 0's broadcast in the vLLM worker(s) (`SyncExtension.rlpost_receive`), resume."""
+        with self._paused():
+            stats = self._call(self.llm.collective_rpc("rlpost_receive"))
+            self._loaded(version)
+        return stats
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Weights from the object store: pause, load them in the worker(s), resume."""
+        payload = pickle.dumps([(name, t.contiguous()) for name, t in named_tensors])
+        with self._paused():
+            self._call(self.llm.collective_rpc("rlpost_reload_pickled", args=(payload,)))
+            self._loaded(version)
+
+    def _loaded(self, version: int) -> None:
+        # Cached prefixes of finished requests were computed by the old weights. With requests kept
+        # (inflight_kv=keep) vLLM resets nothing while they hold blocks: their KV stays the old one.
+        self._call(self.llm.reset_prefix_cache())
+        self.version = version
+
+    def sleep(self, level: int | None = None) -> None:
+        """Streaming engines never sleep (rollout.sleep_between_steps is refused with this mode)."""
+
+    def wake(self, tags: tuple[str, ...] | None = None) -> None:
+        """See `sleep`."""
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)

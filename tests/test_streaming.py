@@ -1,0 +1,270 @@
+"""Streaming rollouts (`rollout.mode=streaming`): the driver's queue (rl/run/streaming.py) against
+an in-process fleet with a controllable clock of finished requests, then the real AsyncLLM engine
+in a Ray worker: weights loaded mid-generation, per-token versions, faults in its process."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from rl.data.types import GenerationRequest, Sample, ScoredSample
+from rl.run.streaming import StreamingRollouts, staleness_metrics
+
+
+class QueueFleet:
+    """Finishes the requests it was sent when the test says so (`finish`), each token dated by
+    `version` at that moment: the order and timing of completions are the test's."""
+
+    def __init__(self):
+        self.sent: list[GenerationRequest] = []
+        self.waiting: dict[tuple[int, int], GenerationRequest] = {}
+        self.done: list[Sample] = []
+        self.version = 0
+        self.lock = threading.Lock()
+        self.repairs = 0
+
+    def submit(self, requests):
+        with self.lock:
+            self.sent += requests
+            self.waiting.update({(r.group_id, r.sample_index): r for r in requests})
+
+    def drain(self, wait_s):
+        import time
+
+        time.sleep(0.005)
+        with self.lock:
+            out, self.done = self.done, []
+        return out
+
+    def repair(self):
+        self.repairs += 1
+
+    def finish(self, group_ids=None, versions=None):
+        """Finish the waiting requests of `group_ids` (all by default); tokens of `versions`."""
+        with self.lock:
+            keys = [k for k in self.waiting if group_ids is None or k[0] in group_ids]
+            for k in keys:
+                r = self.waiting.pop(k)
+                v = versions or [self.version, self.version]
+                self.done.append(Sample(r.prompt_ids, [1] * len(v), [-0.5] * len(v), "stop", v[0], r.prompt_text,
+                                        "x", r.group_id, r.sample_index, dict(r.metadata), token_versions=list(v)))
+
+    def started_groups(self):
+        return {r.group_id for r in self.sent}
+
+
+def _draw(P, n):
+    def draw(b):
+        return [GenerationRequest([b, g], f"p{b}.{g}", b * P + g, k, seed=k) for g in range(P) for k in range(n)]
+    return draw
+
+
+def _score(samples):
+    return [ScoredSample(s, float(s.sample_index % 2)) for s in samples]
+
+
+def _until(pred, timeout=5.0):
+    import time
+
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_admission_follows_the_staleness_bound_and_a_slow_group_holds_nothing_back():
+    fleet = QueueFleet()
+    P, n, k = 2, 2, 1
+    stream = StreamingRollouts(fleet, _draw(P, n), _score, groups_per_step=P, n=n, max_staleness=k, start_step=0, end=10)
+    try:
+        _until(lambda: len(fleet.started_groups()) == (k + 1) * P)  # versions 0..k may start: 4 groups
+        import time
+
+        time.sleep(0.1)
+        assert len(fleet.started_groups()) == (k + 1) * P
+        fleet.finish(group_ids={1, 2, 3})  # group 0 is the long tail: it does not hold step 0 back
+        scored, samples, m = stream.take(0)
+        assert sorted({s.group_id for s in samples}) == [1, 2]  # oldest first, then by arrival
+        assert m["stream/ready_groups_count"] == 1 and m["policy/token_staleness_mean"] == 0
+        assert len(scored) == P * n and fleet.repairs >= 1
+        fleet.version = 1
+        assert len(fleet.started_groups()) == (k + 1) * P  # nothing more until the learner is at version 1
+        fleet.finish(group_ids={0})  # the long one ends, its tokens of version 1
+        scored, samples, m = stream.take(1)
+        assert sorted({s.group_id for s in samples}) == [0, 3]
+        _until(lambda: len(fleet.started_groups()) == (1 + k + 1) * P)  # the learner at version 1: 2 more
+        fleet.version = 2
+        fleet.finish()  # groups 4, 5 (started at version 1) end at version 2
+        _, samples, m = stream.take(2)
+        assert sorted({s.group_id for s in samples}) == [4, 5]
+    finally:
+        stream.close()
+
+
+def test_a_group_older_than_the_bound_is_generated_again_not_trained_on():
+    fleet = QueueFleet()
+    stream = StreamingRollouts(fleet, _draw(1, 2), _score, groups_per_step=1, n=2, max_staleness=1, start_step=0, end=10)
+    try:
+        _until(lambda: len(fleet.sent) == 4)
+        fleet.finish(group_ids={0})
+        assert {s.group_id for s in stream.take(0)[1]} == {0}
+        fleet.version = 3  # group 1's samples: first token of version 0, last of 3
+        fleet.finish(group_ids={1}, versions=[0, 3])
+        got = {}
+        taking = threading.Thread(target=lambda: got.update(zip(("scored", "samples", "m"), stream.take(3))))
+        taking.start()  # the learner at version 3: versions >= 2 allowed, groups up to 4 started
+        _until(lambda: {2, 3, 4} <= fleet.started_groups())
+        _until(lambda: [r.group_id for r in fleet.sent].count(1) == 4)  # group 1 sent again, whole
+        fleet.finish(group_ids={2}, versions=[2, 3])
+        taking.join(5)
+        assert {s.group_id for s in got["samples"]} == {2} and got["m"]["stream/stale_groups_count"] == 1
+        assert got["m"]["policy/token_staleness_max"] == 1 and got["m"]["policy/spanning_samples_frac"] == 1.0
+    finally:
+        stream.close()
+
+
+def test_in_flight_state_resumes_without_losing_or_repeating_a_group():
+    fleet = QueueFleet()
+    stream = StreamingRollouts(fleet, _draw(2, 2), _score, groups_per_step=2, n=2, max_staleness=1, start_step=0, end=10)
+    _until(lambda: len(fleet.started_groups()) == 4)
+    fleet.finish(group_ids={0, 1, 2})
+    taken = {s.group_id for s in stream.take(0)[1]}
+    _until(lambda: len(fleet.started_groups()) == 4)
+    state = stream.in_flight()["streaming"]
+    stream.close()
+    assert {g.requests[0].group_id for g in state["ready"]} == {2} and {r.group_id for r in state["pending"]} == {3}
+
+    again = QueueFleet()
+    again.version = 1
+    resumed = StreamingRollouts(again, _draw(2, 2), _score, groups_per_step=2, n=2, max_staleness=1, start_step=1,
+                                end=10, state=state)
+    try:
+        _until(lambda: 3 in again.started_groups())
+        assert again.started_groups() == {3, 4, 5}  # the pending one again, then what the bound allows
+        again.finish()
+        later = {s.group_id for s in resumed.take(1)[1]}
+        assert later == {2, 3} and not later & taken
+    finally:
+        resumed.close()
+
+
+def test_dynamic_sampling_keeps_informative_groups_and_fills_only_past_its_budget():
+    fleet = QueueFleet()
+    same = lambda samples: [ScoredSample(s, 1.0 if s.group_id % 2 else float(s.sample_index)) for s in samples]  # noqa: E731
+    informative = lambda group: len({s.reward for s in group}) > 1  # noqa: E731
+    stream = StreamingRollouts(fleet, _draw(2, 2), same, groups_per_step=2, n=2, max_staleness=1, start_step=0,
+                               end=20, informative=informative, max_rounds=2)
+    try:
+        _until(lambda: len(fleet.started_groups()) == 4)
+        fleet.finish()  # groups 0, 2 informative; 1, 3 all equal
+        _, samples, m = stream.take(0)
+        assert {s.group_id for s in samples} == {0, 2} and m["dapo/filled_groups"] == 0
+    finally:
+        stream.close()
+
+
+def test_staleness_metrics_count_model_tokens_only():
+    a = Sample([1], [5, 6, 7], [-1.0] * 3, "stop", 2, "", "", 0, 0, token_versions=[2, 2, 3])
+    b = Sample([1], [5, 6], [-1.0, 0.0], "stop", 3, "", "", 0, 1, completion_mask=[1, 0], token_versions=[3, 3])
+    m = staleness_metrics([a, b], version=4)
+    assert m["policy/token_staleness_mean"] == pytest.approx((2 + 2 + 1 + 1) / 4)
+    assert m["policy/token_staleness_max"] == 2 and m["policy/spanning_samples_frac"] == 0.5
+    assert a.oldest_version() == 2 and m["policy/versions_per_sample_mean"] == 1.5
+
+
+def _drain_all(fleet, keys: set, timeout_s: float = 120.0) -> dict:
+    """Drain (repairing, as the driver's thread does) until every request of `keys` came back."""
+    import time
+
+    got, end = {}, time.monotonic() + timeout_s
+    while not keys <= set(got):
+        assert time.monotonic() < end, f"requests {sorted(keys - set(got))} never came back"
+        for s in fleet.drain(0.2):
+            got[(s.group_id, s.sample_index)] = s
+        fleet.repair()
+    return got
+
+
+@pytest.mark.slow
+def test_weights_loaded_mid_generation_date_every_token_and_faults_are_caught(smollm2):
+    """The real AsyncLLM engine (SmolLM2, fp32) in a Ray worker: weights of another policy loaded
+    while 4 requests are generating (inflight_kv=recompute) split each sample into tokens of
+    version 0 and version 1, and each token's recorded log-prob is the one its version's model
+    gives it (< 1e-3, recomputed with Hugging Face). Then faults in the worker's process: an engine
+    left paused is named and resumed; a killed worker (its engine-core process goes with it) and a
+    stopped one are replaced and their requests sent again."""
+    import os
+    import signal
+    import time
+
+    import psutil
+    import ray
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rl.config.schema import ModelConfig, RolloutConfig
+    from rl.run.faults import Deadlines
+    from rollout.fleet import RolloutFleet
+    from rollout.protocol import RolloutSpec
+    from rollout.vllm_engine import vllm_env
+    from tests.conftest import shared_ray
+
+    shared_ray()
+    spec = RolloutSpec(ModelConfig(path=smollm2, dtype="float32"),
+                       RolloutConfig(max_new_tokens=160, max_model_len=256, kv_cache_gib=1, mode="streaming",
+                                     inflight_kv="recompute", pause_timeout_s=2.0, max_restarts=2), seed=0, threads=2)
+    logs: list[str] = []
+    fleet = RolloutFleet(spec, num_cpus=1, env_vars=vllm_env(1, 2), log=logs.append,
+                         deadlines=Deadlines(floor_s=4.0, factor=20.0, start_s=120.0))
+    fleet.on_replace = lambda: setattr(fleet, "version", fleet.version)  # (a learner would load its weights)
+    prompt = [1, 2, 3, 4]
+    requests = [GenerationRequest(prompt + [10 + g], "", g, 0, seed=g) for g in range(4)]
+    base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    other = {k: v.clone() for k, v in base.state_dict().items() if k != "lm_head.weight"}
+    other["model.norm.weight"] *= 1.7  # a different policy: sharper next-token distributions
+    try:
+        fleet.submit(requests)
+        time.sleep(1.5)
+        ray.get(fleet.workers[0].load_weights_from_object.remote(other, 1), timeout=60)
+        got = _drain_all(fleet, {(g, 0) for g in range(4)})
+        tuned = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+        tuned.load_state_dict(other, strict=False)
+        spanning = 0
+        for s in got.values():
+            v = s.token_versions
+            assert v == sorted(v) and set(v) <= {0, 1} and s.policy_version == v[0] == 0
+            spanning += len(set(v)) == 2
+            ids = torch.tensor([s.prompt_ids + s.completion_ids])
+            for model, version in ((base, 0), (tuned, 1)):
+                with torch.no_grad():
+                    logits = model(ids).logits[0, len(s.prompt_ids) - 1: -1]
+                want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.completion_ids)[:, None])[:, 0]
+                mine = [i for i, t in enumerate(v) if t == version]
+                diff = (want[mine] - torch.tensor(s.logprobs)[mine]).abs().max().item() if mine else 0.0
+                assert diff < 1e-3, f"version {version} tokens: log-probs differ by {diff}"
+        assert spanning >= 1, "no sample spanned the weight update: load earlier or generate longer"
+
+        # an engine left paused: named after rollout.pause_timeout_s and resumed
+        ray.get(fleet.workers[0].pause.remote())
+        fleet.submit([GenerationRequest(prompt, "", 10, 0, seed=1, max_tokens=8)])
+        _drain_all(fleet, {(10, 0)}, timeout_s=30)
+        assert any("left paused" in line and "resuming it" in line for line in logs), logs
+
+        # a killed worker: replaced, its requests sent again; its engine-core process ends too
+        pid = fleet.where[0]["pid"]
+        cores = psutil.Process(pid).children(recursive=True)
+        fleet.submit([GenerationRequest(prompt, "", 11, k, seed=k, max_tokens=40) for k in range(2)])
+        os.kill(pid, signal.SIGKILL)
+        assert len(_drain_all(fleet, {(11, 0), (11, 1)})) == 2 and fleet.restarts == 1
+        gone, alive = psutil.wait_procs(cores, timeout=10)
+        assert not alive, f"engine processes outlived their actor: {alive}"
+
+        # a stopped worker: its drain misses the deadline, it is replaced, the request sent again
+        pid = fleet.where[0]["pid"]
+        fleet.submit([GenerationRequest(prompt, "", 12, 0, seed=3, max_tokens=8)])
+        os.kill(pid, signal.SIGSTOP)
+        _drain_all(fleet, {(12, 0)})
+        assert fleet.restarts == 2 and any("streaming generation" in line for line in logs)
+    finally:
+        fleet.shutdown()

@@ -244,6 +244,37 @@ def build_components(cfg: TrainConfig, log=print):
     return fleet, rewards, learner, placement
 
 
+def load_agent(cfg) -> Any:
+    """The `task.agent` function (None without one), loaded in the driver, which runs the agents."""
+    if not cfg.task.agent:
+        return None
+    from reward.loader import load_object
+
+    return load_object(cfg.task.agent, os.getcwd(), field="task.agent")
+
+
+def start_agents(cfg: TrainConfig, tokenizer, fleet, agent):
+    """The agent server in front of the fleet and the runner of `task.agent` episodes (`agent`, the
+    loaded function; None without task.agent). The server listens on a free local port; each
+    episode gets its own base URL."""
+    if agent is None:
+        return None
+    import logging
+
+    from rl.run.agents import AgentRunner
+    from rollout.agent_server import AgentServer
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' clients log every call at INFO
+    r = cfg.rollout
+    server = AgentServer(tokenizer, fleet.generate_one, max_tokens_default=r.max_new_tokens,
+                         temperature_default=r.temperature, top_p_default=r.top_p, max_model_len=r.max_model_len,
+                         observation_role=cfg.task.observation_role)
+    server.start()
+    return AgentRunner(server, agent, fleet, prompt_key=cfg.task.prompt_key, workers=cfg.task.agent_workers,
+                       timeout_s=cfg.task.agent_timeout_s, max_len=r.max_model_len, decode=tokenizer.decode,
+                       agent_kwargs=dict(cfg.task.agent_kwargs))
+
+
 def start_envs(cfg: TrainConfig, tokenizer):
     """The environment actors and what the loop needs to run episodes (None without task.env)."""
     if not cfg.task.env:
@@ -293,6 +324,7 @@ def load_inputs(cfg: DictConfig):
     scorer = RewardScorer(reward_specs(cfg), base_dir=os.getcwd()) if cfg.reward.functions else None
     if cfg.task.env:
         load_environment(cfg.task.env, os.getcwd())
+    load_agent(cfg)  # a bad task.agent fails here too
     # Every row of every file is read (the prompt column a non-empty string) before transformers loads.
     budget = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
     data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, None, cfg.run.seed, budget,
@@ -428,14 +460,16 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                  resume=resume_from is not None or restarted, loggers=list(cfg.run.loggers),
                  config=OmegaConf.to_container(cfg, resolve=True),
                  sink_options={"project": cfg.run.project, "mlflow_tracking_uri": cfg.run.mlflow_tracking_uri})
+    agent = load_agent(cfg)  # a bad task.agent fails here, before Ray starts
     owns_ray = start_ray(cfg)
-    fleet = rewards = learner = sandboxes = episodes = placement = None
+    fleet = rewards = learner = sandboxes = episodes = agents = placement = None
     failed, stop = False, StopRequest()
     with stop_on_signals(stop, log.write):  # until Ray is down: a second signal stops at once
         try:
             sandboxes = start_sandbox_pool(cfg)
             fleet, rewards, learner, placement = build_components(config, log.write)
             episodes = start_envs(config, tokenizer)
+            agents = start_agents(config, tokenizer, fleet, agent)
             report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement,
                              episodes.envs if episodes else None)
             in_flight = None
@@ -453,7 +487,8 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                 log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}{ahead}")
             handover.to_rollout()
             run_loop(config, pad_id_of(tokenizer), data, fleet, rewards, learner, log, start_step=start_step,
-                     kl_state=kl_state, stop=stop, in_flight=in_flight, episodes=episodes, eval_data=eval_data)
+                     kl_state=kl_state, stop=stop, in_flight=in_flight, episodes=episodes, eval_data=eval_data,
+                     agents=agents)
             summary = reward_trend(read_metrics(cfg.run.dir))
             if cfg.run.save_final_model:
                 final = os.path.join(cfg.run.dir, "final_model")
@@ -475,6 +510,9 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             raise
         finally:
             log.close()
+            if agents is not None:
+                agents.close()
+                agents.server.stop()
             for part in (learner, rewards, fleet, episodes.envs if episodes else None):
                 if part is not None:
                     part.shutdown()

@@ -7,9 +7,10 @@ With `algorithm.off_policy_steps = k > 0` generation and rewards run ahead in a 
 thread (`rl.run.pipeline`), up to k steps, while the learner trains; weight syncs wait for a batch
 boundary. With `rollout.mode=streaming` there are no batches to wait for: requests flow through
 the engines continuously, finished groups queue up, and weight syncs land mid-generation
-(`rl.run.streaming`; samples at most k versions old, counted at their oldest token). With an environment (`task.env`) each sample is a multi-turn episode (`rl.data.episodes`);
-with `eval.every_steps` held-out rows are evaluated before the first update, every N steps and
-after the last one.
+(`rl.run.streaming`; samples at most k versions old, counted at their oldest token); `task.agent`
+episodes stream the same way (`rl.run.agents`). With an environment (`task.env`) each sample is a
+multi-turn episode (`rl.data.episodes`); with `eval.every_steps` held-out rows are evaluated
+before the first update, every N steps and after the last one.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from rl.run.evaluate import due, evaluate
 from rl.run.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
 from rl.plan.flops import step_cost
 from rl.algo.kl_control import KL_CONTROLLERS, kl_controller_from_dict
+from rl.run.agents import AgentRunner
 from rl.run.pipeline import RolloutPipeline
 from rl.run.streaming import StreamingRollouts
 from rl.run.run_log import RunLog
@@ -114,10 +116,11 @@ def collect(cfg: TrainConfig, data: PromptDataset, sampler: Sampler,
     return [s for g in chosen for s in g], generated, metrics
 
 
-def make_rollouts(cfg: TrainConfig, data: PromptDataset, sampler: Sampler, start_step: int,
-                  in_flight: dict | None) -> RolloutPipeline | StreamingRollouts | None:
+def make_rollouts(cfg: TrainConfig, data: PromptDataset, sampler: Sampler, start_step: int, in_flight: dict | None,
+                  agents: AgentRunner | None = None) -> RolloutPipeline | StreamingRollouts | None:
     """What makes each step's groups ahead of the learner: nothing (on-policy, lock-step), batches
-    generated up to k steps ahead, or a stream. `in_flight`: what a checkpoint recorded of it."""
+    generated up to k steps ahead, or a stream (of completions, or of `agents`' episodes, rewarded
+    by the agent plus any reward functions). `in_flight`: what a checkpoint recorded of it."""
     a, P, n = cfg.algorithm, cfg.task.prompts_per_step, cfg.rollout.n
     streaming = cfg.rollout.mode == "streaming"
     if in_flight and streaming != ("streaming" in in_flight):
@@ -135,11 +138,17 @@ def make_rollouts(cfg: TrainConfig, data: PromptDataset, sampler: Sampler, start
             reward, valid, ids = _reward_tensors(group)
             return bool(informative_groups(reward, ids, valid))
 
+        def score(samples: list[Sample]) -> list[ScoredSample]:
+            if agents is None:
+                return _shape_rewards(cfg, sampler.score(samples))
+            functions = sampler.rewards.score(samples) if sampler.rewards is not None else None
+            return _shape_rewards(cfg, with_episode_rewards(samples, functions))
+
         rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
-        return StreamingRollouts(sampler.fleet, draw, lambda samples: _shape_rewards(cfg, sampler.score(samples)),
-                                 groups_per_step=P, n=n, max_staleness=a.off_policy_steps,
-                                 start_step=start_step, end=cfg.run.steps * rounds, informative=informative if a.dynamic_sampling else None,
-                                 max_rounds=rounds, state=(in_flight or {}).get("streaming"))
+        return StreamingRollouts(agents or sampler.fleet, draw, score, groups_per_step=P, n=n,
+                                 max_staleness=a.off_policy_steps, start_step=start_step, end=cfg.run.steps * rounds,
+                                 informative=informative if a.dynamic_sampling else None, max_rounds=rounds,
+                                 state=(in_flight or {}).get("streaming"))
     if a.off_policy_steps:
         return RolloutPipeline(lambda s: collect(cfg, data, sampler, s), a.off_policy_steps, cfg.run.steps, in_flight)
     return None
@@ -200,7 +209,7 @@ def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | 
 def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewards: Rewards | None,
              learner: Learner, log: RunLog, start_step: int = 0, kl_state: dict | None = None,
              stop: StopRequest | None = None, in_flight: dict | None = None, episodes: Episodes | None = None,
-             eval_data: PromptDataset | None = None) -> list[dict[str, float]]:
+             eval_data: PromptDataset | None = None, agents: AgentRunner | None = None) -> list[dict[str, float]]:
     """Run steps [start_step, run.steps) of the run `cfg` describes; returns each step's metrics.
 
     The policy version equals the number of updates so far, i.e. the step index, also on resume.
@@ -208,7 +217,8 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
     signal: RunStopped) or when every reward failed `reward.max_failed_steps` steps in a row
     (RewardsFailing); an actor lost for good ends it with an ActorFailure naming the step.
     `in_flight`: batches generated ahead before a checkpoint (asynchronous rollouts), by step.
-    `rewards`: None when only the environment rewards (`episodes`); `eval_data`: `eval.files`.
+    `rewards`: None when only the environment (`episodes`) or the agent (`agents`) rewards;
+    `eval_data`: `eval.files`; `agents`: `task.agent` episodes (streaming).
     """
     a, run = cfg.algorithm, cfg.run
     history = []
@@ -216,7 +226,7 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
     version = start_step
     failing: list[str] = []  # the first reward error of each step, in a row, whose rewards all failed
     sampler = Sampler(fleet, rewards, episodes)
-    pipeline = make_rollouts(cfg, data, sampler, start_step, in_flight)
+    pipeline = make_rollouts(cfg, data, sampler, start_step, in_flight, agents)
 
     handover = GpuHandover.of(cfg, sampler.fleet, learner)
 

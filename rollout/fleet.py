@@ -6,6 +6,7 @@ tokens). Replacements are bounded by `rollout.max_restarts` per run, retries by 
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any, Callable
@@ -53,8 +54,8 @@ class RolloutFleet:
         returns while the engines start, so the caller can start the learner meanwhile; call
         `wait_started()` before using the fleet."""
         base: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-        if spec.rollout.mode == "streaming":  # a weight sync runs while a drain waits (rollout/worker.py)
-            base["max_concurrency"] = 4
+        if spec.rollout.mode == "streaming":  # a weight sync runs while drains and agents' calls wait
+            base["max_concurrency"] = 64
         if env_vars:
             base["runtime_env"] = {"env_vars": env_vars}
         n = spec.rollout.num_workers
@@ -71,6 +72,7 @@ class RolloutFleet:
         self._lost: list[GenerationRequest] = []
         self._broken: dict[int, tuple[Any, str]] = {}
         self._unsynced: set[int] = set()
+        self._turn = itertools.count()
         # Set by the learner when it connects: rejoin the weight-sync group and load the weights.
         self.on_replace: Callable[[], None] | None = None
         self.workers = [self._start(i) for i in range(n)]
@@ -202,6 +204,23 @@ class RolloutFleet:
                 i = min(able, key=lambda j: len(self._outstanding[j]))
                 self._outstanding[i].update({(r.group_id, r.sample_index): (r, now) for r in members})
                 self.workers[i].submit.remote(members)  # a dead worker surfaces at the next drain
+
+    def generate_one(self, request: GenerationRequest) -> Sample:
+        """One request on the next worker in turn (an agent's call: many threads call at once). A
+        worker that fails is noted as broken (`repair` replaces it) and the call raises."""
+        with self._lock:
+            able = [i for i in range(len(self.workers)) if i not in self._broken] or [0]
+            i = able[next(self._turn) % len(able)]
+            handle = self.workers[i]
+        errors: dict[int, str] = {}
+        done, failed = self.wait({i: handle.generate.remote([request])}, "generate", errors)
+        if i in done:
+            return done[i][0]
+        why = failed.get(i) or errors[i]
+        with self._lock:
+            if self.workers[i] is handle:
+                self._broken[i] = (handle, why)
+        raise RuntimeError(f"{self.name(i)} failed a request: {why}")
 
     def in_flight(self) -> list[GenerationRequest]:
         """Every request sent and not yet drained, and those waiting to be sent again."""

@@ -4,8 +4,9 @@ Requests are submitted one group at a time and finished samples are drained when
 asks, so no batch waits for its slowest sample. A weight sync pauses the engine with its requests
 kept (`pause_generation(mode="keep")`), loads, and resumes them: tokens sampled after the load
 carry the new version, so every sample records the policy version of each of its tokens
-(DESIGN.md "Asynchronous steps"). `rollout.inflight_kv=recompute` drops the KV cache of the kept
-requests at the pause, so their tokens so far are prefilled again under the new weights.
+(DESIGN.md "Asynchronous steps"), as vLLM's engine labels them (`update_weight_version`).
+`rollout.inflight_kv=recompute` drops the KV cache of the kept requests at the pause, so their
+tokens so far are prefilled again under the new weights.
 
 AsyncLLM runs its engine core in a child process (also on CPU), so the weights always go through
 the vLLM worker's RPC (`rollout/vllm_worker.py`), as with tensor parallelism; the engine's event
@@ -46,6 +47,7 @@ class AsyncVLLMEngine:
         self.llm = self._call(self._build(engine_kwargs(spec, seed)))
         self._call(self.llm.collective_rpc("rlpost_watch_parent", args=(os.getpid(),)))
         self._call(self.llm.collective_rpc("rlpost_record_tied"))
+        self._call(self.llm.update_weight_version("0"))  # vLLM labels every sampled token with it
         self.version = 0
         self._ids = itertools.count()
         self._cond = threading.Condition()
@@ -66,8 +68,9 @@ class AsyncVLLMEngine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _sample(self, req: GenerationRequest) -> Sample:
-        """One request, its output read token by token as it streams: each token is tagged with the
-        version of the weights loaded when it came out (the version changes only while paused)."""
+        """One request, its output taken once finished. Each token's policy version comes from vLLM:
+        its engine core labels every step's outputs with the weight version it holds
+        (`update_weight_version`, set while paused), and the finished output lists the spans."""
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -75,24 +78,20 @@ class AsyncVLLMEngine:
         params = SamplingParams(
             n=1, temperature=r.temperature if req.temperature is None else req.temperature, top_p=r.top_p,
             max_tokens=r.max_new_tokens if req.max_tokens is None else req.max_tokens, seed=req.seed,
-            logprobs=0, output_kind=RequestOutputKind.DELTA)
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        text: list[str] = []
-        finish = None
+            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
         request_id = f"g{req.group_id}-s{req.sample_index}-{next(self._ids)}"
+        final = None
         async for out in self.llm.generate({"prompt_token_ids": list(req.prompt_ids)}, params, request_id):
-            c = out.outputs[0]
-            ids += c.token_ids
-            logprobs += [float(step[tok].logprob) for tok, step in zip(c.token_ids, c.logprobs or ())]
-            versions += [self.version] * len(c.token_ids)
-            text.append(c.text)
-            finish = c.finish_reason or finish
-        return Sample(prompt_ids=list(req.prompt_ids), completion_ids=ids, logprobs=logprobs,
-                      finish_reason="stop" if finish == "stop" else "length",
+            final = out.outputs[0]
+        ids = list(final.token_ids)
+        versions = [int(span.version) for span in final.weight_versions or () for _ in range(span.start, span.end)]
+        if len(versions) != len(ids):
+            raise RuntimeError(f"vLLM labelled {len(versions)} of {len(ids)} tokens with a weight version")
+        return Sample(prompt_ids=list(req.prompt_ids), completion_ids=ids,
+                      logprobs=[float(step[tok].logprob) for tok, step in zip(ids, final.logprobs)],
+                      finish_reason="stop" if final.finish_reason == "stop" else "length",
                       policy_version=versions[0] if versions else self.version, prompt_text=req.prompt_text,
-                      completion_text="".join(text), group_id=req.group_id, sample_index=req.sample_index,
+                      completion_text=final.text, group_id=req.group_id, sample_index=req.sample_index,
                       metadata=req.metadata, token_versions=versions)
 
     def submit(self, requests: list[GenerationRequest]) -> None:
@@ -109,11 +108,11 @@ class AsyncVLLMEngine:
             self._cond.notify_all()
 
     def drain(self, wait_s: float) -> dict[str, Any]:
-        """The samples finished since the last call (waiting up to `wait_s` for a first one), how
+        """The samples finished since the last call (collected for `wait_s`, less once none runs), how
         many requests are still running, and for how long the engine has been paused (0: it is not).
         A request that failed raises here (its engine is broken: the fleet replaces the worker)."""
-        with self._cond:
-            self._cond.wait_for(lambda: self._done, timeout=wait_s)
+        with self._cond:  # the window's samples together: one round trip per window, not per sample
+            self._cond.wait_for(lambda: self._done and not self._running, timeout=wait_s)
             done, self._done = self._done, []
             running = self._running
         for item in done:
@@ -168,8 +167,10 @@ class AsyncVLLMEngine:
             self._loaded(version)
 
     def _loaded(self, version: int) -> None:
-        # Cached prefixes of finished requests were computed by the old weights. With requests kept
-        # (inflight_kv=keep) vLLM resets nothing while they hold blocks: their KV stays the old one.
+        """Still paused: label the tokens sampled from now on with `version`. Cached prefixes of
+        finished requests were computed by the old weights; with requests kept (inflight_kv=keep)
+        vLLM resets nothing while they hold blocks: their KV stays the old one."""
+        self._call(self.llm.update_weight_version(str(version)))
         self._call(self.llm.reset_prefix_cache())
         self.version = version
 

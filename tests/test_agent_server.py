@@ -375,3 +375,51 @@ def test_episode_sample_errors_and_max_len():
     assert "over max_len=1" in over.error and over.completion_ids == []
     with pytest.raises(ValueError, match="token versions"):
         RecordedCall([1], [2, 3], [0.0, 0.0], [0], "stop", "")
+
+
+# ---- the runner of task.agent episodes (rl/run/agents.py) over the real server ----------------------
+
+def test_agent_runner_rewards_names_failures_and_drops_an_agent_past_its_deadline(server):
+    """Each request runs the agent against its own base URL; its return value rewards the episode's
+    last model turn; an agent that raises, and one that never returns (past task.agent_timeout_s),
+    come back as error samples naming that, and the runner goes on."""
+    import time
+
+    from rl.data.episodes import with_episode_rewards
+    from rl.run.agents import AgentRunner
+
+    release = threading.Event()
+
+    def agent(base_url: str, row: dict, bonus: float = 0.0) -> float:
+        if row["kind"] == "raise":
+            raise ValueError("tool crashed")
+        reply = client(base_url).chat.completions.create(model="policy", messages=[
+            {"role": "user", "content": row["prompt"]}], max_tokens=4)
+        if row["kind"] == "hang":
+            release.wait(30)  # an agent stuck on something else than the model
+        return 0.5 + bonus + 0 * len(reply.choices)
+
+    class NoFleet:
+        repairs = 0
+
+        def repair(self):
+            self.repairs += 1
+
+    runner = AgentRunner(server, agent, NoFleet(), prompt_key="prompt", workers=4, timeout_s=3.0, max_len=1024,
+                         agent_kwargs={"bonus": 0.25})
+    kinds = ["ok", "raise", "hang"]
+    runner.submit([GenerationRequest([1], "What is 2+2?", 7, i, seed=i, metadata={"kind": k})
+                   for i, k in enumerate(kinds)])
+    got, end = {}, time.monotonic() + 60
+    while len(got) < 3:
+        assert time.monotonic() < end
+        got.update({s.sample_index: s for s in runner.drain(0.2)})
+    release.set()
+    runner.repair()
+    runner.close()
+    ok, raised, hung = got[0], got[1], got[2]
+    scored = with_episode_rewards([ok, raised, hung], None)
+    assert ok.error is None and scored[0].reward == 0.75 and ok.metadata == {"kind": "ok"}
+    assert ok.completion_ids and set(ok.completion_mask) == {1} and ok.turns[-1].reward == 0.75
+    assert raised.error == "task.agent raised ValueError: tool crashed" and scored[1].reward is None
+    assert "did not return within task.agent_timeout_s=3" in hung.error and scored[2].reward is None

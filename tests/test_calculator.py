@@ -204,3 +204,32 @@ def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_pa
     turns = solved[0]["turns"]
     assert [t["role"] for t in turns[:2]] == ["model", "observation"] and "<tool_call>" in turns[0]["text"]
     assert all(a["end"] == b["start"] for a, b in zip(turns, turns[1:]))
+
+
+@pytest.mark.slow
+def test_calculator_agent_written_with_the_openai_client_learns(tiny_calc, tmp_path):
+    """`task=calculator_agent`: the calculator episode as plain `openai`-client agent code
+    (examples/calculator_agent.py) served by the streaming engines through the agent server. The
+    reward rises; every trajectory is token-exact across its calls: at step 0 (samples and learner
+    both version 0) the learner's log-probs of every model token match the engine's (< 1e-3 fp32)."""
+    from launch.train import train
+    from rl.run.run_log import read_metrics
+    from tests.conftest import compose_config
+    from tests.test_e2e import _assert_reward_rises
+
+    out, _ = tiny_calc
+    cfg = compose_config(["task=calculator_agent", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
+                          f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=30", "task.prompts_per_step=16",
+                          "run.save_every=0", "run.save_final_model=false", "run.log_samples_per_step=8"])
+    train(cfg)
+    metrics = read_metrics(cfg.run.dir)
+    assert len(metrics) == 30 and all(m["rollout/streaming"] == 1 for m in metrics)
+    assert metrics[0]["sync/logprob_max_abs_diff"] < 1e-3 and metrics[0]["policy/staleness_max"] == 0
+    for m in metrics:
+        assert m["reward/errors_count"] == 0 and m["episode/turns_mean"] > 1.5 and m["policy/staleness_max"] <= 1
+    _assert_reward_rises(metrics)
+    rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
+    solved = [r for r in rows if r["reward"] == 1.0 and len(r["turns"]) >= 5]
+    assert solved, "no solved multi-call episode logged"
+    turns = solved[0]["turns"]
+    assert [t["role"] for t in turns[:2]] == ["model", "observation"] and "<tool_call>" in turns[0]["text"]

@@ -165,6 +165,14 @@ class TaskConfig:
     observation_role: str = "tool"  # chat role of a text observation (tool or user)
     env_workers: int = 1  # Ray actors running environments
     env_timeout_s: float = 60.0  # per reset or step call; past it the episode ends with an error
+    # Agent episodes (rollout.mode=streaming): "package.module:function" or "path/file.py:function",
+    # called as fn(base_url, row, **agent_kwargs) once per sample with its own OpenAI-compatible base
+    # URL; it runs any agent code (the `openai` client) and returns the episode's reward (a float).
+    # The calls it makes there are the trajectory, token for token (rl/run/agents.py).
+    agent: str | None = None
+    agent_kwargs: dict[str, Any] = field(default_factory=dict)
+    agent_workers: int = 64  # episodes running at once (threads of the driver)
+    agent_timeout_s: float = 300.0  # an episode whose agent has not returned by then is dropped, named
 
 
 @dataclass
@@ -324,6 +332,8 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "rollout.max_retries": (0, True, None, "2"),
     "rollout.tensor_parallel_size": (1, True, None, "1 (or the GPUs one engine spans, e.g. 2)"),
     "rollout.pause_timeout_s": (0, False, None, "300"),
+    "task.agent_workers": (1, True, None, "64"),
+    "task.agent_timeout_s": (0, False, None, "300"),
     "reward.timeout_s": (0, False, None, "60"),
     "reward.max_failed_steps": (1, True, None, "3"),
     "sandbox.num_workers": (0, True, None, "0 (jobs run in the reward worker) or 2"),
@@ -525,9 +535,13 @@ def _streaming_errors(cfg: Any) -> list[str]:
     if r.sleep_between_steps:
         errors.append("rollout.mode=streaming keeps the engines generating while the learner trains: they cannot "
                       "sleep; set rollout.sleep_between_steps=false (and cluster.placement_mode=disaggregated)")
-    if cfg.task.env:
-        errors.append(f"rollout.mode=streaming runs single-turn completions (task.env={cfg.task.env!r} episodes "
-                      "run turn by turn): set rollout.mode=batch with algorithm.off_policy_steps")
+    if cfg.task.env and cfg.task.agent:
+        errors.append(f"task.env={cfg.task.env!r} and task.agent={cfg.task.agent!r}: an episode comes from one of "
+                      "them; set the other to null")
+    elif cfg.task.env:
+        errors.append(f"rollout.mode=streaming runs single-turn completions and task.agent episodes "
+                      f"(task.env={cfg.task.env!r} episodes run turn by turn): set rollout.mode=batch with "
+                      "algorithm.off_policy_steps, or write the environment as an agent (task.agent)")
     if cfg.trainer.weight_sync == "ipc":
         errors.append("rollout.mode=streaming loads weights through its engines' worker RPC: set "
                       "trainer.weight_sync=collective (or object_store)")
@@ -564,6 +578,9 @@ def validate(cfg: Any) -> None:
                       "GPU: raise trainer.num_workers to use more")
     errors += _tensor_parallel_errors(cfg)
     errors += _streaming_errors(cfg)
+    if cfg.task.agent and cfg.rollout.mode != "streaming":
+        errors.append(f"task.agent={cfg.task.agent!r} serves the policy to the agent through streaming engines "
+                      "(vLLM's AsyncLLM batches its calls): set rollout.mode=streaming and algorithm.off_policy_steps=1")
     errors += _placement_mode_errors(cfg)
     errors += _shared_gpu_errors(cfg)
     if not 0 < cfg.rollout.temperature:
@@ -604,9 +621,12 @@ def validate(cfg: Any) -> None:
                       "or algorithm.off_policy_steps=0")
     if a.max_sampling_rounds < 1:
         errors.append(f"algorithm.max_sampling_rounds={a.max_sampling_rounds}: must be at least 1")
-    if not cfg.reward.functions and not cfg.task.env:
+    if not cfg.reward.functions and not cfg.task.env and not cfg.task.agent:
         errors.append("reward.functions is empty: name at least one, e.g. reward=arith or "
-                      "'reward.functions=[{fn: my_rewards.py:score}]' (or an environment that rewards: task.env)")
+                      "'reward.functions=[{fn: my_rewards.py:score}]' (or an environment that rewards: task.env, "
+                      "or an agent that returns its reward: task.agent)")
+    if cfg.task.agent and ":" not in cfg.task.agent:
+        errors.append(f"task.agent={cfg.task.agent!r}: expected 'package.module:function' or 'path/to/file.py:function'")
     errors += _episode_errors(cfg)
     errors += _lora_errors(cfg)
     errors += logger_errors(cfg.run.loggers)

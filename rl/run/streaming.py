@@ -65,8 +65,9 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
 class StreamingRollouts:
     def __init__(self, fleet: StreamingFleet, draw: Callable[[int], list[GenerationRequest]],
                  score: Callable[[list[Sample]], list[ScoredSample]], *, groups_per_step: int, n: int,
-                 max_staleness: int, start_step: int, end: int, informative: Callable[[list[ScoredSample]], bool] | None = None,
-                 max_rounds: int = 1, state: dict[str, Any] | None = None, poll_s: float = 0.05):
+                 max_staleness: int, start_step: int, end: int,
+                 informative: Callable[[list[ScoredSample]], bool] | None = None,
+                 max_rounds: int = 1, state: dict[str, Any] | None = None, poll_s: float = 0.1):
         """`draw(b)`: the requests of prompt batch b (`groups_per_step` groups of `n`, group ids
         unique across batches); `score`: rewards of finished samples; `end`: the run's last step
         (nothing is drawn for after it); `informative`: DAPO's filter, with at most `max_rounds` x

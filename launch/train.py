@@ -253,10 +253,11 @@ def load_agent(cfg) -> Any:
     return load_object(cfg.task.agent, os.getcwd(), field="task.agent")
 
 
-def start_agents(cfg: TrainConfig, tokenizer, fleet, agent):
-    """The agent server in front of the fleet and the runner of `task.agent` episodes (`agent`, the
-    loaded function; None without task.agent). The server listens on a free local port; each
+def start_agents(cfg: TrainConfig, tokenizer, fleet):
+    """The agent server in front of the fleet and the runner of `task.agent` episodes (None without
+    task.agent; `load_inputs` checked it loads). The server listens on a free local port; each
     episode gets its own base URL."""
+    agent = load_agent(cfg)
     if agent is None:
         return None
     import logging
@@ -324,7 +325,7 @@ def load_inputs(cfg: DictConfig):
     scorer = RewardScorer(reward_specs(cfg), base_dir=os.getcwd()) if cfg.reward.functions else None
     if cfg.task.env:
         load_environment(cfg.task.env, os.getcwd())
-    load_agent(cfg)  # a bad task.agent fails here too
+    load_agent(cfg)  # a bad task.agent fails here, before Ray starts
     # Every row of every file is read (the prompt column a non-empty string) before transformers loads.
     budget = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
     data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, None, cfg.run.seed, budget,
@@ -460,7 +461,6 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                  resume=resume_from is not None or restarted, loggers=list(cfg.run.loggers),
                  config=OmegaConf.to_container(cfg, resolve=True),
                  sink_options={"project": cfg.run.project, "mlflow_tracking_uri": cfg.run.mlflow_tracking_uri})
-    agent = load_agent(cfg)  # a bad task.agent fails here, before Ray starts
     owns_ray = start_ray(cfg)
     fleet = rewards = learner = sandboxes = episodes = agents = placement = None
     failed, stop = False, StopRequest()
@@ -469,7 +469,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             sandboxes = start_sandbox_pool(cfg)
             fleet, rewards, learner, placement = build_components(config, log.write)
             episodes = start_envs(config, tokenizer)
-            agents = start_agents(config, tokenizer, fleet, agent)
+            agents = start_agents(config, tokenizer, fleet)
             report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement,
                              episodes.envs if episodes else None)
             in_flight = None

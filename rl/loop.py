@@ -145,7 +145,7 @@ def make_rollouts(cfg: TrainConfig, data: PromptDataset, sampler: Sampler, start
             return _shape_rewards(cfg, with_episode_rewards(samples, functions))
 
         rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
-        return StreamingRollouts(agents or sampler.fleet, draw, score, groups_per_step=P, n=n,
+        return StreamingRollouts(agents or sampler.fleet, draw, score, groups_per_step=P,
                                  max_staleness=a.off_policy_steps, start_step=start_step, end=cfg.run.steps * rounds,
                                  informative=informative if a.dynamic_sampling else None, max_rounds=rounds,
                                  state=(in_flight or {}).get("streaming"))

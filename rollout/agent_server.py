@@ -36,12 +36,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rl.data.agent_calls import RecordedCall
 from rl.data.dataset import derive_seed
 from rl.data.episodes import ObservationEncoder
-from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls
+from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls, text_outside_tool_calls
 from rl.data.types import GenerationRequest, Sample
 
 log = logging.getLogger(__name__)
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 _KEY = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9._~-]*")
 _REQUEST_FIELDS = {f.name for f in fields(GenerationRequest)}
 
@@ -80,7 +79,7 @@ def split_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     if not calls:
         return text, []
-    return _TOOL_CALL.sub("", text).strip() or None, calls
+    return text_outside_tool_calls(text) or None, calls
 
 
 def _text(content: Any, param: str) -> str:

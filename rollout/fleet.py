@@ -222,11 +222,6 @@ class RolloutFleet:
                 self._broken[i] = (handle, why)
         raise RuntimeError(f"{self.name(i)} failed a request: {why}")
 
-    def in_flight(self) -> list[GenerationRequest]:
-        """Every request sent and not yet drained, and those waiting to be sent again."""
-        with self._lock:
-            return [req for reqs in self._outstanding for req, _ in reqs.values()] + list(self._lost)
-
     def drain(self, wait_s: float) -> list[Sample]:
         """The samples finished on every worker since the last drain (waiting up to `wait_s`).
 

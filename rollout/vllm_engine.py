@@ -9,6 +9,7 @@ from typing import Any, Iterable
 
 import torch
 
+from rl.config.schema import RolloutConfig
 from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 
@@ -73,6 +74,29 @@ def engine_kwargs(spec: RolloutSpec, seed: int) -> dict[str, Any]:
     )
 
 
+def sampling_params(rollout: RolloutConfig, req: GenerationRequest, **extra: Any):
+    """vLLM's SamplingParams of one request: one sample with its own seed (reproducible whatever
+    the batching), the run's sampling unless the request sets its temperature or token budget,
+    and the sampled token's log-prob only."""
+    from vllm import SamplingParams
+
+    return SamplingParams(
+        n=1, temperature=rollout.temperature if req.temperature is None else req.temperature, top_p=rollout.top_p,
+        max_tokens=rollout.max_new_tokens if req.max_tokens is None else req.max_tokens, seed=req.seed,
+        logprobs=0, **extra)
+
+
+def completion_sample(req: GenerationRequest, comp: Any, version: int,
+                      token_versions: list[int] | None = None) -> Sample:
+    """The Sample of `req` from vLLM's finished CompletionOutput `comp`, sampled by `version`."""
+    ids = list(comp.token_ids)
+    return Sample(prompt_ids=list(req.prompt_ids), completion_ids=ids,
+                  logprobs=[float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs)],
+                  finish_reason="stop" if comp.finish_reason == "stop" else "length", policy_version=version,
+                  prompt_text=req.prompt_text, completion_text=comp.text, group_id=req.group_id,
+                  sample_index=req.sample_index, metadata=req.metadata, token_versions=token_versions)
+
+
 class VLLMEngine:
     def __init__(self, spec: RolloutSpec, seed: int):
         r = spec.rollout
@@ -108,42 +132,10 @@ class VLLMEngine:
                   "Python, which slows large batches", flush=True)
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
-        from vllm import SamplingParams
-
-        sampling = self.rollout
-        params = [
-            SamplingParams(
-                n=1,  # one request per sample, each with its own seed: reproducible whatever the split
-                temperature=sampling.temperature if req.temperature is None else req.temperature,
-                top_p=sampling.top_p,
-                max_tokens=sampling.max_new_tokens if req.max_tokens is None else req.max_tokens,
-                seed=req.seed,
-                logprobs=0,  # the sampled token's log-prob only
-            )
-            for req in requests
-        ]
+        params = [sampling_params(self.rollout, req) for req in requests]
         prompts = [{"prompt_token_ids": list(req.prompt_ids)} for req in requests]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
-        samples = []
-        for req, out in zip(requests, outputs):
-            comp = out.outputs[0]
-            ids = list(comp.token_ids)
-            logprobs = [float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs)]
-            samples.append(
-                Sample(
-                    prompt_ids=list(req.prompt_ids),
-                    completion_ids=ids,
-                    logprobs=logprobs,
-                    finish_reason="stop" if comp.finish_reason == "stop" else "length",
-                    policy_version=self.version,
-                    prompt_text=req.prompt_text,
-                    completion_text=comp.text,
-                    group_id=req.group_id,
-                    sample_index=req.sample_index,
-                    metadata=req.metadata,
-                )
-            )
-        return samples
+        return [completion_sample(req, out.outputs[0], self.version) for req, out in zip(requests, outputs)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights in place, streaming: vLLM's layer-wise `reload_weights` consumes the

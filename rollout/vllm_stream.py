@@ -29,7 +29,7 @@ import torch
 
 from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
-from rollout.vllm_engine import engine_kwargs, vllm_env
+from rollout.vllm_engine import completion_sample, engine_kwargs, sampling_params, vllm_env
 
 
 class AsyncVLLMEngine:
@@ -71,28 +71,17 @@ class AsyncVLLMEngine:
         """One request, its output taken once finished. Each token's policy version comes from vLLM:
         its engine core labels every step's outputs with the weight version it holds
         (`update_weight_version`, set while paused), and the finished output lists the spans."""
-        from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        r = self.rollout
-        params = SamplingParams(
-            n=1, temperature=r.temperature if req.temperature is None else req.temperature, top_p=r.top_p,
-            max_tokens=r.max_new_tokens if req.max_tokens is None else req.max_tokens, seed=req.seed,
-            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY)
+        params = sampling_params(self.rollout, req, output_kind=RequestOutputKind.FINAL_ONLY)
         request_id = f"g{req.group_id}-s{req.sample_index}-{next(self._ids)}"
         final = None
         async for out in self.llm.generate({"prompt_token_ids": list(req.prompt_ids)}, params, request_id):
             final = out.outputs[0]
-        ids = list(final.token_ids)
         versions = [int(span.version) for span in final.weight_versions or () for _ in range(span.start, span.end)]
-        if len(versions) != len(ids):
-            raise RuntimeError(f"vLLM labelled {len(versions)} of {len(ids)} tokens with a weight version")
-        return Sample(prompt_ids=list(req.prompt_ids), completion_ids=ids,
-                      logprobs=[float(step[tok].logprob) for tok, step in zip(ids, final.logprobs)],
-                      finish_reason="stop" if final.finish_reason == "stop" else "length",
-                      policy_version=versions[0] if versions else self.version, prompt_text=req.prompt_text,
-                      completion_text=final.text, group_id=req.group_id, sample_index=req.sample_index,
-                      metadata=req.metadata, token_versions=versions)
+        if len(versions) != len(final.token_ids):
+            raise RuntimeError(f"vLLM labelled {len(versions)} of {len(final.token_ids)} tokens with a weight version")
+        return completion_sample(req, final, versions[0] if versions else self.version, versions)
 
     def submit(self, requests: list[GenerationRequest]) -> None:
         """Start the requests; their samples come out of `drain` as each finishes."""
@@ -108,18 +97,17 @@ class AsyncVLLMEngine:
             self._cond.notify_all()
 
     def drain(self, wait_s: float) -> dict[str, Any]:
-        """The samples finished since the last call (collected for `wait_s`, less once none runs), how
-        many requests are still running, and for how long the engine has been paused (0: it is not).
+        """The samples finished since the last call (collected for `wait_s`, less once none runs) and
+        for how long the engine has been paused (0: it is not).
         A request that failed raises here (its engine is broken: the fleet replaces the worker)."""
         with self._cond:  # the window's samples together: one round trip per window, not per sample
             self._cond.wait_for(lambda: self._done and not self._running, timeout=wait_s)
             done, self._done = self._done, []
-            running = self._running
         for item in done:
             if isinstance(item, BaseException):
                 raise item
         since = self._paused_since
-        return {"samples": done, "running": running, "paused_s": time.monotonic() - since if since else 0.0}
+        return {"samples": done, "paused_s": time.monotonic() - since if since else 0.0}
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         """A blocking batch (evaluation, tests), beside whatever is streaming."""

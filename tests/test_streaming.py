@@ -76,7 +76,7 @@ def _until(pred, timeout=5.0):
 def test_admission_follows_the_staleness_bound_and_a_slow_group_holds_nothing_back():
     fleet = QueueFleet()
     P, n, k = 2, 2, 1
-    stream = StreamingRollouts(fleet, _draw(P, n), _score, groups_per_step=P, n=n, max_staleness=k, start_step=0, end=10)
+    stream = StreamingRollouts(fleet, _draw(P, n), _score, groups_per_step=P, max_staleness=k, start_step=0, end=10)
     try:
         _until(lambda: len(fleet.started_groups()) == (k + 1) * P)  # versions 0..k may start: 4 groups
         import time
@@ -104,7 +104,7 @@ def test_admission_follows_the_staleness_bound_and_a_slow_group_holds_nothing_ba
 
 def test_a_group_older_than_the_bound_is_generated_again_not_trained_on():
     fleet = QueueFleet()
-    stream = StreamingRollouts(fleet, _draw(1, 2), _score, groups_per_step=1, n=2, max_staleness=1, start_step=0, end=10)
+    stream = StreamingRollouts(fleet, _draw(1, 2), _score, groups_per_step=1, max_staleness=1, start_step=0, end=10)
     try:
         _until(lambda: len(fleet.sent) == 4)
         fleet.finish(group_ids={0})
@@ -126,7 +126,7 @@ def test_a_group_older_than_the_bound_is_generated_again_not_trained_on():
 
 def test_in_flight_state_resumes_without_losing_or_repeating_a_group():
     fleet = QueueFleet()
-    stream = StreamingRollouts(fleet, _draw(2, 2), _score, groups_per_step=2, n=2, max_staleness=1, start_step=0, end=10)
+    stream = StreamingRollouts(fleet, _draw(2, 2), _score, groups_per_step=2, max_staleness=1, start_step=0, end=10)
     _until(lambda: len(fleet.started_groups()) == 4)
     fleet.finish(group_ids={0, 1, 2})
     taken = {s.group_id for s in stream.take(0)[1]}
@@ -137,7 +137,7 @@ def test_in_flight_state_resumes_without_losing_or_repeating_a_group():
 
     again = QueueFleet()
     again.version = 1
-    resumed = StreamingRollouts(again, _draw(2, 2), _score, groups_per_step=2, n=2, max_staleness=1, start_step=1,
+    resumed = StreamingRollouts(again, _draw(2, 2), _score, groups_per_step=2, max_staleness=1, start_step=1,
                                 end=10, state=state)
     try:
         _until(lambda: 3 in again.started_groups())
@@ -153,7 +153,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_fills_only_past_its_budge
     fleet = QueueFleet()
     same = lambda samples: [ScoredSample(s, 1.0 if s.group_id % 2 else float(s.sample_index)) for s in samples]  # noqa: E731
     informative = lambda group: len({s.reward for s in group}) > 1  # noqa: E731
-    stream = StreamingRollouts(fleet, _draw(2, 2), same, groups_per_step=2, n=2, max_staleness=1, start_step=0,
+    stream = StreamingRollouts(fleet, _draw(2, 2), same, groups_per_step=2, max_staleness=1, start_step=0,
                                end=20, informative=informative, max_rounds=2)
     try:
         _until(lambda: len(fleet.started_groups()) == 4)

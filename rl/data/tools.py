@@ -51,6 +51,11 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def text_outside_tool_calls(text: str) -> str:
+    """`text` with its <tool_call> ... </tool_call> spans removed, stripped."""
+    return _CALL.sub("", text).strip()
+
+
 def format_tool_call(call: ToolCall) -> str:
     """The text of `call` in the format above (compact JSON), as the tiny models are taught it."""
     return "<tool_call>" + json.dumps({"name": call.name, "arguments": call.arguments}, separators=(",", ":")) \

@@ -64,17 +64,16 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
 
 class StreamingRollouts:
     def __init__(self, fleet: StreamingFleet, draw: Callable[[int], list[GenerationRequest]],
-                 score: Callable[[list[Sample]], list[ScoredSample]], *, groups_per_step: int, n: int,
-                 max_staleness: int, start_step: int, end: int,
+                 score: Callable[[list[Sample]], list[ScoredSample]], *, groups_per_step: int, max_staleness: int, start_step: int, end: int,
                  informative: Callable[[list[ScoredSample]], bool] | None = None,
                  max_rounds: int = 1, state: dict[str, Any] | None = None, poll_s: float = 0.1):
-        """`draw(b)`: the requests of prompt batch b (`groups_per_step` groups of `n`, group ids
-        unique across batches); `score`: rewards of finished samples; `end`: the run's last step
+        """`draw(b)`: the requests of prompt batch b (`groups_per_step` groups, group ids unique
+        across batches); `score`: rewards of finished samples; `end`: the run's last step
         (nothing is drawn for after it); `informative`: DAPO's filter, with at most `max_rounds` x
         `groups_per_step` groups looked at per step before uninformative ones fill the batch;
         `state`: what `in_flight()` returned at a checkpoint."""
         self.fleet, self._draw, self._score = fleet, draw, score
-        self.P, self.n, self.k, self.end = groups_per_step, n, max_staleness, end
+        self.P, self.k, self.end = groups_per_step, max_staleness, end
         self._informative, self._max_rounds, self._poll_s = informative, max_rounds, poll_s
         state = state or {}
         self._cursor: int = state.get("cursor", start_step)  # the next prompt batch to draw
@@ -84,7 +83,6 @@ class StreamingRollouts:
         self._ready: list[ReadyGroup] = list(state.get("ready", []))
         self._partial: dict[int, list[Sample]] = {}
         self._resend: list[GenerationRequest] = []
-        self._complete: set[int] = set()  # group ids in `_ready`
         self._stale = 0  # groups dropped as too old (and sent again) since the last take
         self._looked = 0  # groups finished since the last take (dynamic sampling's budget)
         self._last_take = time.perf_counter()
@@ -93,7 +91,6 @@ class StreamingRollouts:
         self._stop = threading.Event()
         for g in self._ready:
             self._groups[g.requests[0].group_id] = g.requests
-            self._complete.add(g.requests[0].group_id)
         pending = state.get("pending", [])
         for req in pending:
             self._groups.setdefault(req.group_id, []).append(req)
@@ -132,7 +129,8 @@ class StreamingRollouts:
     def _collect(self, finished: list[Sample]) -> None:
         complete: list[int] = []
         with self._cond:
-            sizes = {gid: len(reqs) for gid, reqs in self._groups.items() if gid not in self._complete}
+            ready = {g.requests[0].group_id for g in self._ready}
+            sizes = {gid: len(reqs) for gid, reqs in self._groups.items() if gid not in ready}
         for s in finished:
             if s.group_id not in sizes:
                 continue  # taken or dropped already, or a duplicate of a request sent again
@@ -153,7 +151,6 @@ class StreamingRollouts:
             for gid, members in by_group.items():
                 self._ready.append(ReadyGroup(self._groups[gid], members, oldest_version([m.sample for m in members]),
                                               self._informative(members) if self._informative else True))
-                self._complete.add(gid)
             self._looked += len(by_group)
             self._cond.notify_all()
 
@@ -163,16 +160,15 @@ class StreamingRollouts:
         """Step's groups (the learner trains at version `step`): the `groups_per_step` finished
         groups with the oldest tokens that are at most k versions behind (informative ones first
         under dynamic sampling), as soon as there are that many."""
-        started = time.perf_counter()
         with self._cond:
-            self._budget += max(0, (step + self.k + 1) * self.P - self._budget)  # the learner is at `step` now
+            self._budget = max(self._budget, (step + self.k + 1) * self.P)  # the learner is at `step` now
         while True:
             self.fleet.repair()  # replaced workers, on this thread (which also runs the weight syncs)
             with self._cond:
                 if self._error is not None:
                     raise self._error
                 for g in [g for g in self._ready if g.oldest < step - self.k]:
-                    self._drop(g)
+                    self._ready.remove(g)
                     self._resend += g.requests
                     self._stale += 1
                 chosen = self._choose()
@@ -180,16 +176,15 @@ class StreamingRollouts:
                     self._cond.wait(0.2)
                     continue
                 for g in chosen:
-                    self._drop(g)
+                    self._ready.remove(g)
                     del self._groups[g.requests[0].group_id]
                 ready_left, stale, self._stale, self._looked = len(self._ready), self._stale, 0, 0
                 in_flight = len(self._groups) - ready_left
                 break
-        waited = time.perf_counter() - started
         window, self._last_take = time.perf_counter() - self._last_take, time.perf_counter()
         scored = [s for g in chosen for s in g.scored]
         samples = [s.sample for s in scored]
-        metrics = {"time/rollout_s": window, "time/reward_s": 0.0, "time/stream_wait_s": waited,
+        metrics = {"time/rollout_s": window, "time/reward_s": 0.0,
                    "stream/ready_groups_count": float(ready_left), "stream/in_flight_groups_count": float(in_flight),
                    "stream/stale_groups_count": float(stale), **staleness_metrics(samples, step)}
         if self._informative is not None:
@@ -211,15 +206,10 @@ class StreamingRollouts:
         if self._looked >= self._max_rounds * self.P and len(ready) >= self.P:
             return good + flat[: self.P - len(good)]
         for g in flat[: max(0, len(flat) - (self.P - len(good)))]:  # more than could be needed
-            self._drop(g)
+            self._ready.remove(g)
             del self._groups[g.requests[0].group_id]
             self._budget += 1  # room for another prompt
         return None
-
-    def _drop(self, group: ReadyGroup) -> None:
-        """Out of the ready queue (taken, dropped, or to be generated again)."""
-        self._ready.remove(group)
-        self._complete.discard(group.requests[0].group_id)
 
     def between_batches(self):
         """Weight syncs need no batch boundary here: the engines pause with their requests kept."""

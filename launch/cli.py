@@ -117,6 +117,17 @@ def require_length(path: str, config: dict[str, Any], length: int, what: str = "
         )
 
 
+def require_tensor_parallel(path: str, config: dict[str, Any], tp: int) -> None:
+    """vLLM shards attention heads over `rollout.tensor_parallel_size` ranks: they must divide evenly
+    (vLLM's own check fires inside the rollout worker, after Ray started)."""
+    heads = config.get("num_attention_heads") or config.get("text_config", {}).get("num_attention_heads")
+    if tp > 1 and heads and heads % tp:
+        fits = [d for d in range(1, heads + 1) if heads % d == 0 and d <= max(tp, 8)]
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} does not divide the model's {heads} attention heads "
+                          f"(num_attention_heads in {os.path.join(path, 'config.json')}); use one of "
+                          f"{', '.join(map(str, fits))}")
+
+
 def supervised_inputs(cfg: Any) -> None:
     """A supervised run's inputs: the built-in policy and data its default paths name are built
     when missing (`examples.ensure_builtin`); the model folder must exist."""

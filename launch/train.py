@@ -95,10 +95,13 @@ def ensure_inputs(cfg: DictConfig) -> None:
     critic = [cfg.algorithm.critic_init] if cfg.algorithm.critic_init else []
     ensure_builtin([cfg.model.path, *cfg.task.train_files, *cfg.eval.files, *_reward_model_paths(cfg), *critic],
                    cfg.run.seed)
-    from launch.cli import require_length
+    from launch.cli import require_length, require_tensor_parallel
 
-    # A folder with config.json, whose position limit holds rollout.max_model_len tokens.
-    require_length(cfg.model.path, require_model(cfg.model.path), cfg.rollout.max_model_len)
+    # A folder with config.json, whose position limit holds rollout.max_model_len tokens, and whose
+    # heads split over the tensor-parallel ranks.
+    model_config = require_model(cfg.model.path)
+    require_length(cfg.model.path, model_config, cfg.rollout.max_model_len)
+    require_tensor_parallel(cfg.model.path, model_config, cfg.rollout.tensor_parallel_size)
     for path in critic:
         require_model(path, "algorithm.critic_init")
     if cfg.model.lora.rank > 0:
@@ -245,35 +248,58 @@ def build_components(cfg: TrainConfig, log=print):
 
 
 def load_agent(cfg) -> Any:
-    """The `task.agent` function (None without one), loaded in the driver, which runs the agents."""
+    """The `task.agent` function (None without one), checked in the driver before Ray starts: it
+    loads, is callable as fn(base_url, row, **task.agent_kwargs). The episodes load it again, each
+    in its own process (reward/agent_procs.py)."""
     if not cfg.task.agent:
         return None
-    from reward.loader import load_object
+    from reward.loader import load_agent_function
 
-    return load_object(cfg.task.agent, os.getcwd(), field="task.agent")
+    return load_agent_function(cfg.task.agent, os.getcwd(), dict(cfg.task.agent_kwargs), field="task.agent")
 
 
 def start_agents(cfg: TrainConfig, tokenizer, fleet):
-    """The agent server in front of the fleet and the runner of `task.agent` episodes (None without
-    task.agent; `load_inputs` checked it loads). The server listens on a free local port; each
-    episode gets its own base URL."""
-    agent = load_agent(cfg)
-    if agent is None:
+    """The agent server in front of the fleet (on `task.agent_host`), the processes that run the
+    agents and the runner of `task.agent` episodes (None without task.agent)."""
+    if not cfg.task.agent:
         return None
     import logging
 
+    from reward.agent_procs import AgentLimits, AgentPool
     from rl.run.agents import AgentRunner
-    from rollout.agent_server import AgentServer
+    from rollout.agent_server import AgentServer, RequestRejected
+
+    def generate(request):  # a request the engine refused is that call's error (a 400), never a fault
+        sample = fleet.generate_one(request)
+        if sample.error is not None:
+            raise RequestRejected(sample.error)
+        return sample
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' clients log every call at INFO
-    r = cfg.rollout
-    server = AgentServer(tokenizer, fleet.generate_one, max_tokens_default=r.max_new_tokens,
-                         temperature_default=r.temperature, top_p_default=r.top_p, max_model_len=r.max_model_len,
-                         observation_role=cfg.task.observation_role)
-    server.start()
-    return AgentRunner(server, agent, fleet, prompt_key=cfg.task.prompt_key, workers=cfg.task.agent_workers,
-                       timeout_s=cfg.task.agent_timeout_s, max_len=r.max_model_len, decode=tokenizer.decode,
-                       agent_kwargs=dict(cfg.task.agent_kwargs))
+    t, r = cfg.task, cfg.rollout
+    pool = AgentPool(t.agent, os.getcwd(), t.agent_workers,
+                     AgentLimits(t.agent_timeout_s, memory_mb=t.agent_memory_mb, max_processes=t.agent_max_processes),
+                     dict(t.agent_kwargs))
+    server = AgentServer(tokenizer, generate, host=t.agent_host, port=t.agent_port, max_new_tokens=r.max_new_tokens,
+                         temperature=r.temperature, top_p=r.top_p, max_model_len=r.max_model_len,
+                         observation_role=t.observation_role)
+    try:
+        server.start()
+    except BaseException:
+        pool.close()
+        raise
+    return AgentRunner(server, pool, fleet, name=t.agent, prompt_key=t.prompt_key, timeout_s=t.agent_timeout_s,
+                       workers=t.agent_workers, max_len=r.max_model_len, decode=tokenizer.decode)
+
+
+def make_source(fleet, episodes, agents):
+    """Where samples come from (rl/run/rollouts.py): agent episodes, environment episodes, or the
+    fleet's single completions."""
+    from rl.run.rollouts import Completions, EnvEpisodes
+
+    if agents is not None:
+        return agents
+    return EnvEpisodes(episodes, fleet) if episodes is not None else Completions(fleet)
 
 
 def start_envs(cfg: TrainConfig, tokenizer):
@@ -486,9 +512,9 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                          f" ({len(in_flight)} batch(es) generated ahead kept)" if in_flight else "")
                 log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}{ahead}")
             handover.to_rollout()
-            run_loop(config, pad_id_of(tokenizer), data, fleet, rewards, learner, log, start_step=start_step,
-                     kl_state=kl_state, stop=stop, in_flight=in_flight, episodes=episodes, eval_data=eval_data,
-                     agents=agents)
+            source = make_source(fleet, episodes, agents)
+            run_loop(config, pad_id_of(tokenizer), data, fleet, source, rewards, learner, log, start_step=start_step,
+                     kl_state=kl_state, stop=stop, in_flight=in_flight, eval_data=eval_data)
             summary = reward_trend(read_metrics(cfg.run.dir))
             if cfg.run.save_final_model:
                 final = os.path.join(cfg.run.dir, "final_model")
@@ -510,7 +536,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             raise
         finally:
             log.close()
-            if agents is not None:
+            if agents is not None:  # the agents killed first (never waited on), then their server
                 agents.close()
                 agents.server.stop()
             for part in (learner, rewards, fleet, episodes.envs if episodes else None):

@@ -174,3 +174,51 @@ def _check_signature(fn: Callable[..., Any], prefix: str) -> None:
                 f"{prefix}: parameter {p.name!r} is positional-only, but arguments are passed by "
                 "keyword (prompts=..., completions=...); remove the '/'"
             )
+
+
+def load_agent_function(spec: str, base_dir: str | None, kwargs: dict[str, Any],
+                        field: str = "task.agent") -> Callable[..., Any]:
+    """Import the agent function named by `spec` and check, before any episode, that it can be
+    called as `fn(base_url, row, **kwargs)` (rl/run/agents.py). An async function is accepted:
+    reward.agent_procs runs the coroutine it returns with asyncio.run."""
+    obj = load_object(spec, base_dir, field=field)
+    if not callable(obj):
+        raise RewardLoadError(
+            f"{field}={spec!r}: {spec.rpartition(':')[2]!r} is a {type(obj).__name__}, not callable; "
+            "point at a function taking (base_url, row, **kwargs)"
+        )
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return obj  # no introspectable signature (some C callables): the first call will tell
+    try:
+        sig.bind("http://x", {}, **kwargs)
+    except TypeError as exc:
+        raise RewardLoadError(f"{field}={spec!r}: {_agent_call_problem(sig, spec, kwargs, field, exc)}") from exc
+    return obj
+
+
+def _agent_call_problem(sig: inspect.Signature, spec: str, kwargs: dict[str, Any], field: str,
+                        exc: TypeError) -> str:
+    """Why `fn(base_url, row, **kwargs)` does not bind, in the config's terms."""
+    P = inspect.Parameter
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    by_keyword = {p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)}
+    if len(positional) < 2 and not any(p.kind is P.VAR_POSITIONAL for p in params):
+        return (f"takes {len(positional)} positional parameter(s), but is called as fn(base_url, row, "
+                f"**{field}_kwargs); give it two: (base_url, row, ...)")
+    first_two = {p.name for p in positional[:2]}
+    for name in kwargs:
+        if name in first_two:
+            return (f"{field}_kwargs has {name!r}, which {spec} already receives as one of (base_url, row); "
+                    f"rename the parameter or remove it from {field}_kwargs")
+        if name not in by_keyword and not any(p.kind is P.VAR_KEYWORD for p in params):
+            return (f"{field}_kwargs has {name!r}, which {spec} does not take; add it to its "
+                    f"parameters or remove it from {field}_kwargs")
+    missing = [p.name for p in params if p.default is P.empty and p.name not in first_two | set(kwargs)
+               and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)]
+    if missing:
+        return (f"parameter {missing[0]!r} has no default and is not in {field}_kwargs; give it a default "
+                f"or set it in {field}_kwargs")
+    return f"cannot be called as fn(base_url, row, **{field}_kwargs): {exc}"

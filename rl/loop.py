@@ -3,14 +3,14 @@
 It owns the step counter, the policy version and the logging, and talks to the rollout fleet,
 reward service and learner only through the small protocols below, so the same loop runs
 colocated on a laptop or spread over a Ray cluster (and imports neither Ray nor DeepSpeed).
-With `algorithm.off_policy_steps = k > 0` generation and rewards run ahead in a background
-thread (`rl.run.pipeline`), up to k steps, while the learner trains; weight syncs wait for a batch
-boundary. With `rollout.mode=streaming` there are no batches to wait for: requests flow through
-the engines continuously, finished groups queue up, and weight syncs land mid-generation
-(`rl.run.streaming`; samples at most k versions old, counted at their oldest token); `task.agent`
-episodes stream the same way (`rl.run.agents`). With an environment (`task.env`) each sample is a
-multi-turn episode (`rl.data.episodes`); with `eval.every_steps` held-out rows are evaluated
-before the first update, every N steps and after the last one.
+Samples come from a `Source` (rl/run/rollouts.py): single completions, environment episodes
+(`task.env`, rl/data/episodes.py) or agent episodes (`task.agent`, rl/run/agents.py), all scored by
+one function (`score_samples`). A `Rollouts` schedule hands each step its groups: lock-step
+(on-policy), batches made up to k = `algorithm.off_policy_steps` steps ahead in a background
+thread (weight syncs wait for a batch boundary), or a stream (`rollout.mode=streaming`: requests
+flow continuously, weight syncs land mid-generation, samples at most k versions old at their
+oldest token). With `eval.every_steps` held-out rows are evaluated before the first update, every
+N steps and after the last one.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from __future__ import annotations
 import statistics
 import time
 from contextlib import nullcontext
-from typing import Protocol
+from functools import partial
+from typing import Callable, Protocol
 
 import torch
 
@@ -29,21 +30,20 @@ from rl.run.colocation import GpuHandover
 from rl.algo.dapo import informative_groups, overlong_penalty
 from rl.data.dataset import PromptDataset
 from rl.config.schema import AlgorithmConfig, TrainConfig
-from rl.data.episodes import Episodes, with_episode_rewards
+from rl.data.episodes import with_episode_rewards
 from rl.algo.estimate import estimate_advantages
 from rl.run.evaluate import due, evaluate
 from rl.run.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
 from rl.plan.flops import step_cost
 from rl.algo.kl_control import KL_CONTROLLERS, kl_controller_from_dict
-from rl.run.agents import AgentRunner
 from rl.run.pipeline import RolloutPipeline
+from rl.run.rollouts import LockStep, Rollouts, Source
 from rl.run.streaming import StreamingRollouts
 from rl.run.run_log import RunLog
 from rl.data.types import GenerationRequest, Sample, ScoredSample, TrainBatch
 
 
 class Fleet(Protocol):
-    def generate(self, requests: list[GenerationRequest]) -> list[Sample]: ...
     def sleep(self, level: int | None = None) -> None: ...
     def wake(self, tags: tuple[str, ...] | None = None) -> None: ...
 
@@ -67,22 +67,17 @@ def make_kl_controller(a: AlgorithmConfig):
     return KL_CONTROLLERS.get("fixed")(a.kl_coef)
 
 
-class Sampler:
-    """Where samples come from and how they are scored: single completions from the fleet, or
-    whole episodes (`task.env`) whose reward adds the environment's to the reward functions'."""
-
-    def __init__(self, fleet: Fleet, rewards: Rewards | None, episodes: Episodes | None = None):
-        self.fleet, self.rewards, self.episodes = fleet, rewards, episodes
-
-    def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
-        return self.episodes.run(requests, self.fleet.generate) if self.episodes else self.fleet.generate(requests)
-
-    def score(self, samples: list[Sample]) -> list[ScoredSample]:
-        scored = self.rewards.score(samples) if self.rewards is not None else None
-        return with_episode_rewards(samples, scored) if self.episodes else scored
+def score_samples(cfg: TrainConfig, rewards: Rewards | None, samples: list[Sample]) -> list[ScoredSample]:
+    """Every kind of sample scored one way: the reward functions (if any), plus an episode's turn
+    rewards (an environment's or an agent's), plus DAPO's overlong penalty. A sample that failed
+    (its episode, or a request the engine refused) keeps its error and gets no reward."""
+    functions = rewards.score(samples) if rewards is not None else None
+    if functions is not None and not any(s.turns is not None or s.error is not None for s in samples):
+        return _shape_rewards(cfg, functions)
+    return _shape_rewards(cfg, with_episode_rewards(samples, functions))
 
 
-def collect(cfg: TrainConfig, data: PromptDataset, sampler: Sampler,
+def collect(cfg: TrainConfig, data: PromptDataset, source: Source, score: Callable[[list[Sample]], list[ScoredSample]],
             step: int) -> tuple[list[ScoredSample], list[Sample], dict[str, float]]:
     """Generate and score one step's groups. With DAPO's dynamic sampling, groups whose rewards
     are all equal are set aside and more prompts are drawn (up to max_sampling_rounds); the
@@ -95,19 +90,17 @@ def collect(cfg: TrainConfig, data: PromptDataset, sampler: Sampler,
     rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
     for rnd in range(rounds):
         t0 = time.perf_counter()
-        samples = sampler.generate(data.requests(step, P, n, round=rnd))
+        samples = source.run(data.requests(step, P, n, round=rnd))
         t1 = time.perf_counter()
-        scored = _shape_rewards(cfg, sampler.score(samples))
+        scored = score(samples)
         timing["time/rollout_s"] += t1 - t0
         timing["time/reward_s"] += time.perf_counter() - t1
         generated += samples
         groups = _by_group(scored)
         if not a.dynamic_sampling:
             return scored, generated, timing
-        reward, valid, ids = _reward_tensors(scored)
-        informative = set(informative_groups(reward, ids, valid))
-        kept += [g for gid, g in groups.items() if gid in informative]
-        flat += [g for gid, g in groups.items() if gid not in informative]
+        kept += [g for g in groups.values() if _informative(g)]
+        flat += [g for g in groups.values() if not _informative(g)]
         if len(kept) >= P:
             break
     metrics = {**timing, "dapo/sampling_rounds": float(rnd + 1), "dapo/informative_groups": float(len(kept)),
@@ -116,11 +109,13 @@ def collect(cfg: TrainConfig, data: PromptDataset, sampler: Sampler,
     return [s for g in chosen for s in g], generated, metrics
 
 
-def make_rollouts(cfg: TrainConfig, data: PromptDataset, sampler: Sampler, start_step: int, in_flight: dict | None,
-                  agents: AgentRunner | None = None) -> RolloutPipeline | StreamingRollouts | None:
-    """What makes each step's groups ahead of the learner: nothing (on-policy, lock-step), batches
-    generated up to k steps ahead, or a stream (of completions, or of `agents`' episodes, rewarded
-    by the agent plus any reward functions). `in_flight`: what a checkpoint recorded of it."""
+def make_rollouts(cfg: TrainConfig, data: PromptDataset, source: Source,
+                  score: Callable[[list[Sample]], list[ScoredSample]], start_step: int,
+                  in_flight: dict | None) -> Rollouts:
+    """What makes each step's groups: the step's batch when it starts (on-policy, lock-step),
+    batches generated up to k steps ahead, or a stream (`rollout.mode=streaming`), all from
+    `source` (completions, environment episodes or agent episodes). `in_flight`: what a
+    checkpoint recorded of it."""
     a, P, n = cfg.algorithm, cfg.task.prompts_per_step, cfg.rollout.n
     streaming = cfg.rollout.mode == "streaming"
     if in_flight and streaming != ("streaming" in in_flight):
@@ -134,24 +129,26 @@ def make_rollouts(cfg: TrainConfig, data: PromptDataset, sampler: Sampler, start
                 r.group_id += b * P
             return requests
 
-        def informative(group: list[ScoredSample]) -> bool:
-            reward, valid, ids = _reward_tensors(group)
-            return bool(informative_groups(reward, ids, valid))
-
-        def score(samples: list[Sample]) -> list[ScoredSample]:
-            if agents is None:
-                return _shape_rewards(cfg, sampler.score(samples))
-            functions = sampler.rewards.score(samples) if sampler.rewards is not None else None
-            return _shape_rewards(cfg, with_episode_rewards(samples, functions))
-
         rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
-        return StreamingRollouts(agents or sampler.fleet, draw, score, groups_per_step=P,
-                                 max_staleness=a.off_policy_steps, start_step=start_step, end=cfg.run.steps * rounds,
-                                 informative=informative if a.dynamic_sampling else None, max_rounds=rounds,
-                                 state=(in_flight or {}).get("streaming"))
+        # a sample ends within a request's deadline (or an agent's) or its worker is replaced: a
+        # stream with nothing finishing for longer than that, start-up included, is stuck
+        stall_s = cfg.run.start_timeout_s + cfg.run.call_timeout_s + (cfg.task.agent_timeout_s if cfg.task.agent else 0)
+        return StreamingRollouts(source, draw, score, groups_per_step=P, max_staleness=a.off_policy_steps,
+                                 start_step=start_step, steps=cfg.run.steps,
+                                 informative=_informative if a.dynamic_sampling else None, max_rounds=rounds,
+                                 state=(in_flight or {}).get("streaming"), stall_s=stall_s,
+                                 stall_hint="run.start_timeout_s + run.call_timeout_s"
+                                            + (" + task.agent_timeout_s" if cfg.task.agent else ""))
+    produce = partial(collect, cfg, data, source, score)
     if a.off_policy_steps:
-        return RolloutPipeline(lambda s: collect(cfg, data, sampler, s), a.off_policy_steps, cfg.run.steps, in_flight)
-    return None
+        return RolloutPipeline(produce, a.off_policy_steps, cfg.run.steps, in_flight, repair=source.repair)
+    return LockStep(produce)
+
+
+def _informative(group: list[ScoredSample]) -> bool:
+    """DAPO's filter: the group's rewards are not all equal (its advantages are not all zero)."""
+    reward, valid, ids = _reward_tensors(group)
+    return bool(informative_groups(reward, ids, valid))
 
 
 def _shape_rewards(cfg: TrainConfig, scored: list[ScoredSample]) -> list[ScoredSample]:
@@ -206,44 +203,42 @@ def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | 
     )
 
 
-def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, rewards: Rewards | None,
-             learner: Learner, log: RunLog, start_step: int = 0, kl_state: dict | None = None,
-             stop: StopRequest | None = None, in_flight: dict | None = None, episodes: Episodes | None = None,
-             eval_data: PromptDataset | None = None, agents: AgentRunner | None = None) -> list[dict[str, float]]:
+def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, source: Source,
+             rewards: Rewards | None, learner: Learner, log: RunLog, start_step: int = 0,
+             kl_state: dict | None = None, stop: StopRequest | None = None, in_flight: dict | None = None,
+             eval_data: PromptDataset | None = None) -> list[dict[str, float]]:
     """Run steps [start_step, run.steps) of the run `cfg` describes; returns each step's metrics.
 
     The policy version equals the number of updates so far, i.e. the step index, also on resume.
     A run ends early at a step boundary, with a checkpoint there, when `stop` is requested (a
     signal: RunStopped) or when every reward failed `reward.max_failed_steps` steps in a row
     (RewardsFailing); an actor lost for good ends it with an ActorFailure naming the step.
-    `in_flight`: batches generated ahead before a checkpoint (asynchronous rollouts), by step.
-    `rewards`: None when only the environment (`episodes`) or the agent (`agents`) rewards;
-    `eval_data`: `eval.files`; `agents`: `task.agent` episodes (streaming).
+    `source`: where samples come from (the fleet's completions, environment or agent episodes:
+    rl/run/rollouts.py); `fleet`: what the weights are synced to. `in_flight`: what a checkpoint
+    recorded of the rollouts made ahead. `rewards`: None when only the episodes reward (an
+    environment's or an agent's); `eval_data`: `eval.files`.
     """
     a, run = cfg.algorithm, cfg.run
     history = []
     kl_ctrl = kl_controller_from_dict(kl_state) if kl_state else make_kl_controller(a)
     version = start_step
     failing: list[str] = []  # the first reward error of each step, in a row, whose rewards all failed
-    sampler = Sampler(fleet, rewards, episodes)
-    pipeline = make_rollouts(cfg, data, sampler, start_step, in_flight, agents)
-
-    handover = GpuHandover.of(cfg, sampler.fleet, learner)
+    score = partial(score_samples, cfg, rewards)
+    rollouts = make_rollouts(cfg, data, source, score, start_step, in_flight)
+    handover = GpuHandover.of(cfg, fleet, learner)
 
     def save(next_step: int, with_in_flight: bool = True) -> None:
-        # (a stream's record is the driver's own: kept even when the fleet is broken)
-        keep = with_in_flight or isinstance(pipeline, StreamingRollouts)
-        ahead = pipeline.in_flight() if pipeline and keep else {}
+        ahead = rollouts.in_flight(whole=with_in_flight)
         with handover.learner_resident() if with_in_flight else nullcontext():  # (else the fleet is broken)
             checkpoint.save(log.run_dir, checkpoint.LoopState(next_step, version, kl_ctrl.to_dict()),
                             learner.save_checkpoint, run.keep_checkpoints, in_flight=ahead)
 
     try:
         for step in range(start_step, run.steps):
-            evaluated = evaluate(cfg.eval, eval_data, sampler.generate, sampler.score) \
+            evaluated = evaluate(cfg.eval, eval_data, source.run, score) \
                 if eval_data is not None and due(cfg.eval, step) else {}
-            metrics, scored = _step(cfg, pad_id, data, sampler, learner, log, step, version, kl_ctrl,
-                                    pipeline, save, evaluated, handover)
+            metrics, scored = _step(cfg, pad_id, fleet, learner, log, step, version, kl_ctrl, rollouts, save,
+                                    evaluated, handover)
             version += 1
             history.append(metrics)
             done = step + 1
@@ -258,26 +253,25 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, r
                 raise RunStopped(stop.reason, done)
         if eval_data is not None and cfg.eval.every_steps > 0 and start_step < run.steps:
             # the trained policy's own evaluation: a row of its own, at step run.steps
-            final = evaluate(cfg.eval, eval_data, sampler.generate, sampler.score)
+            final = evaluate(cfg.eval, eval_data, source.run, score)
             log.metrics(run.steps, final, advance=False, echo=False)
             log.write(f"evaluation after step {run.steps}: " + " | ".join(
                 f"{k.removeprefix('eval/')} {v:.3f}" for k, v in final.items() if not k.endswith("_count")))
     finally:
-        if pipeline:
-            pipeline.close()
+        rollouts.close()
     return history
 
 
-def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, learner: Learner,
-          log: RunLog, step: int, version: int, kl_ctrl, pipeline: RolloutPipeline | StreamingRollouts | None,
-          save, evaluated: dict[str, float], handover: GpuHandover) -> tuple[dict[str, float], list[ScoredSample]]:
-    """One step trained at policy `version`: its batch (made now, or ahead by the pipeline),
-    scores, advantages, the update, the weight sync; logs and returns its metrics (with the
-    evaluation made before it, `evaluated`) and samples."""
-    a, fleet = cfg.algorithm, sampler.fleet
+def _step(cfg: TrainConfig, pad_id: int, fleet: Fleet, learner: Learner, log: RunLog, step: int, version: int,
+          kl_ctrl, rollouts: Rollouts, save, evaluated: dict[str, float],
+          handover: GpuHandover) -> tuple[dict[str, float], list[ScoredSample]]:
+    """One step trained at policy `version`: its batch (made now, ahead, or streamed), scores,
+    advantages, the update, the weight sync; logs and returns its metrics (with the evaluation
+    made before it, `evaluated`) and samples."""
+    a = cfg.algorithm
     t0 = time.perf_counter()
     try:
-        scored, samples, collect_metrics = pipeline.take(step) if pipeline else collect(cfg, data, sampler, step)
+        scored, samples, collect_metrics = rollouts.take(step)
     except ActorFailure as err:  # a rollout worker is lost for good; the learner is whole
         save(step, with_in_flight=False)  # batches made ahead are made again on resume
         raise err.at_step(step) from None
@@ -297,7 +291,7 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, 
         train_metrics = learner.train_step(batch, step, kl_coef)
         t_train = time.perf_counter()
         handover.to_sync()  # both sides hold just their weights
-        with pipeline.between_batches() if pipeline else nullcontext():
+        with rollouts.between_batches():
             t_hold = time.perf_counter()
             sent = learner.sync_weights(fleet, version + 1)
             t_sync = time.perf_counter()
@@ -311,11 +305,11 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, 
 
     gen_tokens = sum(sum(s.completion_mask) if s.completion_mask is not None else len(s.completion_ids)
                      for s in samples)  # the model's tokens (an episode's observations are not generated)
-    behind = [version - s.sample.policy_version for s in scored]
+    behind = [version - s.sample.policy_version for s in scored if s.error is None] or [0]
     metrics = {
         **reward_metrics(scored),
         **group_success_stats(reward, groups, valid),
-        **collect_metrics,
+        **{k: v for k, v in collect_metrics.items() if k != "time/wait_rollout_s"},
         **({"actor/kl_coef": kl_coef} if a.kl_coef > 0 else {}),
         **est.metrics,
         **train_metrics,
@@ -323,7 +317,7 @@ def _step(cfg: TrainConfig, pad_id: int, data: PromptDataset, sampler: Sampler, 
         "rollout/completion_len_tokens": gen_tokens / len(samples),
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "sync/weights_mb": sent / 2**20,
-        "time/wait_rollout_s": (t_rew - t0) + (t_hold - t_train) if pipeline else 0.0,
+        "time/wait_rollout_s": (t_rew - t0) + (t_hold - t_train),  # the learner idle, waiting for rollouts
         "time/score_s": t_score - t_rew,
         "time/train_s": t_train - t_score,
         "time/sync_s": t_sync - t_hold,
@@ -362,12 +356,16 @@ def _cost_metrics(cfg: TrainConfig, train_metrics: dict[str, float], learner_s: 
 
 
 def _episode_metrics(samples: list[Sample]) -> dict[str, float]:
-    """Turns per episode, and the share of an episode's tokens that are observations."""
+    """Turns per episode, and the share of an episode's tokens that are observations; agents that
+    failed (rl/run/agents.py names them in the error), and those killed at their deadline."""
     episodes = [s for s in samples if s.turns is not None]
     if not episodes:
         return {}
+    failed = [s.error for s in episodes if s.error is not None and s.error.startswith("task.agent=")]
+    agents = {"agent/errors_count": float(len(failed)),
+              "agent/timeouts_count": float(sum("task.agent_timeout_s" in e for e in failed))} if failed else {}
     turns = [sum(t.role == "model" for t in s.turns) for s in episodes]
     obs = sum(len(s.completion_ids) - sum(s.completion_mask) for s in episodes)
     return {"episode/turns_mean": statistics.fmean(turns), "episode/turns_max": float(max(turns)),
             "episode/observation_tokens_frac": obs / max(1, sum(len(s.completion_ids) for s in episodes)),
-            "episode/errors_count": float(sum(s.error is not None for s in episodes))}
+            "episode/errors_count": float(sum(s.error is not None for s in episodes)), **agents}

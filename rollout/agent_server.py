@@ -1,5 +1,5 @@
 """An OpenAI-compatible endpoint in front of the rollout fleet, recording token-exact episodes
-(DESIGN.md "Agents through an OpenAI-compatible endpoint").
+(docs/architecture.md "Agents").
 
 Any agent written with the plain `openai` client becomes an environment: each episode gets its own
 base URL (`http://HOST:PORT/episodes/{key}/v1`), and every call made there is recorded as a
@@ -14,17 +14,29 @@ other conversation is rendered afresh (and `episode_sample` will say the agent r
 
 Calls of one episode are served one at a time (an episode is one trajectory); episodes run
 concurrently, each call in a worker thread that blocks on `generate` (the fleet).
+
+Agents are untrusted code. An episode's key is a secret (`secrets`): the base URL is the only
+way into the episode, and a key that is unknown, closed or malformed gets the same 404, so no
+agent can reach or probe another's episode. What the policy samples is the run's: a request
+asking for another temperature, top_p, penalty or the like is refused (the learner scores every
+token at the run's settings), as is anything the engine would choke on (token ids out of the
+vocabulary, non-finite numbers, lone surrogates). Bodies, headers, reads and connections are
+bounded, so a hostile or broken client costs a bounded amount of memory and time.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import logging
-import re
+import math
+import reprlib
+import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import anyio
@@ -34,6 +46,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl.data.agent_calls import RecordedCall
+from rollout.http_limits import (MAX_HEADER_BYTES, AnswerFaults, ApiError, Connection, check_text, check_values,
+                                 loads, read_body)
 from rl.data.dataset import derive_seed
 from rl.data.episodes import ObservationEncoder
 from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls, text_outside_tool_calls
@@ -41,33 +55,43 @@ from rl.data.types import GenerationRequest, Sample
 
 log = logging.getLogger(__name__)
 
-_KEY = re.compile(r"[A-Za-z0-9_~-][A-Za-z0-9._~-]*")
-_REQUEST_FIELDS = {f.name for f in fields(GenerationRequest)}
-
 # Body fields: served; accepted and ignored (no effect on what is sampled); refused unless they
-# have their neutral value (they change sampling in a way the fleet cannot honour or record).
+# have their neutral value (they change sampling in a way the learner would not score, or ask for
+# more than the one completion the policy samples). temperature and top_p are checked per episode.
 _SERVED = {"messages", "prompt", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
-           "max_completion_tokens", "seed", "n", "stream", "logprobs", "top_logprobs"}
-_IGNORED = {"model", "user", "store", "metadata", "service_tier", "parallel_tool_calls", "stream_options",
-            "prompt_cache_key", "safety_identifier"}
+           "max_completion_tokens", "seed", "stream", "stream_options", "logprobs"}
+_IGNORED = {"model", "user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+            "safety_identifier"}
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1), "best_of": (None, 1), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "stop": (None, [], ""), "response_format": (None, {"type": "text"}),
-    "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "n": (1,), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "top_k": (-1,), "min_p": (0,), "stop": ([], ""), "top_logprobs": (0,),
+    "logprobs_mode": (), "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",),
 }
 
 
-class ApiError(Exception):
-    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}."""
+class RequestRejected(Exception):
+    """Raised by `generate` when the engine refuses a request (bad parameters): answered as a 400,
+    never a fault."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
 
-    def response(self) -> JSONResponse:
-        kind = {400: "invalid_request_error", 404: "not_found_error"}.get(self.status, "server_error")
-        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+def _show(value: Any) -> str:
+    """A client's value quoted in an error: cut short, however long or deeply nested."""
+    return reprlib.repr(value)
+
+
+def _not_found() -> ApiError:
+    """The one answer for a key that is unknown, closed or malformed (and any other path): the
+    same bytes whatever the key, so an agent learns nothing about other episodes."""
+    return ApiError(404, "unknown episode: use the base_url the trainer gave this episode", code="episode_not_found")
+
+
+def _neutral(value: Any, options: tuple[Any, ...]) -> bool:
+    """`value` is null or one of `options` (a bool never stands for a number)."""
+    return value is None or any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in options)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def split_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
@@ -93,6 +117,8 @@ def _text(content: Any, param: str) -> str:
 
 def _calls(tool_calls: Any, param: str) -> tuple[tuple[str, str], ...]:
     """An assistant message's tool calls as ((name, canonical JSON arguments), ...)."""
+    if not isinstance(tool_calls, (list, type(None))):
+        raise ApiError(400, f"{param} must be a list of tool calls", param)
     out = []
     for j, tc in enumerate(tool_calls or []):
         fn = tc.get("function") if isinstance(tc, dict) else None
@@ -100,10 +126,9 @@ def _calls(tool_calls: Any, param: str) -> tuple[tuple[str, str], ...]:
             raise ApiError(400, f"{param}[{j}]: a tool call needs function.name and function.arguments",
                            f"{param}[{j}]")
         args = fn.get("arguments") or {}
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            raise ApiError(400, f"{param}[{j}].function.arguments is not JSON", f"{param}[{j}]") from None
+        if isinstance(args, str):
+            args = loads(args, f"{param}[{j}].function.arguments")
+            check_values(args, f"{param}[{j}].function.arguments")
         out.append((fn["name"], json.dumps(args, sort_keys=True)))
     return tuple(out)
 
@@ -131,6 +156,9 @@ def _messages(raw: Any) -> list[_Message]:
     for i, m in enumerate(raw):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ApiError(400, f"messages[{i}]: a message is an object with a role", f"messages[{i}]")
+        for name in ("tool_call_id", "name"):
+            if not isinstance(m.get(name), (str, type(None))):
+                raise ApiError(400, f"messages[{i}].{name} must be a string", f"messages[{i}].{name}")
         out.append(_Message(m["role"], _text(m.get("content"), f"messages[{i}].content"),
                             _calls(m.get("tool_calls"), f"messages[{i}].tool_calls"), m.get("tool_call_id"),
                             m.get("name")))
@@ -149,42 +177,56 @@ class _Chat:
 
 @dataclass
 class _Episode:
-    key: str
     seed_base: int
     metadata: dict[str, Any]
-    lock: threading.Lock = field(default_factory=threading.Lock)  # one call at a time
+    temperature: float  # what every call samples at
+    # one call at a time, the others waiting on the server's loop, their bodies unread, rather than
+    # in worker threads: an agent flooding its own episode holds neither the threads other episodes'
+    # calls need nor more than one body (a connection buffers 64 KiB before uvicorn stops reading)
+    turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     calls: list[RecordedCall] = field(default_factory=list)
     replies: dict[tuple, str] = field(default_factory=dict)  # returned assistant message -> raw model text
     chat: _Chat | None = None
     text: tuple[str, RecordedCall] | None = None  # last /completions call: its prompt text and record
-    closing: bool = False  # no new call starts
-    done: bool = False  # nothing more is recorded
+    done: bool = False  # closed: nothing more is recorded
 
 
 class AgentServer:
     """OpenAI-compatible HTTP server over a blocking `generate` (the fleet), per-episode recording.
 
     `generate(request) -> Sample` must be thread-safe; it is called from one worker thread per call
-    in flight. Per call: the body's temperature, max_tokens (or max_completion_tokens) and seed, else
-    the defaults; the seed is derived from (the episode's seed_base, the call's index) unless given.
-    `top_p` is the fleet's (`top_p_default`): a request asking for another is refused while
-    `GenerationRequest` has no top_p field (passed on once it has). With `max_model_len`, a prompt
-    that leaves no room is refused (400, code context_length_exceeded) and max_tokens is capped to
-    the room left, so an episode's trajectory always fits the learner's context. At most
-    `max_concurrent_calls` calls wait on `generate` at once (worker threads); more queue.
+    in flight, at most `max_concurrent_calls` at once (more wait their turn). Every call samples at
+    the episode's temperature (the run's `temperature` unless `open_episode` gave one) and the run's
+    `top_p`, with max_tokens capped at `max_new_tokens` and at the room `max_model_len` leaves, so an
+    episode's trajectory is what the learner scores and always fits its context; the seed is derived
+    from (the episode's seed_base, the call's index) unless the body gives one.
+
+    Limits on clients (agents are untrusted): a body over `max_body_bytes` is refused (413) while it
+    is read, before anything is read when its Content-Length says so; a connection silent for
+    `keep_alive_s` (a new one too) is closed, and so is one whose request headers have not all come
+    `read_timeout_s` after it opened or after its last response; a body not all come
+    `read_timeout_s` after the server began reading it (at once, unless the episode's previous call
+    is still running) is a 408; headers still incomplete past MAX_HEADER_BYTES are a 400; past
+    `max_connections` connections or requests in flight, a request gets a 503 at once.
+    The default body limit, max(1 MiB, 64 bytes a token of max_model_len (else of 64k tokens)),
+    holds a full context of text at ~10 characters a token, each JSON-escaped to 6 bytes: a longer
+    body could not fit the context anyway.
     """
 
     def __init__(self, tokenizer: Any, generate: Callable[[GenerationRequest], Sample], *,
-                 host: str = "127.0.0.1", port: int = 0, max_tokens_default: int = 256,
-                 temperature_default: float = 1.0, top_p_default: float = 1.0, max_model_len: int | None = None,
-                 model_name: str = "policy", max_concurrent_calls: int = 1024,
-                 observation_role: str = "tool"):
+                 host: str = "127.0.0.1", port: int = 0, max_new_tokens: int = 256, temperature: float = 1.0,
+                 top_p: float = 1.0, max_model_len: int | None = None, model_name: str = "policy",
+                 max_concurrent_calls: int = 256, observation_role: str = "tool", max_body_bytes: int | None = None,
+                 read_timeout_s: float = 30.0, keep_alive_s: float = 5.0, max_connections: int = 1024):
         self.tokenizer, self.generate = tokenizer, generate
         self.host, self._port = host, port
-        self.max_tokens_default, self.temperature_default = max_tokens_default, temperature_default
-        self.top_p_default, self.max_model_len, self.model_name = top_p_default, max_model_len, model_name
-        self.max_concurrent_calls = max_concurrent_calls
-        self.eos = tokenizer.eos_token_id
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, float(temperature), float(top_p)
+        self.max_model_len, self.model_name = max_model_len, model_name
+        self.max_concurrent_calls, self.max_connections = max_concurrent_calls, max_connections
+        self.max_body_bytes = max_body_bytes if max_body_bytes is not None else \
+            max(1 << 20, 64 * (max_model_len or 1 << 16))
+        self.read_timeout_s, self.keep_alive_s = read_timeout_s, keep_alive_s
+        self.eos, self.vocab_size = tokenizer.eos_token_id, len(tokenizer)
         try:  # "the template's tokens after an assistant turn ending at EOS", as in-process episodes compute them
             self._encoder: ObservationEncoder | None = ObservationEncoder(tokenizer, chat=True, role=observation_role,
                                                                           cap=1 << 30)
@@ -197,7 +239,6 @@ class AgentServer:
         # truncation/padding state: prompts are built one at a time (fast next to generating)
         self._tokenizer_lock = threading.Lock()
         self._episodes: dict[str, _Episode] = {}
-        self._closed: set[str] = set()
         self._tools_checked = False
         self._limiter: anyio.CapacityLimiter | None = None
         self._server: uvicorn.Server | None = None
@@ -223,8 +264,13 @@ class AgentServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._port))
         self._socket, self._port = sock, sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+        # h11, not httptools (uvicorn's choice when installed): httptools has no cap on headers still
+        # arriving; limit_concurrency answers 503 past max_connections connections or requests in flight
+        config = uvicorn.Config(
+            self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=5, http=functools.partial(Connection, headers_timeout_s=self.read_timeout_s),
+            timeout_keep_alive=self.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+            limit_concurrency=self.max_connections)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name=f"agent-server:{self._port}")
@@ -256,94 +302,75 @@ class AgentServer:
 
     # ---- episodes -------------------------------------------------------------------------------
 
-    def open_episode(self, key: str, seed_base: int, metadata: dict[str, Any] | None = None) -> str:
-        """Start recording episode `key` (URL-safe: letters, digits, . _ ~ -); returns its base URL
-        for `openai.OpenAI(base_url=...)`. `metadata` goes with each of its GenerationRequests."""
-        if not _KEY.fullmatch(key):
-            raise ValueError(f"episode key {key!r}: use letters, digits and . _ ~ - only, not starting with '.' "
-                             "(it is part of a URL)")
-        url = self.base_url(key)
-        with self._lock:
-            if key in self._episodes:
-                raise ValueError(f"episode {key!r} is already open")
-            self._closed.discard(key)
-            self._episodes[key] = _Episode(key, int(seed_base), dict(metadata or {}))
-        return url
-
-    def base_url(self, key: str) -> str:
+    def open_episode(self, seed_base: int, metadata: dict[str, Any] | None = None,
+                     temperature: float | None = None) -> tuple[str, str]:
+        """A new episode: returns (key, base_url), the URL for `openai.OpenAI(base_url=...)`. The key
+        is unguessable: holding the URL is the only way into the episode. `metadata` goes with each
+        of its GenerationRequests; `temperature` is the episode's sampling temperature (None: the
+        run's; evaluation opens greedy episodes with 0.0)."""
         if self._thread is None:
             raise RuntimeError("AgentServer is not serving: call start() first (its port is chosen then)")
-        return f"{self.url}/episodes/{key}/v1"
-
-    def close_episode(self, key: str, timeout_s: float | None = None) -> list[RecordedCall]:
-        """Stop episode `key` and return its calls in order. A call in flight is waited for (up to
-        `timeout_s`, then left unrecorded); later calls to the key get a 404."""
+        if temperature is not None and not (_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"episode temperature must be a finite number >= 0, got {temperature!r}")
+        key = secrets.token_urlsafe(24)
         with self._lock:
-            ep = self._episodes.pop(key, None)
-            if ep is None:
-                raise KeyError(f"episode {key!r} is not open")
-            ep.closing = True
-            self._closed.add(key)
-        got = ep.lock.acquire(timeout=-1 if timeout_s is None else timeout_s)
-        try:
-            with self._lock:
-                ep.done = True
-                return list(ep.calls)
-        finally:
-            if got:
-                ep.lock.release()
+            self._episodes[key] = _Episode(int(seed_base), dict(metadata or {}),
+                                           self.temperature if temperature is None else float(temperature))
+        return key, f"{self.url}/episodes/{key}/v1"
+
+    def close_episode(self, key: str) -> list[RecordedCall]:
+        """Ends the episode at once and returns its calls so far; never waits for a call in flight
+        (that call's result is not recorded, and it answers 404). Unknown key: KeyError."""
+        with self._lock:
+            ep = self._episodes.pop(key)
+            ep.done = True
+            return list(ep.calls)
+
+    def open_count(self) -> int:
+        with self._lock:
+            return len(self._episodes)
 
     def _episode(self, key: str) -> _Episode:
         with self._lock:
             ep = self._episodes.get(key)
-            if ep is None:
-                if key in self._closed:
-                    raise ApiError(404, f"episode {key!r} is closed: it was ended by the trainer and takes no more "
-                                        "calls", code="episode_closed")
-                raise ApiError(404, f"unknown episode {key!r}: no episode with this key is open on this server "
-                                    "(use the base_url the trainer gave the agent)", code="episode_not_found")
-            return ep
+        if ep is None:
+            raise _not_found()
+        return ep
 
     # ---- HTTP -----------------------------------------------------------------------------------
 
     def _make_app(self) -> FastAPI:
         app = FastAPI(title="rlpost agent server", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_middleware(AnswerFaults)
 
         @app.exception_handler(ApiError)
         async def api_error(_: Request, err: ApiError) -> JSONResponse:
             return err.response()
 
-        @app.exception_handler(Exception)
-        async def server_error(_: Request, err: Exception) -> JSONResponse:  # a bug here: still OpenAI's format
-            log.error("agent server: %s: %s", type(err).__name__, err, exc_info=err)
-            return ApiError(500, f"internal error: {type(err).__name__}: {err}").response()
-
         @app.exception_handler(StarletteHTTPException)
-        async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
-            return ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}").response()
+        async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+            if err.status_code == 404:  # any other path: the same answer as a wrong key
+                return _not_found().response()
+            return ApiError(err.status_code, str(err.detail)).response()
 
-        async def run(fn: Callable[[_Episode, dict[str, Any]], Any], key: str, request: Request) -> Response:
-            try:
-                body = await request.json()
-            except ValueError:
-                raise ApiError(400, "the request body is not JSON") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "the request body must be a JSON object")
+        async def run(completions: bool, key: str, request: Request) -> Response:
             ep = self._episode(key)
             if self._limiter is None:  # made on the server's event loop
                 self._limiter = anyio.CapacityLimiter(self.max_concurrent_calls)
-            out = await anyio.to_thread.run_sync(self._call, fn, ep, body, limiter=self._limiter)
+            async with ep.turn:
+                raw = await read_body(request, self.max_body_bytes, self.read_timeout_s)
+                out = await anyio.to_thread.run_sync(self._call, completions, ep, raw, limiter=self._limiter)
             if isinstance(out, dict):
                 return JSONResponse(out)
             return StreamingResponse(out, media_type="text/event-stream")
 
         @app.post("/episodes/{key}/v1/chat/completions")
         async def chat(key: str, request: Request) -> Response:
-            return await run(self._chat, key, request)
+            return await run(False, key, request)
 
         @app.post("/episodes/{key}/v1/completions")
         async def completions(key: str, request: Request) -> Response:
-            return await run(self._completion, key, request)
+            return await run(True, key, request)
 
         @app.get("/episodes/{key}/v1/models")
         async def models(key: str) -> JSONResponse:
@@ -353,65 +380,74 @@ class AgentServer:
 
         return app
 
-    def _call(self, fn: Callable[[_Episode, dict[str, Any]], Any], ep: _Episode, body: dict[str, Any]) -> Any:
-        _check_fields(body, fn == self._completion)
-        with ep.lock:
-            if ep.closing:
-                self._episode(ep.key)  # raises: closed
-            return fn(ep, body)
+    def _call(self, completions: bool, ep: _Episode, raw: bytes) -> Any:
+        body = loads(raw, None)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        _check_fields(body, completions)
+        self._check_sampling(ep, body)
+        check_values(body, "")
+        if ep.done:
+            raise _not_found()
+        return self._completion(ep, body) if completions else self._chat(ep, body)
 
     # ---- one call -------------------------------------------------------------------------------
+
+    def _check_sampling(self, ep: _Episode, body: dict[str, Any]) -> None:
+        """400 unless the body samples as the learner scores: temperature and top_p omitted or the
+        episode's (another value would be trained on as if sampled at these), max_tokens an integer
+        >= 1 (capped later), seed an integer."""
+        for name, value, whose in (("temperature", ep.temperature, "the run's rollout.temperature unless the trainer "
+                                    "set this episode's"), ("top_p", self.top_p, "the run's rollout.top_p")):
+            got = body.get(name)
+            if got is not None and not (_number(got) and got == value):
+                raise ApiError(400, f"{name}={_show(got)}: every call of this episode samples at {name}={value} "
+                                    f"({whose}), the distribution the learner scores; omit {name} or send {value}",
+                               name)
+        for name in ("max_tokens", "max_completion_tokens"):
+            got = body.get(name)
+            if got is not None and not (_number(got) and isinstance(got, int) and got >= 1):
+                raise ApiError(400, f"{name} must be an integer >= 1, got {_show(got)}", name)
+        seed = body.get("seed")
+        if seed is not None and not (_number(seed) and isinstance(seed, int)):
+            raise ApiError(400, f"seed must be an integer, got {_show(seed)}", "seed")
+
+    def _max_tokens(self, body: dict[str, Any], prompt_len: int, param: str) -> int:
+        """What the body asks for (else all it may have), capped at max_new_tokens and the room
+        max_model_len leaves; 400 when the prompt leaves none."""
+        cap = self.max_new_tokens
+        if self.max_model_len is not None:
+            room = self.max_model_len - prompt_len
+            if room < 1:
+                raise ApiError(400, f"the prompt is {prompt_len} tokens; this server's context is {self.max_model_len} "
+                                    "tokens (rollout.max_model_len), leaving no room to generate", param,
+                               "context_length_exceeded")
+            cap = min(cap, room)
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        return cap if asked is None else min(asked, cap)
 
     def _sample(self, ep: _Episode, body: dict[str, Any], prompt_ids: list[int],
                 param: str) -> tuple[RecordedCall, int]:
         """Generate for `prompt_ids` and record the call; returns it and its index in the episode."""
-        temperature = body.get("temperature")
-        temperature = self.temperature_default if temperature is None else temperature
-        if not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ApiError(400, f"temperature must be a number >= 0, got {temperature!r}", "temperature")
-        top_p = body.get("top_p")
-        extra: dict[str, Any] = {}
-        if top_p is not None:
-            if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-                raise ApiError(400, f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
-            if "top_p" in _REQUEST_FIELDS:
-                extra["top_p"] = float(top_p)
-            elif float(top_p) != self.top_p_default:
-                raise ApiError(400, f"top_p={top_p}: this server samples with the fleet's top_p={self.top_p_default} "
-                                    "(rollout.top_p); omit top_p or send that value", "top_p")
-        name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = body.get(name)
-        max_tokens = self.max_tokens_default if max_tokens is None else max_tokens
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ApiError(400, f"{name} must be an integer >= 1, got {max_tokens!r}", name)
-        if self.max_model_len is not None:
-            room = self.max_model_len - len(prompt_ids)
-            if room < 1:
-                raise ApiError(400, f"the prompt is {len(prompt_ids)} tokens; this server's context is "
-                                    f"{self.max_model_len} tokens (rollout.max_model_len), leaving no room to "
-                                    "generate", param, "context_length_exceeded")
-            max_tokens = min(max_tokens, room)
-        seed = body.get("seed")
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ApiError(400, f"seed must be an integer, got {seed!r}", "seed")
-        index = len(ep.calls)
+        max_tokens = self._max_tokens(body, len(prompt_ids), param)
+        seed, index = body.get("seed"), len(ep.calls)
         request = GenerationRequest(prompt_ids=list(prompt_ids), prompt_text="", group_id=0, sample_index=0,
                                     seed=derive_seed(ep.seed_base, index) if seed is None else seed & 0x7FFFFFFF,
-                                    metadata=ep.metadata, max_tokens=max_tokens, temperature=float(temperature),
-                                    **extra)
+                                    metadata=ep.metadata, max_tokens=max_tokens, temperature=ep.temperature)
         try:
             out = self.generate(request)
+        except RequestRejected as err:
+            raise ApiError(400, f"the engine refused the request: {err}", code="request_rejected") from None
         except Exception as err:  # noqa: BLE001 - the fleet failed: the agent sees a 500, nothing is recorded
-            log.exception("agent server: generate failed for episode %s call %d", ep.key, index)
+            log.exception("agent server: generate failed for call %d of an episode", index)
             raise ApiError(500, f"generation failed: {type(err).__name__}: {err}", code="generation_failed") from None
         versions = out.token_versions if out.token_versions is not None else \
             [out.policy_version] * len(out.completion_ids)
         call = RecordedCall(list(prompt_ids), list(out.completion_ids), list(out.logprobs), list(versions),
                             out.finish_reason, out.completion_text, out.policy_version)
         with self._lock:
-            if ep.done:
-                raise ApiError(404, f"episode {ep.key!r} was closed while this call ran; it was not recorded",
-                               code="episode_closed")
+            if ep.done:  # closed while this call ran
+                raise _not_found()
             ep.calls.append(call)
         return call, index
 
@@ -422,8 +458,8 @@ class AgentServer:
             raise ApiError(400, "tools must be a list of tool definitions", "tools")
         choice = body.get("tool_choice")
         if choice not in (None, "auto", "none"):
-            raise ApiError(400, f"tool_choice={choice!r}: only 'auto' and 'none' are supported (the model is never "
-                                "forced to call a tool)", "tool_choice")
+            raise ApiError(400, f"tool_choice={_show(choice)}: only 'auto' and 'none' are supported (the model is "
+                                "never forced to call a tool)", "tool_choice")
         tools_key = json.dumps(tools, sort_keys=True)
         with self._tokenizer_lock:
             prompt = self._extend(ep, messages, tools_key)
@@ -443,7 +479,7 @@ class AgentServer:
         finish = "tool_calls" if tool_calls else call.finish_reason
         logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                                 for t, lp in zip(self._tokens(call), call.logprobs)]} if body.get("logprobs") else None
-        head = {"id": f"chatcmpl-{ep.key}-{index}", "created": int(time.time()), "model": self.model_name}
+        head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": self.model_name}
         usage = _usage(call)
         if not body.get("stream"):
             return {**head, "object": "chat.completion", "usage": usage, "choices": [
@@ -476,8 +512,8 @@ class AgentServer:
         try:
             observation = self._encoder([self._template_message(ep, m) for m in messages[n + 1:]])
         except ValueError as err:
-            log.warning("agent server: episode %s: new messages cannot be appended token-exactly (%s); rendering "
-                        "the conversation afresh", ep.key, err)
+            log.warning("agent server: new messages cannot be appended token-exactly (%s); rendering the "
+                        "conversation afresh", err)
             return None
         return last.call.prompt_ids + completion + closing + observation
 
@@ -533,11 +569,12 @@ class AgentServer:
                 with self._tokenizer_lock:
                     ids = list(self.tokenizer(prompt).input_ids)
             text = prompt
-        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
-                                                         for t in prompt):
-            ids, text = list(prompt), None
-        else:
-            raise ApiError(400, "prompt must be one string or one list of token ids", "prompt")
+        elif isinstance(prompt, list) and prompt and not any(isinstance(p, (str, list)) for p in prompt):
+            ids, text = self._token_ids(prompt), None
+        else:  # a batch of prompts too: an episode is one sequence of calls
+            raise ApiError(400, "prompt must be one string or one non-empty list of token ids", "prompt")
+        if not ids:
+            raise ApiError(400, "prompt: it is empty once tokenized; the model needs at least one token", "prompt")
         call, index = self._sample(ep, body, ids, "prompt")
         ep.text = (text, call) if text is not None else None
         logprobs = None
@@ -547,7 +584,7 @@ class AgentServer:
             logprobs = {"tokens": tokens, "token_logprobs": call.logprobs, "top_logprobs": None,
                         "text_offset": offsets}
         choice = {"index": 0, "text": call.completion_text, "finish_reason": call.finish_reason, "logprobs": logprobs}
-        head = {"id": f"cmpl-{ep.key}-{index}", "object": "text_completion", "created": int(time.time()),
+        head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         if not body.get("stream"):
             return {**head, "choices": [choice], "usage": _usage(call)}
@@ -556,25 +593,40 @@ class AgentServer:
             chunks.append({**head, "choices": [], "usage": _usage(call)})
         return _sse(chunks)
 
+    def _token_ids(self, prompt: list[Any]) -> list[int]:
+        """`prompt` as token ids, 400 naming the first that is not one of the model's."""
+        for i, t in enumerate(prompt):
+            if not (_number(t) and isinstance(t, int) and 0 <= t < self.vocab_size):
+                raise ApiError(400, f"prompt[{i}]={_show(t)}: a token id is an integer in [0, {self.vocab_size}) (the "
+                                    "model's vocabulary)", f"prompt[{i}]")
+        return list(prompt)
+
     def _tokens(self, call: RecordedCall) -> list[str]:
         return [self.tokenizer.decode([t]) for t in call.completion_ids]
 
 
 def _check_fields(body: dict[str, Any], completions: bool) -> None:
-    """400 for a field this server cannot honour or does not know (never silently ignored)."""
+    """400 for a field this server cannot honour or does not know (never silently ignored): one
+    that would change what is sampled (the learner scores the run's distribution), or ask for more
+    than the one completion the policy samples, unless it has its neutral value."""
     for name, value in body.items():
-        if name in _NEUTRAL and value not in _NEUTRAL[name]:
-            raise ApiError(400, f"{name}={value!r} is not supported by this training server (it samples one "
-                                "completion, as the policy does, and records it exactly); omit it", name)
+        check_text(name, "the body", "a field's name")
         if name not in _SERVED | _IGNORED | set(_NEUTRAL):
-            raise ApiError(400, f"unsupported field {name!r}: this training server refuses what it cannot honour "
+            raise ApiError(400, f"unsupported field {_show(name)}: this training server refuses what it cannot honour "
                                 "exactly rather than ignore it; omit it", name)
+        if name in _NEUTRAL and not _neutral(value, _NEUTRAL[name]):
+            neutral = " or ".join(json.dumps(o) for o in _NEUTRAL[name]) or "nothing else"
+            raise ApiError(400, f"{name}={_show(value)} is not supported by this training server (it samples one "
+                                f"completion with the run's sampling settings, which the learner scores, and records "
+                                f"it exactly); omit {name} (or send null or {neutral})", name)
     wrong = ("messages", "tools", "tool_choice", "max_completion_tokens", "top_logprobs") if completions \
         else ("prompt", "echo", "suffix", "best_of")
     for name in wrong:
         if name in body:
             raise ApiError(400, f"{name} belongs to the {'chat' if completions else 'completions'} API; "
                                 f"use /{'chat/completions' if completions else 'completions'}", name)
+    if not isinstance(body.get("stream_options"), (dict, type(None))):
+        raise ApiError(400, "stream_options must be an object", "stream_options")
 
 
 def _usage(call: RecordedCall) -> dict[str, int]:

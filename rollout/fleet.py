@@ -1,8 +1,14 @@
-"""`RolloutFleet`: spreads a batch of generation requests over `RolloutWorker` actors, and keeps
-the fleet whole: a worker that dies or stops answering is replaced by a new one, which rejoins
-the weight-sync group and loads the current weights (`on_replace`), and its unfinished requests
-are sent again (each request carries its own seed, so a retried request samples the same
-tokens). Replacements are bounded by `rollout.max_restarts` per run, retries by `max_retries`."""
+"""`RolloutFleet`: spreads generation requests over `RolloutWorker` actors, as batches (`generate`,
+`generate_one`) or as a stream (`submit`/`drain`), and keeps the fleet whole.
+
+One fault regime for every call: a worker that dies, stops answering or raises is noted broken
+(`_fail`) and gets no more requests; `repair` replaces it with a new one, which rejoins the
+weight-sync group and loads the current weights (`on_replace`), and its unfinished requests are
+sent again (each request carries its own seed, so a retried request samples the same tokens). A
+blocking call repairs on its own thread, except in a stream, where only the thread that owns the
+fleet (the driver's, which also runs the weight syncs) repairs and the others wait for it.
+Replacements are bounded by `rollout.max_restarts` per run, retries of a call by `max_retries`.
+A request the engine refuses is not a fault: it comes back as a sample with its `error`."""
 
 from __future__ import annotations
 
@@ -54,7 +60,7 @@ class RolloutFleet:
         returns while the engines start, so the caller can start the learner meanwhile; call
         `wait_started()` before using the fleet."""
         base: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
-        if spec.rollout.mode == "streaming":  # a weight sync runs while drains and agents' calls wait
+        if spec.concurrent:  # a weight sync runs while drains and agents' calls wait
             base["max_concurrency"] = 64
         if env_vars:
             base["runtime_env"] = {"env_vars": env_vars}
@@ -73,6 +79,8 @@ class RolloutFleet:
         self._broken: dict[int, tuple[Any, str]] = {}
         self._unsynced: set[int] = set()
         self._turn = itertools.count()
+        self._owner = threading.get_ident()  # in a stream, the only thread that replaces workers
+        self._repaired = threading.Condition(self._lock)
         # Set by the learner when it connects: rejoin the weight-sync group and load the weights.
         self.on_replace: Callable[[], None] | None = None
         self.workers = [self._start(i) for i in range(n)]
@@ -159,28 +167,55 @@ class RolloutFleet:
         self._started(failed)
         self.log(f"Replaced: {', '.join(self.name(i) for i in failed)} up")
 
-    def _on_all(self, calls: dict[int, Callable[[], Any]], phase: str) -> dict[int, Any]:
-        """Run one call per worker; failed workers are replaced (and brought up to date) and
-        their calls sent again, at most `rollout.max_retries` times."""
+    def _fail(self, i: int, handle: Any, why: str) -> None:
+        """Note worker `i` (as `handle`, unless replaced since) broken: `repair` replaces it."""
+        with self._lock:
+            if self.workers[i] is handle:
+                self._broken[i] = (handle, why)
+
+    def _may_repair(self) -> bool:
+        return self.spec.rollout.mode != "streaming" or threading.get_ident() == self._owner
+
+    def _await_repair(self, failed: dict[int, Any]) -> None:
+        """The failed workers replaced and up to date: here, or (in a stream, off the owner's
+        thread) by the owner, waiting at most the start-up deadline for it."""
+        if self._may_repair():
+            self.repair()
+            return
+        deadline = time.monotonic() + self.deadlines.start_s
+        with self._repaired:
+            ok = self._repaired.wait_for(lambda: all(self.workers[i] is not h and i not in self._unsynced
+                                                     for i, h in failed.items()),
+                                         timeout=max(0.0, deadline - time.monotonic()))
+        if not ok:
+            i = next(iter(failed))
+            raise ActorFailure(self.name(i), "generation", f"not replaced within {self.deadlines.start_s:.0f} s "
+                               "(run.start_timeout_s) of failing")
+
+    def _on_all(self, calls: dict[int, Callable[[Any], Any]], phase: str) -> dict[int, Any]:
+        """Run one call per worker (`calls[i](handle)`); failed workers are noted broken, repaired
+        and their calls sent again, at most `rollout.max_retries` times."""
         results: dict[int, Any] = {}
         for attempt in range(self.spec.rollout.max_retries + 1):
-            done, failed = self.wait({i: call() for i, call in calls.items()}, phase)
+            with self._lock:
+                handles = {i: self.workers[i] for i in calls}
+            done, failed = self.wait({i: call(handles[i]) for i, call in calls.items()}, phase)
             results.update(done)
             if not failed:
                 return results
+            for i, why in failed.items():
+                self._fail(i, handles[i], why)
             if attempt == self.spec.rollout.max_retries:
                 i, why = next(iter(failed.items()))
                 raise ActorFailure(self.name(i), phase, f"{why}; its requests were tried "
                                    f"{attempt + 1} times (rollout.max_retries={attempt})")
-            self.replace(failed, phase)
-            if self.on_replace is not None:
-                self.on_replace()
+            self._await_repair({i: handles[i] for i in failed})
             calls = {i: calls[i] for i in failed}
         return results
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         chunks = split_by_group(requests, len(self.workers))
-        calls = {i: (lambda i=i, c=c: self.workers[i].generate.remote(c)) for i, c in enumerate(chunks) if c}
+        calls = {i: (lambda w, c=c: w.generate.remote(c)) for i, c in enumerate(chunks) if c}
         samples = [s for part in self._on_all(calls, "generate").values() for s in part]
         order = {(r.group_id, r.sample_index): i for i, r in enumerate(requests)}
         return sorted(samples, key=lambda s: order[(s.group_id, s.sample_index)])
@@ -207,20 +242,12 @@ class RolloutFleet:
 
     def generate_one(self, request: GenerationRequest) -> Sample:
         """One request on the next worker in turn (an agent's call: many threads call at once). A
-        worker that fails is noted as broken (`repair` replaces it) and the call raises."""
+        worker that fails is replaced (by the owner's thread, in a stream) and the request sent
+        again, as any blocking call's; a request the engine refuses comes back with its `error`."""
         with self._lock:
             able = [i for i in range(len(self.workers)) if i not in self._broken] or [0]
             i = able[next(self._turn) % len(able)]
-            handle = self.workers[i]
-        errors: dict[int, str] = {}
-        done, failed = self.wait({i: handle.generate.remote([request])}, "generate", errors)
-        if i in done:
-            return done[i][0]
-        why = failed.get(i) or errors[i]
-        with self._lock:
-            if self.workers[i] is handle:
-                self._broken[i] = (handle, why)
-        raise RuntimeError(f"{self.name(i)} failed a request: {why}")
+        return self._on_all({i: lambda w: w.generate.remote([request])}, "generate")[i][0]
 
     def drain(self, wait_s: float) -> list[Sample]:
         """The samples finished on every worker since the last drain (waiting up to `wait_s`).
@@ -243,10 +270,9 @@ class RolloutFleet:
         samples: list[Sample] = []
         now = time.monotonic()
         request_deadline = self.deadlines.of("request")
+        for i, why in {**failed, **errors}.items():
+            self._fail(i, handles[i], why)
         with self._lock:
-            for i, why in {**failed, **errors}.items():
-                if self.workers[i] is handles[i]:
-                    self._broken[i] = (handles[i], why)
             for i, out in results.items():
                 if self.workers[i] is not handles[i]:
                     continue  # replaced meanwhile: its requests were sent again
@@ -267,22 +293,23 @@ class RolloutFleet:
         return samples
 
     def repair(self) -> None:
-        """Replace the workers `drain` found broken (their requests are sent again) and bring them
-        up to date (`on_replace`). Called from the thread that runs the weight syncs."""
+        """Replace the workers noted broken (their requests are sent again) and bring them up to
+        date (`on_replace`); wakes the calls waiting for it. A no-op when none is broken."""
         with self._lock:
             broken = {i: why for i, (handle, why) in self._broken.items() if self.workers[i] is handle}
             self._broken.clear()
         if broken:
-            self.replace(broken, "streaming generation")
+            self.replace(broken, "generation")
             if self.on_replace is not None:
                 self.on_replace()
+        with self._repaired:
+            self._repaired.notify_all()
 
     def sleep(self, level: int | None = None) -> None:
-        self._on_all({i: (lambda i=i: self.workers[i].sleep.remote(level)) for i in range(len(self.workers))},
-                     "sleep")
+        self._on_all({i: (lambda w: w.sleep.remote(level)) for i in range(len(self.workers))}, "sleep")
 
     def wake(self, tags: tuple[str, ...] | None = None) -> None:
-        self._on_all({i: (lambda i=i: self.workers[i].wake.remote(tags)) for i in range(len(self.workers))}, "wake")
+        self._on_all({i: (lambda w: w.wake.remote(tags)) for i in range(len(self.workers))}, "wake")
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -8,10 +8,10 @@ from typing import Iterable
 import torch
 
 from rl.data.types import GenerationRequest, Sample
-from rollout.protocol import RolloutSpec, finish_reason
+from rollout.protocol import BatchQueue, RolloutSpec, each_or_refused, finish_reason
 
 
-class HFEngine:
+class HFEngine(BatchQueue):
     def __init__(self, spec: RolloutSpec, seed: int = 0, batch_size: int = 64):
         """`seed` is unused: HF generate seeds each batch from its requests' seeds."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,9 +29,19 @@ class HFEngine:
         self.batch_size = batch_size
         self.version = 0
 
-    @torch.no_grad()
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
-        """Batches of requests with the same budget and temperature (HF generate takes one of each)."""
+        """Batches of requests with the same budget and temperature (HF generate takes one of each);
+        a request with token ids outside the vocabulary, or a negative budget or temperature, is
+        refused on its own."""
+        return each_or_refused(self._generate, requests, (ValueError, IndexError), self.version)
+
+    @torch.no_grad()
+    def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for r in requests:
+            if any(not 0 <= t < vocab for t in r.prompt_ids) or (r.max_tokens is not None and r.max_tokens < 1) \
+                    or (r.temperature is not None and not 0 <= r.temperature <= 2):
+                raise ValueError(f"token ids outside [0, {vocab}), max_tokens < 1 or temperature outside [0, 2]")
         kinds: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
             kinds.setdefault((r.max_tokens, r.temperature), []).append(i)

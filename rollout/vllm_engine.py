@@ -11,7 +11,7 @@ import torch
 
 from rl.config.schema import RolloutConfig
 from rl.data.types import GenerationRequest, Sample
-from rollout.protocol import RolloutSpec
+from rollout.protocol import BatchQueue, RolloutSpec, each_or_refused
 
 
 def vllm_env(kv_cache_gib: int, threads: int, eager: bool = True) -> dict[str, str]:
@@ -97,7 +97,15 @@ def completion_sample(req: GenerationRequest, comp: Any, version: int,
                   sample_index=req.sample_index, metadata=req.metadata, token_versions=token_versions)
 
 
-class VLLMEngine:
+def request_errors() -> tuple[type[BaseException], ...]:
+    """What vLLM raises for a request it refuses (its parameters, token ids, length), as opposed to
+    a failure of the engine itself."""
+    from vllm.exceptions import VLLMClientError
+
+    return VLLMClientError, ValueError, TypeError
+
+
+class VLLMEngine(BatchQueue):
     def __init__(self, spec: RolloutSpec, seed: int):
         r = spec.rollout
         for key, value in vllm_env(r.kv_cache_gib, spec.threads, r.enforce_eager).items():
@@ -132,6 +140,9 @@ class VLLMEngine:
                   "Python, which slows large batches", flush=True)
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        return each_or_refused(self._generate, requests, request_errors(), self.version)
+
+    def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         params = [sampling_params(self.rollout, req) for req in requests]
         prompts = [{"prompt_token_ids": list(req.prompt_ids)} for req in requests]
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)

@@ -4,7 +4,7 @@ Requests are submitted one group at a time and finished samples are drained when
 asks, so no batch waits for its slowest sample. A weight sync pauses the engine with its requests
 kept (`pause_generation(mode="keep")`), loads, and resumes them: tokens sampled after the load
 carry the new version, so every sample records the policy version of each of its tokens
-(DESIGN.md "Asynchronous steps"), as vLLM's engine labels them (`update_weight_version`).
+(docs/architecture.md "Rollouts"), as vLLM's engine labels them (`update_weight_version`).
 `rollout.inflight_kv=recompute` drops the KV cache of the kept requests at the pause, so their
 tokens so far are prefilled again under the new weights.
 
@@ -29,7 +29,8 @@ import torch
 
 from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
-from rollout.vllm_engine import completion_sample, engine_kwargs, sampling_params, vllm_env
+from rollout.protocol import refused
+from rollout.vllm_engine import completion_sample, engine_kwargs, request_errors, sampling_params, vllm_env
 
 
 class AsyncVLLMEngine:
@@ -73,11 +74,14 @@ class AsyncVLLMEngine:
         (`update_weight_version`, set while paused), and the finished output lists the spans."""
         from vllm.sampling_params import RequestOutputKind
 
-        params = sampling_params(self.rollout, req, output_kind=RequestOutputKind.FINAL_ONLY)
         request_id = f"g{req.group_id}-s{req.sample_index}-{next(self._ids)}"
         final = None
-        async for out in self.llm.generate({"prompt_token_ids": list(req.prompt_ids)}, params, request_id):
-            final = out.outputs[0]
+        try:
+            params = sampling_params(self.rollout, req, output_kind=RequestOutputKind.FINAL_ONLY)
+            async for out in self.llm.generate({"prompt_token_ids": list(req.prompt_ids)}, params, request_id):
+                final = out.outputs[0]
+        except request_errors() as err:  # the request's fault, not the engine's: its own error sample
+            return refused(req, f"{type(err).__name__}: {err}", self.version)
         versions = [int(span.version) for span in final.weight_versions or () for _ in range(span.start, span.end)]
         if len(versions) != len(final.token_ids):
             raise RuntimeError(f"vLLM labelled {len(versions)} of {len(final.token_ids)} tokens with a weight version")
@@ -99,7 +103,8 @@ class AsyncVLLMEngine:
     def drain(self, wait_s: float) -> dict[str, Any]:
         """The samples finished since the last call (collected for `wait_s`, less once none runs) and
         for how long the engine has been paused (0: it is not).
-        A request that failed raises here (its engine is broken: the fleet replaces the worker)."""
+        A request the engine refused is a sample with its error; one that failed otherwise raises
+        here (its engine is broken: the fleet replaces the worker)."""
         with self._cond:  # the window's samples together: one round trip per window, not per sample
             self._cond.wait_for(lambda: self._done and not self._running, timeout=wait_s)
             done, self._done = self._done, []

@@ -15,7 +15,7 @@ from rollout.protocol import RolloutSpec
 
 
 def make_engine(spec: RolloutSpec, seed: int):
-    if spec.rollout.backend == "vllm" and spec.rollout.mode == "streaming":
+    if spec.rollout.backend == "vllm" and spec.concurrent:
         from rollout.vllm_stream import AsyncVLLMEngine
 
         return AsyncVLLMEngine(spec, seed)
@@ -84,15 +84,16 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
-    # Streaming engines only (`rollout.mode=streaming`, rollout/vllm_stream.py): the actor then runs
-    # its calls in threads (max_concurrency), so a weight sync proceeds while a drain waits.
+    # A stream (every engine has submit/drain, rollout/protocol.py); with a concurrent engine
+    # (rollout/vllm_stream.py) the actor runs its calls in threads (max_concurrency), so a weight
+    # sync proceeds while a drain waits.
     def submit(self, requests: list[GenerationRequest]) -> None:
         self.engine.submit(requests)
 
     def drain(self, wait_s: float) -> dict:
         return self.engine.drain(wait_s)
 
-    def pause(self) -> None:
+    def pause(self) -> None:  # concurrent engines: tests and fault drills
         self.engine.pause()
 
     def resume(self) -> None:

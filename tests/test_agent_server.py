@@ -5,23 +5,32 @@ CPU), give token-exact trajectories whose log-probs the model itself reproduces.
 SmolLM2-135M does not call tools by itself, so the agent here appends a tool result after every
 turn anyway (the observation path); the tool-call round trip (`tool_calls` returned, sent back,
 prefix reused) is checked with a scripted policy that writes a fixed tool call.
+
+Agents are untrusted: hostile and broken clients (wrong keys, off-policy sampling fields, token ids
+out of the vocabulary, huge, deep, malformed or slow bodies, silent connections) are sent over real
+HTTP to a server in front of a fake policy that answers at once, each refusal checked for its
+status and the field it names, and for nothing reaching the engine or the record.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
+import socket
 import threading
+import time
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 
 from rl.config.schema import ModelConfig, RolloutConfig
 from rl.data.agent_calls import RecordedCall, episode_sample
 from rl.data.types import GenerationRequest, Sample
-from rollout.agent_server import AgentServer, split_tool_calls
+from rollout.agent_server import MAX_HEADER_BYTES, AgentServer, RequestRejected, split_tool_calls
 from rollout.hf_engine import HFEngine
 from rollout.protocol import RolloutSpec
 
@@ -58,8 +67,7 @@ def server(engine):
         with lock:
             return engine.generate([request])[0]
 
-    with AgentServer(engine.tokenizer, generate, max_tokens_default=16, temperature_default=1.0,
-                     max_model_len=1024) as s:
+    with AgentServer(engine.tokenizer, generate, max_new_tokens=16, temperature=1.0, max_model_len=1024) as s:
         yield s
 
 
@@ -103,7 +111,8 @@ def test_tool_conversation_is_token_exact_and_the_model_rescores_it(server, engi
     observations are the template's tool turn tokenized once, versions date every token, and a
     plain forward pass reproduces every sampled token's log-prob within 1e-3."""
     tok = engine.tokenizer
-    c = client(server.open_episode("conv", seed_base=7, metadata={"answer": "46"}))
+    key, url = server.open_episode(seed_base=7, metadata={"answer": "46"}, temperature=TEMPERATURE)
+    c = client(url)
     messages: list = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is 12+34?"}]
     responses = []
     try:
@@ -119,7 +128,7 @@ def test_tool_conversation_is_token_exact_and_the_model_rescores_it(server, engi
                 messages.append({"role": "tool", "content": "46", **({"tool_call_id": tc.id} if tc else {})})
     finally:
         engine.version = 0
-    calls = server.close_episode("conv")
+    calls = server.close_episode(key)
     assert len(calls) == 3
     sample = episode_sample(calls, prompt_text="What is 12+34?", group_id=3, sample_index=1,
                             metadata={"answer": "46"}, decode=tok.decode)
@@ -159,12 +168,13 @@ def test_tool_conversation_is_token_exact_and_the_model_rescores_it(server, engi
 
 
 def test_an_agent_that_rewrites_its_history_gets_an_error_sample(server):
-    c = client(server.open_episode("rewrite", seed_base=1))
+    key, url = server.open_episode(seed_base=1)
+    c = client(url)
     first = [{"role": "user", "content": "Name a color."}]
     r = c.chat.completions.create(model="policy", messages=first, max_tokens=4)
     c.chat.completions.create(model="policy", max_tokens=4, messages=[
         {"role": "user", "content": "Name a fruit."}, r.choices[0].message, {"role": "user", "content": "Another."}])
-    calls = server.close_episode("rewrite")
+    calls = server.close_episode(key)
     sample = episode_sample(calls, prompt_text="", group_id=0, sample_index=0, metadata={})
     assert sample.error is not None and "rewrote its history" in sample.error and "call 1" in sample.error
     assert sample.prompt_ids == calls[0].prompt_ids and sample.completion_ids == calls[0].completion_ids
@@ -173,53 +183,55 @@ def test_an_agent_that_rewrites_its_history_gets_an_error_sample(server):
 
 def test_two_episodes_from_two_threads_are_recorded_apart(server):
     topics = {"cats": "Say something about cats.", "rain": "Say something about rain."}
-    urls = {key: server.open_episode(key, seed_base=i) for i, key in enumerate(topics)}
+    episodes = {topic: server.open_episode(seed_base=i) for i, topic in enumerate(topics)}
     errors: list[BaseException] = []
 
-    def agent(key: str) -> None:
+    def agent(topic: str) -> None:
         try:
-            c = client(urls[key])
-            messages: list = [{"role": "user", "content": topics[key]}]
+            c = client(episodes[topic][1])
+            messages: list = [{"role": "user", "content": topics[topic]}]
             for _ in range(2):
                 r = c.chat.completions.create(model="policy", messages=messages, max_tokens=6)
-                messages += [r.choices[0].message, {"role": "user", "content": f"More about {key}."}]
+                messages += [r.choices[0].message, {"role": "user", "content": f"More about {topic}."}]
         except BaseException as err:  # noqa: BLE001 - reported by the main thread
             errors.append(err)
 
-    threads = [threading.Thread(target=agent, args=(key,)) for key in topics]
+    threads = [threading.Thread(target=agent, args=(topic,)) for topic in topics]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=60)
     assert not errors, errors
-    for key, text in topics.items():
-        calls = server.close_episode(key)
+    for topic, text in topics.items():
+        calls = server.close_episode(episodes[topic][0])
         assert len(calls) == 2
         sample = episode_sample(calls, prompt_text=text, group_id=0, sample_index=0, metadata={})
         assert_chained(calls, sample)
         tok = server.tokenizer
         whole = tok.decode(sample.prompt_ids + sample.completion_ids)
-        assert text in whole and f"More about {key}." in whole
+        assert text in whole and f"More about {topic}." in whole
         assert all(other not in whole for other in topics.values() if other != text)
 
 
 def test_streaming_and_completions_are_recorded_too(server, engine):
     tok = engine.tokenizer
-    c = client(server.open_episode("stream", seed_base=2))
+    key, url = server.open_episode(seed_base=2)
+    c = client(url)
     chunks = list(c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "Hi!"}],
                                             max_tokens=5, stream=True))
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-    [call] = server.close_episode("stream")
+    [call] = server.close_episode(key)
     assert text == call.completion_text and len(call.completion_ids) <= 5
 
     # /completions: a text prompt continued by the agent reuses the sampled ids, the rest tokenized once
-    c = client(server.open_episode("text", seed_base=3))
+    key, url = server.open_episode(seed_base=3)
+    c = client(url)
     prompt = "The capital of France is"
     r1 = c.completions.create(model="policy", prompt=prompt, max_tokens=4, logprobs=1)
     follow = prompt + r1.choices[0].text + " Also,"
     r2 = c.completions.create(model="policy", prompt=follow, max_tokens=4)
-    calls = server.close_episode("text")
+    calls = server.close_episode(key)
     assert calls[0].prompt_ids == list(tok(prompt).input_ids)
     assert r1.choices[0].logprobs.token_logprobs == calls[0].logprobs
     assert r2.usage.prompt_tokens == len(calls[1].prompt_ids)
@@ -229,16 +241,13 @@ def test_streaming_and_completions_are_recorded_too(server, engine):
 
 
 def test_errors_are_openai_json_naming_the_problem(server):
-    base = server.open_episode("errs", seed_base=0)
+    key, base = server.open_episode(seed_base=0)
     c = client(base)
     hello = [{"role": "user", "content": "hello"}]
-    with pytest.raises(openai.NotFoundError) as err:
-        client(server.base_url("nobody")).chat.completions.create(model="policy", messages=hello)
-    assert err.value.code == "episode_not_found" and "unknown episode 'nobody'" in err.value.message
     for kwargs, param in (({"n": 2}, "n"), ({"logit_bias": {"1": 5}}, "logit_bias"), ({"stop": ["x"]}, "stop"),
                           ({"tool_choice": "required", "tools": TOOLS}, "tool_choice"),
-                          ({"top_p": 0.5}, "top_p"), ({"extra_body": {"top_k": 5}}, "top_k"),
-                          ({"max_tokens": 0}, "max_tokens")):
+                          ({"temperature": 0.7}, "temperature"), ({"top_p": 0.5}, "top_p"),
+                          ({"extra_body": {"top_k": 5}}, "top_k"), ({"max_tokens": 0}, "max_tokens")):
         with pytest.raises(openai.BadRequestError) as err:
             c.chat.completions.create(model="policy", messages=hello, **kwargs)
         assert err.value.param == param and param in err.value.message, (kwargs, err.value.message)
@@ -249,21 +258,17 @@ def test_errors_are_openai_json_naming_the_problem(server):
     assert raw.status_code == 400 and "not JSON" in raw.json()["error"]["message"]
     raw = httpx.post(f"{base}/completions", json={"prompt": ["a", "b"]})
     assert raw.status_code == 400 and raw.json()["error"]["param"] == "prompt"
-    raw = httpx.get(f"{server.url}/v1/models")
-    assert raw.status_code == 404 and "error" in raw.json()
     with pytest.raises(openai.BadRequestError) as err:  # over max_model_len=1024
         c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi " * 1100}])
     assert err.value.code == "context_length_exceeded"
-    assert server.close_episode("errs") == []  # nothing above was sampled or recorded
+    assert server.close_episode(key) == []  # nothing above was sampled or recorded
     with pytest.raises(openai.NotFoundError) as err:
         c.chat.completions.create(model="policy", messages=hello)
-    assert err.value.code == "episode_closed" and "closed" in err.value.message
+    assert err.value.code == "episode_not_found" and key not in err.value.message
     with pytest.raises(openai.NotFoundError):
         c.models.list()
     with pytest.raises(KeyError):
-        server.close_episode("errs")
-    with pytest.raises(ValueError, match="episode key"):
-        server.open_episode("a/b", seed_base=0)
+        server.close_episode(key)
 
 
 # ---- the server's bookkeeping, with a scripted policy ------------------------------------------------
@@ -290,7 +295,8 @@ def test_tool_calls_are_returned_and_their_message_reuses_the_sampled_ids(engine
                       0, 0)
 
     with AgentServer(tok, scripted) as s:
-        c = client(s.open_episode("tools", seed_base=11))
+        key, url = s.open_episode(seed_base=11)
+        c = client(url)
         messages: list = [{"role": "user", "content": "What is 12+34?"}]
         r = c.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
         msg = r.choices[0].message
@@ -301,7 +307,7 @@ def test_tool_calls_are_returned_and_their_message_reuses_the_sampled_ids(engine
         messages += [msg.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": tc.id, "content": "46"}]
         r2 = c.chat.completions.create(model="policy", messages=messages, tools=TOOLS, seed=5)
         assert r2.choices[0].finish_reason == "stop" and r2.choices[0].message.tool_calls is None
-        calls = s.close_episode("tools")
+        calls = s.close_episode(key)
     head = calls[0].prompt_ids + calls[0].completion_ids  # re-rendering the call would re-tokenize "compute"
     assert calls[0].completion_ids == sampled[0] and calls[1].prompt_ids[: len(head)] == head
     assert tok.decode(calls[1].prompt_ids[len(head):]) == "\n<|im_start|>tool\n46<|im_end|>\n<|im_start|>assistant\n"
@@ -317,13 +323,14 @@ def test_a_failing_fleet_is_a_500_and_records_nothing(engine):
 
     server = AgentServer(engine.tokenizer, broken)
     with pytest.raises(RuntimeError, match="start"):
-        server.open_episode("early", seed_base=0)
+        server.open_episode(seed_base=0)
     with server:
-        c = client(server.open_episode("down", seed_base=0))
+        key, url = server.open_episode(seed_base=0)
+        c = client(url)
         with pytest.raises(openai.InternalServerError) as err:
             c.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
         assert err.value.code == "generation_failed" and "rollout worker died" in err.value.message
-        assert server.close_episode("down") == []
+        assert server.close_episode(key) == []
 
 
 @pytest.mark.parametrize("text,content,calls", [
@@ -377,49 +384,328 @@ def test_episode_sample_errors_and_max_len():
         RecordedCall([1], [2, 3], [0.0, 0.0], [0], "stop", "")
 
 
-# ---- the runner of task.agent episodes (rl/run/agents.py) over the real server ----------------------
+# ---- hostile and broken clients, against a fast fake policy over real HTTP -----------------------------
 
-def test_agent_runner_rewards_names_failures_and_drops_an_agent_past_its_deadline(server):
-    """Each request runs the agent against its own base URL; its return value rewards the episode's
-    last model turn; an agent that raises, and one that never returns (past task.agent_timeout_s),
-    come back as error samples naming that, and the runner goes on."""
-    import time
+MAX_NEW = 8
+HELLO = [{"role": "user", "content": "hello"}]
 
-    from rl.data.episodes import with_episode_rewards
-    from rl.run.agents import AgentRunner
 
-    release = threading.Event()
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
 
-    def agent(base_url: str, row: dict, bonus: float = 0.0) -> float:
-        if row["kind"] == "raise":
-            raise ValueError("tool crashed")
-        reply = client(base_url).chat.completions.create(model="policy", messages=[
-            {"role": "user", "content": row["prompt"]}], max_tokens=4)
-        if row["kind"] == "hang":
-            release.wait(30)  # an agent stuck on something else than the model
-        return 0.5 + bonus + 0 * len(reply.choices)
+    return AutoTokenizer.from_pretrained(model_path)
 
-    class NoFleet:
-        repairs = 0
 
-        def repair(self):
-            self.repairs += 1
+class FakePolicy:
+    """`generate` answering at once with as many tokens as it may (`request.max_tokens`), keeping
+    every request it got; `fault` makes it fail: "raise" (the fleet), "reject" (the engine refuses
+    the parameters), "bug" (returns nothing: the server's own code then fails)."""
 
-    runner = AgentRunner(server, agent, NoFleet(), prompt_key="prompt", workers=4, timeout_s=3.0, max_len=1024,
-                         agent_kwargs={"bonus": 0.25})
-    kinds = ["ok", "raise", "hang"]
-    runner.submit([GenerationRequest([1], "What is 2+2?", 7, i, seed=i, metadata={"kind": k})
-                   for i, k in enumerate(kinds)])
-    got, end = {}, time.monotonic() + 60
-    while len(got) < 3:
-        assert time.monotonic() < end
-        got.update({s.sample_index: s for s in runner.drain(0.2)})
-    release.set()
-    runner.repair()
-    runner.close()
-    ok, raised, hung = got[0], got[1], got[2]
-    scored = with_episode_rewards([ok, raised, hung], None)
-    assert ok.error is None and scored[0].reward == 0.75 and ok.metadata == {"kind": "ok"}
-    assert ok.completion_ids and set(ok.completion_mask) == {1} and ok.turns[-1].reward == 0.75
-    assert raised.error == "task.agent raised ValueError: tool crashed" and scored[1].reward is None
-    assert "did not return within task.agent_timeout_s=3" in hung.error and scored[2].reward is None
+    def __init__(self, tokenizer):
+        self.token = tokenizer.encode("ok", add_special_tokens=False)[0]
+        self.requests: list[GenerationRequest] = []
+        self.fault: str | None = None
+
+    def __call__(self, request: GenerationRequest) -> Sample:
+        self.requests.append(request)
+        if self.fault == "raise":
+            raise RuntimeError("rollout worker died")
+        if self.fault == "reject":
+            raise RequestRejected("temperature must be finite")
+        if self.fault == "bug":
+            return None  # type: ignore[return-value]
+        ids = [self.token] * request.max_tokens
+        return Sample(request.prompt_ids, ids, [-0.5] * len(ids), "length", 0, "", "ok" * len(ids), 0, 0)
+
+
+@pytest.fixture(scope="module")
+def fake(tokenizer):
+    """The server with short deadlines in front of a FakePolicy (its `generate`)."""
+    with AgentServer(tokenizer, FakePolicy(tokenizer), max_new_tokens=MAX_NEW, temperature=1.0, top_p=1.0,
+                     max_model_len=1024, read_timeout_s=1.0, keep_alive_s=0.5) as s:
+        yield s
+
+
+def test_episode_keys_are_secret_and_every_wrong_key_gets_the_same_404(fake):
+    """Keys are unguessable; a key that never existed, a closed one, a malformed one, the old counter
+    keys and any other path all get the same bytes, /v1/models included; an agent whose episode is
+    closed reaches no other episode, whose record stays as it was."""
+    (mine, my_url), (other, other_url) = fake.open_episode(seed_base=0), fake.open_episode(seed_base=1)
+    assert len(mine) >= 32 and mine != other and fake.open_count() >= 2
+    assert httpx.post(f"{other_url}/completions", json={"prompt": [1, 2]}).status_code == 200
+    assert httpx.get(f"{my_url}/models").json()["data"][0]["id"] == "policy"
+    fake.close_episode(mine)
+    answers = {httpx.get(f"{fake.url}/episodes/{key}/v1/models").content
+               for key in (mine, "g0-s1-2", "nobody", "%00", "a" * 5000, mine[:-1])}
+    answers |= {httpx.get(f"{fake.url}{path}").content for path in ("/v1/models", "/episodes//v1/models", "/")}
+    for key in (mine, "g0-s1-2", other[:-1] + "x"):  # what an agent of a closed episode might try
+        r = httpx.post(f"{fake.url}/episodes/{key}/v1/chat/completions", json={"messages": HELLO})
+        assert r.status_code == 404
+        answers.add(r.content)
+    assert len(answers) == 1
+    [body] = answers
+    assert json.loads(body)["error"]["code"] == "episode_not_found" and mine.encode() not in body
+    [call] = fake.close_episode(other)
+    assert call.prompt_ids == [1, 2]
+    with pytest.raises(KeyError):
+        fake.close_episode(other)
+
+
+def _chat(**fields) -> dict:
+    return {"messages": HELLO, **fields}
+
+
+def _raw(fields: bytes, messages: bytes = b'[{"role": "user", "content": "x"}]') -> bytes:
+    """A chat body as JSON text, for what a JSON encoder would not write (NaN, lone surrogates)."""
+    return b'{"messages": ' + messages + (b", " + fields if fields else b"") + b"}"
+
+
+TOOL_ARGUMENTS = b'"{\\"a\\": \\"\\\\ud800\\"}"'  # '{"a": "\ud800"}' as a JSON string in JSON
+
+# (id, endpoint, body: a dict or the raw bytes, status, the `param` the error names)
+HOSTILE = [
+    ("temperature NaN", "chat/completions", _raw(b'"temperature": NaN'), 400, "temperature"),
+    ("temperature inf", "chat/completions", _raw(b'"temperature": Infinity'), 400, "temperature"),
+    ("temperature 3", "chat/completions", _chat(temperature=3), 400, "temperature"),
+    ("temperature 0", "chat/completions", _chat(temperature=0), 400, "temperature"),
+    ("temperature '1'", "chat/completions", _chat(temperature="1"), 400, "temperature"),
+    ("temperature true", "chat/completions", _chat(temperature=True), 400, "temperature"),
+    ("temperature the run's", "chat/completions", _chat(temperature=1), 200, None),
+    ("top_p 0.9", "chat/completions", _chat(top_p=0.9), 400, "top_p"),
+    ("top_p the run's", "completions", {"prompt": [1], "top_p": 1.0}, 200, None),
+    ("top_k 5", "chat/completions", _chat(top_k=5), 400, "top_k"),
+    ("top_k off", "chat/completions", _chat(top_k=-1), 200, None),
+    ("min_p", "chat/completions", _chat(min_p=0.1), 400, "min_p"),
+    ("presence_penalty", "chat/completions", _chat(presence_penalty=0.5), 400, "presence_penalty"),
+    ("repetition_penalty", "completions", {"prompt": [1], "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("logit_bias", "chat/completions", _chat(logit_bias={"1": 100}), 400, "logit_bias"),
+    ("logprobs_mode", "completions", {"prompt": [1], "logprobs_mode": "raw_logits"}, 400, "logprobs_mode"),
+    ("top_logprobs", "chat/completions", _chat(logprobs=True, top_logprobs=5), 400, "top_logprobs"),
+    ("n 2", "chat/completions", _chat(n=2), 400, "n"),
+    ("n nested", "chat/completions", _chat(n=json.loads("[" * 500 + "]" * 500)), 400, "n"),
+    ("best_of 2", "completions", {"prompt": [1], "best_of": 2}, 400, "best_of"),
+    ("stop", "chat/completions", _chat(stop=["\n"]), 400, "stop"),
+    ("unknown field", "chat/completions", _chat(ignore_eos=True), 400, "ignore_eos"),
+    ("seed not int", "chat/completions", _chat(seed=1.5), 400, "seed"),
+    ("token id -5", "completions", {"prompt": [1, -5]}, 400, "prompt[1]"),
+    ("token id 10**9", "completions", {"prompt": [10**9]}, 400, "prompt[0]"),
+    ("token id bool", "completions", {"prompt": [1, True]}, 400, "prompt[1]"),
+    ("no token", "completions", {"prompt": []}, 400, "prompt"),
+    ("max_tokens 1.5", "chat/completions", _chat(max_tokens=1.5), 400, "max_tokens"),
+    ("max_tokens true", "completions", {"prompt": [1], "max_tokens": True}, 400, "max_tokens"),
+    ("max_completion_tokens '4'", "chat/completions", _chat(max_completion_tokens="4"), 400, "max_completion_tokens"),
+    ("deep JSON", "chat/completions", b"[" * 100_000, 400, None),
+    ("deep inside", "chat/completions", _chat(metadata=json.loads("[" * 70 + "]" * 70)), 400, "metadata" + "[0]" * 64),
+    ("NaN in metadata", "chat/completions", _raw(b'"metadata": {"a": NaN}'), 400, "metadata.a"),
+    ("lone surrogate in content", "chat/completions", _raw(b"", b'[{"role": "user", "content": "a\\ud800"}]'),
+     400, "messages[0].content"),
+    ("lone surrogate in prompt", "completions", b'{"prompt": "\\udfff"}', 400, "prompt"),
+    ("lone surrogate in a name", "chat/completions", _raw(b"", b'[{"role": "user", "name": "\\ud800", "content": ""}]'),
+     400, "messages[0].name"),
+    ("lone surrogate in tool arguments", "chat/completions", _raw(b"", b'[{"role": "user", "content": "x"}, {"role": '
+     b'"assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '
+     + TOOL_ARGUMENTS + b"}}]}]"), 400, "messages[1].tool_calls[0].function.arguments.a"),
+    ("lone surrogate in a field name", "chat/completions", _raw(b'"\\ud800": 1'), 400, "the body"),
+    ("stream_options", "chat/completions", _chat(stream=True, stream_options=[1]), 400, "stream_options"),
+    ("not JSON", "chat/completions", b"{not json", 400, None),
+    ("not an object", "completions", b"[1, 2]", 400, None),
+]
+
+
+@pytest.mark.parametrize("endpoint,body,status,param", [case[1:] for case in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_hostile_requests_are_refused_naming_the_field_and_nothing_reaches_the_engine(fake, endpoint, body, status,
+                                                                                        param):
+    key, url = fake.open_episode(seed_base=0)
+    fake.generate.requests.clear()
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{url}/{endpoint}", headers={"content-type": "application/json"}, **kwargs)
+    calls = fake.close_episode(key)
+    assert r.status_code == status, r.text
+    if status == 200:
+        assert len(calls) == 1 and [(q.temperature, q.max_tokens) for q in fake.generate.requests] == [(1.0, MAX_NEW)]
+        return
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert param is None or param in error["message"] or param == "the body"
+    assert calls == [] and fake.generate.requests == []
+
+
+def test_sampling_is_the_episodes_and_max_tokens_is_capped_through_the_openai_client(fake):
+    """max_tokens over the cap is cut to max_new_tokens (silently); streaming works; an episode
+    opened greedy (evaluation) samples at 0.0 and refuses the run's temperature."""
+    key, url = fake.open_episode(seed_base=0)
+    c = client(url)
+    fake.generate.requests.clear()
+    r = c.completions.create(model="policy", prompt=[1, 2, 3], max_tokens=10**6)
+    assert r.usage.completion_tokens == MAX_NEW
+    chunks = list(c.chat.completions.create(model="policy", messages=HELLO, stream=True, max_tokens=3,
+                                            stream_options={"include_usage": True}))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "ok" * 3
+    assert chunks[-1].usage.completion_tokens == 3
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model="policy", messages=HELLO, temperature=3)
+    assert err.value.param == "temperature" and "send 1.0" in err.value.message
+    assert [len(call.completion_ids) for call in fake.close_episode(key)] == [MAX_NEW, 3]
+    assert [(q.temperature, q.max_tokens) for q in fake.generate.requests] == [(1.0, MAX_NEW), (1.0, 3)]
+
+    key, url = fake.open_episode(seed_base=0, temperature=0.0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client(url).chat.completions.create(model="policy", messages=HELLO, temperature=1.0)
+    assert err.value.param == "temperature" and "send 0.0" in err.value.message
+    client(url).chat.completions.create(model="policy", messages=HELLO, temperature=0)
+    assert len(fake.close_episode(key)) == 1 and fake.generate.requests[-1].temperature == 0.0
+
+
+def test_faults_answer_on_a_connection_that_stays_usable(fake):
+    """A 500 (the fleet failed, or the server's own code did) is a complete response on a
+    keep-alive connection: the next request on the same connection is served. The engine refusing
+    the parameters is a 400. Nothing of these is recorded."""
+    key, url = fake.open_episode(seed_base=0)
+    with httpx.Client() as c:
+        def post(fault: str | None) -> httpx.Response:
+            fake.generate.fault = fault
+            try:
+                return c.post(f"{url}/completions", json={"prompt": [1, 2]})
+            finally:
+                fake.generate.fault = None
+
+        ok = post(None)
+        addr = ok.extensions["network_stream"].get_extra_info("client_addr")
+        for fault, status, code in (("raise", 500, "generation_failed"), ("bug", 500, "internal_error"),
+                                    ("reject", 400, "request_rejected")):
+            r = post(fault)
+            assert (r.status_code, r.json()["error"]["code"]) == (status, code), r.text
+            assert "connection" not in r.headers
+            again = post(None)
+            assert again.status_code == 200
+            assert again.extensions["network_stream"].get_extra_info("client_addr") == addr  # the same connection
+    assert len(fake.close_episode(key)) == 4
+
+
+def test_close_episode_never_waits_and_calls_in_flight_are_bounded(tokenizer):
+    """At most max_concurrent_calls calls wait on generate; an episode's calls take turns without
+    holding a worker thread, so an agent flooding its own episode leaves room for the others.
+    close_episode returns at once with calls in flight; they answer the same 404, unrecorded."""
+    release, lock = threading.Event(), threading.Lock()
+    running = [0, 0]  # now, most ever
+
+    def slow(request: GenerationRequest) -> Sample:
+        with lock:
+            running[0] += 1
+            running[1] = max(running)
+        release.wait(10)
+        with lock:
+            running[0] -= 1
+        return Sample(request.prompt_ids, [5], [-0.1], "stop", 0, "", "x", 0, 0)
+
+    with AgentServer(tokenizer, slow, max_concurrent_calls=2) as s:
+        (flooder, flood_url), (other, other_url), (kept, kept_url) = (s.open_episode(seed_base=i) for i in range(3))
+        answers: dict[str, list[int]] = {flooder: [], other: [], kept: []}
+
+        def call(key: str, url: str) -> None:
+            answers[key].append(httpx.post(f"{url}/completions", json={"prompt": [1]}, timeout=20).status_code)
+
+        threads = [threading.Thread(target=call, args=(flooder, flood_url)) for _ in range(6)]
+        threads += [threading.Thread(target=call, args=(key, url)) for key, url in ((other, other_url),
+                                                                                      (kept, kept_url))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while running[0] < 2 and time.monotonic() < deadline:  # the flooder's one call + another episode's
+            time.sleep(0.01)
+        start = time.monotonic()
+        assert s.close_episode(flooder) == [] and s.close_episode(other) == []
+        assert time.monotonic() - start < 0.1 and s.open_count() == 1
+        release.set()
+        for t in threads:
+            t.join(timeout=20)
+        assert answers == {flooder: [404] * 6, other: [404], kept: [200]} and running[1] == 2
+        assert len(s.close_episode(kept)) == 1
+
+
+def _serve_rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def test_a_30_mb_body_is_refused_at_once_without_being_read(fake):
+    """A Content-Length over max_body_bytes is a 413 before anything is read; a chunked body is read
+    to the limit only. Memory stays flat (the body is never held) and the answer is immediate."""
+    key, url = fake.open_episode(seed_base=0)
+    size = 30 * 2**20
+
+    def body():  # streamed: the client does not hold 30 MB either
+        for _ in range(size // 2**16):
+            yield b" " * 2**16
+
+    rss = _serve_rss_mb()
+    for headers in ({"content-length": str(size)}, {}):  # declared, then chunked
+        start = time.monotonic()
+        r = httpx.post(f"{url}/chat/completions", content=body(), headers=headers)
+        took = time.monotonic() - start
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        assert r.headers["connection"] == "close"
+        print(f"30 MB body ({'chunked' if not headers else 'content-length'}): 413 in {took * 1000:.1f} ms")
+        assert took < 1.0
+    growth = _serve_rss_mb() - rss
+    print(f"RSS growth over both: {growth:.1f} MB")
+    assert growth < 50
+    assert fake.close_episode(key) == []
+
+
+def test_idle_half_sent_and_excess_connections_are_bounded(fake, tokenizer):
+    """300 connections left silent and 20 that stop inside their headers do not keep others from
+    being served; the server closes the silent ones after keep_alive_s and the others after
+    read_timeout_s. A body that stops coming is a 408 after read_timeout_s; headers over the cap
+    a 400; requests past max_connections a 503 at once."""
+    (key, url), (slow_key, _) = fake.open_episode(seed_base=0), fake.open_episode(seed_base=1)
+    address = (fake.host, fake.port)
+    start = time.monotonic()
+    silent = [socket.create_connection(address) for _ in range(300)]
+    partial = [socket.create_connection(address) for _ in range(20)]
+    for sock in partial:
+        sock.sendall(b"POST /episodes/x/v1/completions HTTP/1.1\r\nHost: a\r\n")
+    slow = socket.create_connection(address)
+    slow.sendall(f"POST /episodes/{slow_key}/v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 100\r\n\r\n{{"
+                 .encode())
+    served = time.monotonic()
+    assert httpx.post(f"{url}/completions", json={"prompt": [1]}).status_code == 200  # meanwhile, at once
+    assert time.monotonic() - served < 0.5
+    closed = _closed_after(silent + partial + [slow], start, timeout_s=5)
+    assert all(0.4 < t < 1.5 for t, _ in closed[:300]), closed[:300]  # keep_alive_s=0.5
+    assert all(0.9 < t < 2.5 and data == b"" for t, data in closed[300:320])  # read_timeout_s=1.0
+    t, data = closed[320]
+    assert 0.9 < t < 2.5 and data.startswith(b"HTTP/1.1 408 ") and b"connection: close" in data
+    print(f"idle connections closed after {max(t for t, _ in closed[:300]):.2f} s, half-sent headers after "
+          f"{max(t for t, _ in closed[300:320]):.2f} s")
+
+    with socket.create_connection(address) as sock:  # headers still incomplete past MAX_HEADER_BYTES
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: a\r\nX-Big: " + b"a" * (MAX_HEADER_BYTES + 1))
+        assert sock.recv(100).startswith(b"HTTP/1.1 400 ")
+    assert len(fake.close_episode(key)) == 1 and fake.close_episode(slow_key) == []
+
+    with AgentServer(tokenizer, fake.generate, max_connections=4) as s:
+        key, url = s.open_episode(seed_base=0)
+        held = [socket.create_connection((s.host, s.port)) for _ in range(4)]
+        start = time.monotonic()
+        r = httpx.post(f"{url}/completions", json={"prompt": [1]})
+        assert r.status_code == 503 and time.monotonic() - start < 1.0
+        for sock in held:
+            sock.close()
+
+
+def _closed_after(socks: list[socket.socket], start: float, timeout_s: float) -> list[tuple[float, bytes]]:
+    """(seconds after `start` each socket's server closed it, what it sent first), in order."""
+    out: dict[socket.socket, tuple[float, bytes]] = {}
+    data: dict[socket.socket, bytes] = {sock: b"" for sock in socks}
+    end = time.monotonic() + timeout_s
+    while len(out) < len(socks) and time.monotonic() < end:
+        ready, _, _ = select.select([s for s in socks if s not in out], [], [], 0.05)
+        for sock in ready:
+            chunk = sock.recv(65536)
+            data[sock] += chunk
+            if not chunk:
+                out[sock] = (time.monotonic() - start, data[sock])
+                sock.close()
+    assert len(out) == len(socks), f"{len(socks) - len(out)} connections still open after {timeout_s} s"
+    return [out[sock] for sock in socks]

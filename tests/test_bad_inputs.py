@@ -61,6 +61,16 @@ def _overrides(*overrides: str) -> Callable[[str, Path], list[str]]:
     return lambda tiny, tmp: list(overrides)
 
 
+def _agent(source: str, *overrides: str) -> Callable[[str, Path], list[str]]:
+    """`task.agent` naming `solve` in a file holding `source`."""
+
+    def setup(tiny: str, tmp: Path) -> list[str]:
+        (tmp / "my_agent.py").write_text(source + "\n")
+        return [f"task.agent={tmp}/my_agent.py:solve", "reward.functions=[]", *overrides]
+
+    return setup
+
+
 def _gguf(folder: bool) -> Callable[[str, Path], list[str]]:
     """model.path naming a GGUF checkpoint: the file itself, or a folder holding only it."""
 
@@ -124,8 +134,29 @@ CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
     "agent_file_missing": (lambda tiny, tmp: [f"task.agent={tmp}/no_agent.py:solve", "reward.functions=[]",
                                               "rollout.mode=streaming", "algorithm.off_policy_steps=1"],
                            ["task.agent=", "no_agent.py not found"]),
-    "agent_without_streaming": (_overrides("task.agent=examples.calculator_agent:solve"),
-                                ["task.agent='examples.calculator_agent:solve'", "set rollout.mode=streaming"]),
+    "agent_not_callable": (_agent("solve = 3"), ["task.agent=", "'solve' is a int, not callable"]),
+    "agent_taking_one_parameter": (_agent("def solve(base_url):\n    return 1.0"),
+                                   ["task.agent=", "takes 1 positional parameter(s)", "fn(base_url, row"]),
+    "agent_kwargs_it_does_not_take": (_agent("def solve(base_url, row):\n    return 1.0", "+task.agent_kwargs.tries=3"),
+                                      ["task.agent=", "task.agent_kwargs", "'tries'"]),
+    "agent_on_the_hf_backend": (lambda tiny, tmp: [*_agent("def solve(base_url, row):\n    return 1.0")(tiny, tmp),
+                                                   "rollout=hf"],
+                                ["task.agent serves the agents' calls", "set rollout.backend=vllm"]),
+    "agent_timeout_zero": (_overrides("task.agent_timeout_s=0"), ["task.agent_timeout_s=0.0", "> 0"]),
+    "agent_memory_tiny": (_overrides("task.agent_memory_mb=1"), ["task.agent_memory_mb=1", ">= 64"]),
+    "agent_port_out_of_range": (_overrides("task.agent_port=70000"), ["task.agent_port=70000", "in [0, 65535]"]),
+    # rollout settings vLLM itself would refuse inside the worker
+    "temperature_above_two": (_overrides("rollout.temperature=3"), ["rollout.temperature=3.0", "in (0, 2]"]),
+    "temperature_zero": (_overrides("rollout.temperature=0"), ["rollout.temperature=0.0", "in (0, 2]"]),
+    "eval_temperature_above_two": (_overrides("eval.temperature=2.5"), ["eval.temperature=2.5", "in [0, 2]"]),
+    "gpu_memory_utilization_zero": (_overrides("rollout.gpu_memory_utilization=0"),
+                                    ["rollout.gpu_memory_utilization=0.0", "(0, 1]"]),
+    "max_new_tokens_zero": (_overrides("rollout.max_new_tokens=0"), ["rollout.max_new_tokens=0", "positive"]),
+    "pause_timeout_zero": (_overrides("rollout.pause_timeout_s=0"), ["rollout.pause_timeout_s=0.0", "> 0"]),
+    "max_restarts_negative": (_overrides("rollout.max_restarts=-1"), ["rollout.max_restarts=-1", ">= 0"]),
+    "tensor_parallel_not_dividing_heads": (_overrides("rollout.tensor_parallel_size=3"),
+                                           ["rollout.tensor_parallel_size=3 does not divide the model's 4 attention "
+                                            "heads", "use one of 1, 2, 4"]),
     "eval_without_files": (_overrides("eval.every_steps=5"), ["eval.every_steps=5", "eval.files=["]),
     "chat_template_without_one": (_overrides("task.chat_template=true"),
                                   ["task.chat_template=true", "has no chat template"]),

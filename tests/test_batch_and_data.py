@@ -37,6 +37,11 @@ def test_train_batch_alignment_and_masking():
 def test_stale_samples_are_refused():
     with pytest.raises(RuntimeError, match="policy versions"):
         build_train_batch([_scored([1], [2], [-1.0], version=3)], 0, version=4)
+    # a failed sample has no tokens to date (an agent that crashed before its first call): a row, no loss
+    empty = Sample([], [], [], "stop", 0, "p", "", 1, 0, error="task.agent=m:f: raised")
+    batch = build_train_batch([_scored([1], [2], [-1.0], version=4), ScoredSample(empty, None, error=empty.error)],
+                              0, version=4)
+    assert batch.loss_mask.tolist() == [[1.0], [0.0]] and batch.input_ids.shape == (2, 2)
 
 
 def test_truncated_completions_can_be_masked():

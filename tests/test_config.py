@@ -176,7 +176,11 @@ def test_streaming_mode_names_what_it_needs():
     text = str(err.value)
     assert "set rollout.backend=vllm" in text and "algorithm.off_policy_steps=1" in text
     assert "rollout.inflight_kv='drop': choose one of keep, recompute" in text
-    with pytest.raises(ConfigError, match="task.env=.*set rollout.mode=batch"):
-        compose_config(["rollout.mode=streaming", "algorithm.off_policy_steps=1", "task=calculator"])
+    # environment episodes stream too (rl/run/rollouts.py EnvEpisodes), agents run lock-step too
+    assert compose_config(["rollout.mode=streaming", "algorithm.off_policy_steps=1", "task=calculator"]).task.env
+    agent = compose_config(["task=calculator_agent", "rollout.mode=batch", "algorithm.off_policy_steps=0"])
+    assert agent.task.agent and agent.rollout.mode == "batch"
+    with pytest.raises(ConfigError, match="task.agent serves the agents' calls .* set rollout.backend=vllm"):
+        compose_config(["task=calculator_agent", "rollout.backend=hf", "rollout.mode=batch"])
     with pytest.raises(ConfigError, match="rollout.mode='stream': choose one of batch, streaming"):
         compose_config(["rollout.mode=stream"])

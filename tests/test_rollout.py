@@ -7,6 +7,7 @@ import torch
 
 from rl.config.schema import ModelConfig, RolloutConfig
 from rl.data.dataset import PromptDataset
+from rl.data.types import GenerationRequest
 from rollout.fleet import RolloutFleet, split_by_group
 from rollout.protocol import RolloutSpec
 from rollout.vllm_engine import vllm_env
@@ -42,8 +43,24 @@ def test_fleet_generates_groups_with_logprobs(ray_local, tiny_dir, backend):
     try:
         samples = fleet.generate(reqs)
         again = fleet.generate(reqs)
+        # requests the engine refuses (a token id outside the vocabulary, a temperature vLLM refuses)
+        # are their own error samples, beside good ones; no worker is lost
+        bad = [GenerationRequest([10**9, 1], "", 99, 0, seed=1),
+               GenerationRequest(list(reqs[0].prompt_ids), "", 98, 0, seed=1, temperature=3.0)]
+        mixed = fleet.generate(reqs[:2] + bad)
+        fleet.submit(reqs[:2])  # a stream: every engine has submit/drain
+        streamed = []
+        while len(streamed) < 2:
+            streamed += fleet.drain(0.5)
+        restarts = fleet.restarts
     finally:
         fleet.shutdown()
+    assert all(s.error and s.error.startswith("the rollout engine refused this request") for s in mixed[2:]), mixed[2:]
+    assert mixed[2].completion_ids == [] and restarts == 0 and all(s.error is None for s in mixed[:2] + streamed)
+    assert sorted((s.group_id, s.sample_index) for s in streamed) == [(r.group_id, r.sample_index) for r in reqs[:2]]
+    if backend == "vllm":  # per-request seeds: the same tokens whatever the batch (HF seeds a whole batch)
+        assert [s.completion_ids for s in mixed[:2]] == [s.completion_ids for s in samples[:2]]
+        assert sorted(s.completion_ids for s in streamed) == sorted(s.completion_ids for s in samples[:2])
     assert [(s.group_id, s.sample_index) for s in samples] == [(r.group_id, r.sample_index) for r in reqs]
     eos = tok.eos_token_id
     for s in samples:

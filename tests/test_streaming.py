@@ -76,7 +76,7 @@ def _until(pred, timeout=5.0):
 def test_admission_follows_the_staleness_bound_and_a_slow_group_holds_nothing_back():
     fleet = QueueFleet()
     P, n, k = 2, 2, 1
-    stream = StreamingRollouts(fleet, _draw(P, n), _score, groups_per_step=P, max_staleness=k, start_step=0, end=10)
+    stream = StreamingRollouts(fleet, _draw(P, n), _score, groups_per_step=P, max_staleness=k, start_step=0, steps=10)
     try:
         _until(lambda: len(fleet.started_groups()) == (k + 1) * P)  # versions 0..k may start: 4 groups
         import time
@@ -104,7 +104,7 @@ def test_admission_follows_the_staleness_bound_and_a_slow_group_holds_nothing_ba
 
 def test_a_group_older_than_the_bound_is_generated_again_not_trained_on():
     fleet = QueueFleet()
-    stream = StreamingRollouts(fleet, _draw(1, 2), _score, groups_per_step=1, max_staleness=1, start_step=0, end=10)
+    stream = StreamingRollouts(fleet, _draw(1, 2), _score, groups_per_step=1, max_staleness=1, start_step=0, steps=10)
     try:
         _until(lambda: len(fleet.sent) == 4)
         fleet.finish(group_ids={0})
@@ -126,7 +126,7 @@ def test_a_group_older_than_the_bound_is_generated_again_not_trained_on():
 
 def test_in_flight_state_resumes_without_losing_or_repeating_a_group():
     fleet = QueueFleet()
-    stream = StreamingRollouts(fleet, _draw(2, 2), _score, groups_per_step=2, max_staleness=1, start_step=0, end=10)
+    stream = StreamingRollouts(fleet, _draw(2, 2), _score, groups_per_step=2, max_staleness=1, start_step=0, steps=10)
     _until(lambda: len(fleet.started_groups()) == 4)
     fleet.finish(group_ids={0, 1, 2})
     taken = {s.group_id for s in stream.take(0)[1]}
@@ -138,7 +138,7 @@ def test_in_flight_state_resumes_without_losing_or_repeating_a_group():
     again = QueueFleet()
     again.version = 1
     resumed = StreamingRollouts(again, _draw(2, 2), _score, groups_per_step=2, max_staleness=1, start_step=1,
-                                end=10, state=state)
+                                steps=10, state=state)
     try:
         _until(lambda: 3 in again.started_groups())
         assert again.started_groups() == {3, 4, 5}  # the pending one again, then what the bound allows
@@ -154,12 +154,100 @@ def test_dynamic_sampling_keeps_informative_groups_and_fills_only_past_its_budge
     same = lambda samples: [ScoredSample(s, 1.0 if s.group_id % 2 else float(s.sample_index)) for s in samples]  # noqa: E731
     informative = lambda group: len({s.reward for s in group}) > 1  # noqa: E731
     stream = StreamingRollouts(fleet, _draw(2, 2), same, groups_per_step=2, max_staleness=1, start_step=0,
-                               end=20, informative=informative, max_rounds=2)
+                               steps=20, informative=informative, max_rounds=2)
     try:
         _until(lambda: len(fleet.started_groups()) == 4)
         fleet.finish()  # groups 0, 2 informative; 1, 3 all equal
         _, samples, m = stream.take(0)
         assert {s.group_id for s in samples} == {0, 2} and m["dapo/filled_groups"] == 0
+    finally:
+        stream.close()
+
+
+class AutoFleet(QueueFleet):
+    """Finishes whatever was sent at every drain, dated by the learner's version then."""
+
+    def drain(self, wait_s):
+        self.finish()
+        return super().drain(wait_s)
+
+
+def _uninformative(gid: int, percent: int) -> bool:
+    return (gid * 37) % 100 < percent  # a fixed, spread-out share of the groups
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("rounds", [1, 2, 3])
+@pytest.mark.parametrize("percent", [0, 50, 90, 100])
+def test_dynamic_sampling_every_step_finishes_and_a_resume_keeps_the_budget(k, rounds, percent):
+    """DAPO's dynamic sampling in the stream, for k = 1, 2, sampling rounds 1-3 and 0-100% of the
+    groups uninformative: every step gets its groups (informative ones first, set-aside ones only
+    once max_rounds steps' worth were looked at), none twice; a resume in the middle keeps the
+    budget (set-aside groups, credit, groups looked at) and goes on. A regression guard: before,
+    k=1 with leftover uninformative groups earned no credit and `take` waited forever."""
+    P, n, steps = 2, 2, 8
+
+    def score(samples):
+        return [ScoredSample(s, 1.0 if _uninformative(s.group_id, percent) else float(s.sample_index))
+                for s in samples]
+
+    def informative(group):
+        return len({s.reward for s in group}) > 1
+
+    def stream_of(fleet, start, state=None):
+        return StreamingRollouts(fleet, _draw(P, n), score, groups_per_step=P, max_staleness=k, start_step=start,
+                                 steps=steps, informative=informative, max_rounds=rounds, state=state,
+                                 poll_s=0.01, stall_s=5.0)
+
+    def take(stream, step):
+        got = {}
+        worker = threading.Thread(target=lambda: got.update(out=stream.take(step)), daemon=True)
+        worker.start()
+        worker.join(10)
+        assert "out" in got, f"step {step} never got its groups (k={k}, rounds={rounds}, {percent}% flat)"
+        return got["out"]
+
+    trained: list[int] = []
+    fleet = AutoFleet()
+    stream = stream_of(fleet, 0)
+    state = None
+    for step in range(steps):
+        if step == steps // 2:  # a checkpoint here, and a resume from it with a new fleet
+            state = stream.in_flight()["streaming"]
+            stream.close()
+            fleet = AutoFleet()
+            fleet.version = step
+            stream = stream_of(fleet, step, state)
+        scored, samples, m = take(stream, step)
+        groups = sorted({s.group_id for s in samples})
+        assert len(groups) == P and len(scored) == P * n, m
+        trained += groups
+        flat = [g for g in groups if _uninformative(g, percent)]
+        assert m["dapo/filled_groups"] == len(flat)
+        if flat:  # fillers only once max_rounds steps' worth were looked at (or nothing more could come)
+            assert m["dapo/looked_groups"] >= rounds * P or stream._exhausted(), m
+        if percent == 0:
+            assert m["dapo/filled_groups"] == 0
+        fleet.version = step + 1  # the learner's update and sync
+    stream.close()
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert set(state) >= {"credit", "dropped", "looked", "spare", "cursor", "ready", "pending"}
+    if percent and rounds > 1:
+        assert state["credit"] > 0, "set-aside groups earned no budget"
+    # never more than max_rounds steps' worth per step, plus a refill for each set-aside group dropped unused
+    drawn = stream._cursor * P
+    assert drawn <= (steps + k) * rounds * P + stream._dropped + P
+    assert stream._dropped <= sum(_uninformative(g, percent) for g in range(drawn))
+
+
+def test_a_stream_with_nothing_finishing_stops_naming_its_deadline():
+    from rl.run.streaming import StreamStalled
+
+    stream = StreamingRollouts(QueueFleet(), _draw(1, 2), _score, groups_per_step=1, max_staleness=1, start_step=0,
+                               steps=10, stall_s=0.5, stall_hint="run.call_timeout_s")
+    try:
+        with pytest.raises(StreamStalled, match=r"no sample finished for .*deadline is 0.5 s \(run.call_timeout_s\)"):
+            stream.take(0)
     finally:
         stream.close()
 
@@ -213,7 +301,7 @@ def test_weights_loaded_mid_generation_date_every_token_and_faults_are_caught(sm
     shared_ray()
     spec = RolloutSpec(ModelConfig(path=smollm2, dtype="float32"),
                        RolloutConfig(max_new_tokens=160, max_model_len=256, kv_cache_gib=1, mode="streaming",
-                                     inflight_kv="recompute", pause_timeout_s=2.0, max_restarts=2), seed=0, threads=2)
+                                     inflight_kv="recompute", pause_timeout_s=2.0, max_restarts=3), seed=0, threads=2)
     logs: list[str] = []
     fleet = RolloutFleet(spec, num_cpus=1, env_vars=vllm_env(1, 2), log=logs.append,
                          deadlines=Deadlines(floor_s=4.0, factor=20.0, start_s=120.0))
@@ -260,11 +348,30 @@ def test_weights_loaded_mid_generation_date_every_token_and_faults_are_caught(sm
         gone, alive = psutil.wait_procs(cores, timeout=10)
         assert not alive, f"engine processes outlived their actor: {alive}"
 
+        # a request the engine refuses (a token id outside the vocabulary): its own error, no fault
+        fleet.submit([GenerationRequest([10**9], "", 13, 0, seed=1, max_tokens=4)])
+        refused = _drain_all(fleet, {(13, 0)})[(13, 0)]
+        assert "refused" in refused.error and "out of vocabulary" in refused.error and fleet.restarts == 1
+
         # a stopped worker: its drain misses the deadline, it is replaced, the request sent again
         pid = fleet.where[0]["pid"]
         fleet.submit([GenerationRequest(prompt, "", 12, 0, seed=3, max_tokens=8)])
         os.kill(pid, signal.SIGSTOP)
         _drain_all(fleet, {(12, 0)})
-        assert fleet.restarts == 2 and any("streaming generation" in line for line in logs)
+        assert fleet.restarts == 2 and any("during generation" in line for line in logs)
+
+        # an agent's call (another thread) on a worker that dies: the owner's thread replaces it
+        # (as it also runs the weight syncs), the call waits for that and is sent again
+        os.kill(fleet.where[0]["pid"], signal.SIGKILL)
+        answer: dict = {}
+        call = threading.Thread(target=lambda: answer.update(
+            sample=fleet.generate_one(GenerationRequest(prompt, "", 14, 0, seed=4, max_tokens=4))))
+        call.start()
+        end = time.monotonic() + 60
+        while call.is_alive() and time.monotonic() < end:
+            fleet.repair()
+            call.join(0.2)
+        assert answer["sample"].error is None and len(answer["sample"].completion_ids) >= 1
+        assert fleet.restarts == 3
     finally:
         fleet.shutdown()

@@ -165,14 +165,22 @@ class TaskConfig:
     observation_role: str = "tool"  # chat role of a text observation (tool or user)
     env_workers: int = 1  # Ray actors running environments
     env_timeout_s: float = 60.0  # per reset or step call; past it the episode ends with an error
-    # Agent episodes (rollout.mode=streaming): "package.module:function" or "path/file.py:function",
-    # called as fn(base_url, row, **agent_kwargs) once per sample with its own OpenAI-compatible base
-    # URL; it runs any agent code (the `openai` client) and returns the episode's reward (a float).
-    # The calls it makes there are the trajectory, token for token (rl/run/agents.py).
+    # Agent episodes: "package.module:function" or "path/file.py:function", called as
+    # fn(base_url, row, **agent_kwargs) once per sample, in a process of its own, with its own
+    # OpenAI-compatible base URL; it runs any agent code (the `openai` client) and returns the
+    # episode's reward (a finite number, or None to leave it to reward.functions). The calls it
+    # makes there are the trajectory, token for token (rl/run/agents.py).
     agent: str | None = None
     agent_kwargs: dict[str, Any] = field(default_factory=dict)
-    agent_workers: int = 64  # episodes running at once (threads of the driver)
-    agent_timeout_s: float = 300.0  # an episode whose agent has not returned by then is dropped, named
+    agent_workers: int = 16  # episodes running at once (worker processes)
+    agent_timeout_s: float = 300.0  # an agent that has not returned by then is killed; its episode is an error
+    agent_memory_mb: int = 2048  # memory of one agent's processes (past it: killed, an error sample)
+    agent_max_processes: int = 64  # processes/threads one agent may have at once (a fork bomb stops there)
+    # The agent server's address. Loopback (the default) serves this machine's processes only; any
+    # other address (0.0.0.0: every interface) lets whoever reaches it call the policy being trained
+    # with an episode's key (keys are unguessable, 192 random bits, and die with their episode).
+    agent_host: str = "127.0.0.1"
+    agent_port: int = 0  # 0 = a free port
 
 
 @dataclass
@@ -332,8 +340,13 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "rollout.max_retries": (0, True, None, "2"),
     "rollout.tensor_parallel_size": (1, True, None, "1 (or the GPUs one engine spans, e.g. 2)"),
     "rollout.pause_timeout_s": (0, False, None, "300"),
-    "task.agent_workers": (1, True, None, "64"),
+    "task.agent_workers": (1, True, None, "16"),
     "task.agent_timeout_s": (0, False, None, "300"),
+    "task.agent_memory_mb": (64, True, None, "2048"),
+    "task.agent_max_processes": (1, True, None, "64"),
+    "task.agent_port": (0, True, 65535, "0 (a free port)"),
+    "rollout.temperature": (0, False, 2, "1.0"),  # vLLM refuses a temperature above 2
+    "eval.temperature": (0, True, 2, "1.0 (0 = greedy)"),
     "reward.timeout_s": (0, False, None, "60"),
     "reward.max_failed_steps": (1, True, None, "3"),
     "sandbox.num_workers": (0, True, None, "0 (jobs run in the reward worker) or 2"),
@@ -535,13 +548,6 @@ def _streaming_errors(cfg: Any) -> list[str]:
     if r.sleep_between_steps:
         errors.append("rollout.mode=streaming keeps the engines generating while the learner trains: they cannot "
                       "sleep; set rollout.sleep_between_steps=false (and cluster.placement_mode=disaggregated)")
-    if cfg.task.env and cfg.task.agent:
-        errors.append(f"task.env={cfg.task.env!r} and task.agent={cfg.task.agent!r}: an episode comes from one of "
-                      "them; set the other to null")
-    elif cfg.task.env:
-        errors.append(f"rollout.mode=streaming runs single-turn completions and task.agent episodes "
-                      f"(task.env={cfg.task.env!r} episodes run turn by turn): set rollout.mode=batch with "
-                      "algorithm.off_policy_steps, or write the environment as an agent (task.agent)")
     if cfg.trainer.weight_sync == "ipc":
         errors.append("rollout.mode=streaming loads weights through its engines' worker RPC: set "
                       "trainer.weight_sync=collective (or object_store)")
@@ -578,13 +584,9 @@ def validate(cfg: Any) -> None:
                       "GPU: raise trainer.num_workers to use more")
     errors += _tensor_parallel_errors(cfg)
     errors += _streaming_errors(cfg)
-    if cfg.task.agent and cfg.rollout.mode != "streaming":
-        errors.append(f"task.agent={cfg.task.agent!r} serves the policy to the agent through streaming engines "
-                      "(vLLM's AsyncLLM batches its calls): set rollout.mode=streaming and algorithm.off_policy_steps=1")
+    errors += _agent_errors(cfg)
     errors += _placement_mode_errors(cfg)
     errors += _shared_gpu_errors(cfg)
-    if not 0 < cfg.rollout.temperature:
-        errors.append(f"rollout.temperature={cfg.rollout.temperature}: must be > 0 (sampling is needed for RL)")
     if cfg.algorithm.lr <= 0:
         errors.append(f"algorithm.lr={cfg.algorithm.lr}: must be > 0, e.g. algorithm.lr=1e-5")
     if cfg.algorithm.kl_coef < 0:
@@ -625,8 +627,6 @@ def validate(cfg: Any) -> None:
         errors.append("reward.functions is empty: name at least one, e.g. reward=arith or "
                       "'reward.functions=[{fn: my_rewards.py:score}]' (or an environment that rewards: task.env, "
                       "or an agent that returns its reward: task.agent)")
-    if cfg.task.agent and ":" not in cfg.task.agent:
-        errors.append(f"task.agent={cfg.task.agent!r}: expected 'package.module:function' or 'path/to/file.py:function'")
     errors += _episode_errors(cfg)
     errors += _lora_errors(cfg)
     errors += logger_errors(cfg.run.loggers)
@@ -637,6 +637,28 @@ def validate(cfg: Any) -> None:
                 "'path/to/file.py:function'"
             )
     raise_errors(errors)
+
+
+def _agent_errors(cfg: Any) -> list[str]:
+    """What `task.agent` needs: one kind of episode, and engines that take calls as they come."""
+    t, r = cfg.task, cfg.rollout
+    if not t.agent:
+        return []
+    errors = []
+    if ":" not in t.agent:
+        errors.append(f"task.agent={t.agent!r}: expected 'package.module:function' or 'path/to/file.py:function'")
+    if t.env:
+        errors.append(f"task.env={t.env!r} and task.agent={t.agent!r}: an episode comes from one of them; set the "
+                      "other to null")
+    if r.backend != "vllm":
+        errors.append(f"task.agent serves the agents' calls as they come, which vLLM's AsyncLLM batches: set "
+                      f"rollout.backend=vllm (not {r.backend!r})")
+    if r.sleep_between_steps:
+        errors.append("task.agent keeps the engines serving calls (they never sleep): set "
+                      "rollout.sleep_between_steps=false")
+    if not t.agent_host.strip():
+        errors.append("task.agent_host is empty: use 127.0.0.1 (this machine only) or an address of this machine")
+    return errors
 
 
 def _lora_errors(cfg: Any) -> list[str]:
@@ -681,6 +703,4 @@ def _episode_errors(cfg: Any) -> list[str]:
                       "(or eval.every_steps=0)")
     if e.n < 0:
         errors.append(f"eval.n={e.n}: must be >= 0 (0 = greedy answers only, no sampled ones)")
-    if e.temperature < 0:
-        errors.append(f"eval.temperature={e.temperature}: must be >= 0 (0 = greedy)")
     return errors

@@ -1,5 +1,5 @@
-"""An agent's recorded model calls made into one training episode (DESIGN.md "Agents through an
-OpenAI-compatible endpoint", "Episodes").
+"""An agent's recorded model calls made into one training episode (docs/architecture.md "Agents",
+"Episodes").
 
 The agent server (`rollout.agent_server`) records every call of one episode token-exactly: the
 prompt ids it rendered, the ids the model sampled with their log-probs and policy versions. A
@@ -47,12 +47,14 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def episode_sample(calls: list[RecordedCall], *, prompt_text: str, group_id: int, sample_index: int,
+def episode_sample(calls: list[RecordedCall], *, prompt_ids: list[int] | tuple[int, ...] = (), prompt_text: str,
+                   group_id: int, sample_index: int,
                    metadata: dict[str, Any] | None = None, max_len: int | None = None,
                    decode: Callable[[list[int]], str] | None = None) -> Sample:
     """One episode's calls as one Sample (an episode, like `rl.data.episodes` makes).
 
-    The prompt is the first call's prompt; each later call must extend (previous prompt + previous
+    The prompt is the first call's prompt (`prompt_ids`, the request's, without calls); each later
+    call must extend (previous prompt + previous
     completion): the ids in between become an observation turn (mask 0, log-prob 0.0, the version of
     the last model token before it), the completion a model turn (mask 1). A call that does not
     extend it cuts the episode there, with `error` saying so; no call at all is an error too.
@@ -68,8 +70,8 @@ def episode_sample(calls: list[RecordedCall], *, prompt_text: str, group_id: int
     prompt already over `max_len` leaves nothing to train on: an error sample.
     """
     metadata = dict(metadata or {})
-    if not calls:
-        return Sample([], [], [], "stop", 0, prompt_text, "", group_id, sample_index, metadata,
+    if not calls:  # dated and shaped by the request's own prompt, so a batch of them is still a batch
+        return Sample(list(prompt_ids), [], [], "stop", 0, prompt_text, "", group_id, sample_index, metadata,
                       completion_mask=[], turns=[], error="agent episode made no model call: nothing was "
                       "sampled at its base URL (did the agent use the episode's base_url?)", token_versions=[])
     prompt = list(calls[0].prompt_ids)

@@ -17,14 +17,15 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
     loss mask, so it contributes nothing; so does a completion cut at the token budget when
     `mask_truncated` (DAPO's overlong filtering). Advantages are filled in later (`rl.algo.estimate`).
     Samples must come from policy versions `version - max_staleness` .. `version` (asynchronous
-    rollouts, `algorithm.off_policy_steps`): older ones are refused, never trained on.
+    rollouts, `algorithm.off_policy_steps`): older ones are refused, never trained on. (A failed
+    sample, e.g. an agent that crashed before its first call, has no tokens of any version.)
     """
-    stale = {s.sample.policy_version for s in scored
-             if not version - max_staleness <= s.sample.policy_version <= version}
+    stale = {s.sample.policy_version for s in scored  # (a failed sample is never trained on: no date needed)
+             if s.error is None and not version - max_staleness <= s.sample.policy_version <= version}
     if stale:
         raise RuntimeError(f"samples from policy versions {sorted(stale)} reached a step training version {version} "
                            f"(at most {max_staleness} behind allowed)")
-    width = max(len(s.sample.prompt_ids) + len(s.sample.completion_ids) for s in scored)
+    width = max(2, max(len(s.sample.prompt_ids) + len(s.sample.completion_ids) for s in scored))  # (all may be empty)
     b = len(scored)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)

@@ -1,9 +1,11 @@
-"""Multi-turn episodes, kept as token ids from start to end (DESIGN.md "Episodes").
+"""Multi-turn episodes, kept as token ids from start to end (docs/architecture.md "Episodes").
 
-A turn is one generation request whose prompt is the whole episode so far; the sampled ids are
-appended exactly as generated (with their log-probs), the environment's answer is tokenized once
-and appended with mask 0. Nothing decoded is ever tokenized again, so the learner trains on the
-very tokens the rollout sampled, and its loss mask covers the model's tokens only.
+A turn is one generation request whose prompt is the whole episode so far, recorded as a model
+call exactly as an agent's calls are (`rl.data.agent_calls`: an environment is an agent the
+framework drives), and the trajectory is built from those calls by the same `episode_sample`: the
+sampled ids appended exactly as generated (with their log-probs), the environment's answer
+tokenized once and appended with mask 0. Nothing decoded is ever tokenized again, so the learner
+trains on the very tokens the rollout sampled, and its loss mask covers the model's tokens only.
 
 Pure code over two small protocols (a `generate` function and `Envs`); the Ray side is
 `reward.envs.EnvService`.
@@ -17,7 +19,8 @@ from typing import Any, Callable, Protocol
 
 from rl.data.dataset import derive_seed
 from rl.data.env import Observation, StepResult
-from rl.data.types import GenerationRequest, Sample, ScoredSample, Turn
+from rl.data.agent_calls import RecordedCall, episode_sample
+from rl.data.types import GenerationRequest, Sample, ScoredSample
 
 
 class Envs(Protocol):
@@ -105,34 +108,46 @@ class ObservationEncoder:
             keep -= 1
 
 
-@dataclass
+@dataclass(eq=False)
 class _Episode:
+    """An episode in progress: its model calls as recorded (the same record an agent's calls get,
+    `rl.data.agent_calls`), and what the environment said after each."""
+
     request: GenerationRequest
-    ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    turns: list[Turn] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    finish_reason: str = "stop"
+    calls: list[RecordedCall] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # every token after the prompt so far
+    rewards: list[float | None] = field(default_factory=list)  # per call
+    infos: list[dict[str, Any]] = field(default_factory=list)  # per call
+    observations: list[str] = field(default_factory=list)  # the text of each observation appended
     error: str | None = None
     done: bool = False
+    cut: bool = False  # ended by its token budget
 
-    def add(self, role: str, ids: list[int], text: str, logprobs: list[float] | None = None) -> Turn:
-        start = len(self.ids)
-        self.ids += ids
-        self.mask += [1 if role == "model" else 0] * len(ids)
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        self.turns.append(Turn(role, start, len(self.ids), text))
-        return self.turns[-1]
+    def call(self, out: Sample) -> None:
+        """Record one model call: its prompt is the whole episode so far."""
+        versions = out.token_versions or [out.policy_version] * len(out.completion_ids)
+        self.calls.append(RecordedCall(list(self.request.prompt_ids) + self.ids, list(out.completion_ids),
+                                       list(out.logprobs), list(versions), out.finish_reason, out.completion_text,
+                                       out.policy_version))
+        self.ids += out.completion_ids
+        self.rewards.append(None)
+        self.infos.append({})
 
     def sample(self) -> Sample:
+        """The calls as one token-exact trajectory (`episode_sample`), with the environment's
+        rewards on the model turns and its texts on the observations."""
         r = self.request
-        model_turns = [t for t in self.turns if t.role == "model"]
-        return Sample(prompt_ids=list(r.prompt_ids), completion_ids=self.ids, logprobs=self.logprobs,
-                      finish_reason=self.finish_reason, policy_version=min(self.versions, default=0),
-                      prompt_text=r.prompt_text, completion_text=model_turns[-1].text if model_turns else "",
-                      group_id=r.group_id, sample_index=r.sample_index, metadata=r.metadata,
-                      completion_mask=self.mask, turns=self.turns, error=self.error)
+        s = episode_sample(self.calls, prompt_ids=r.prompt_ids, prompt_text=r.prompt_text, group_id=r.group_id,
+                           sample_index=r.sample_index, metadata=r.metadata)
+        model = [t for t in s.turns or () if t.role == "model"]
+        for turn, i in zip(model, [i for i, c in enumerate(self.calls) if c.completion_ids]):
+            turn.reward, turn.info = self.rewards[i], self.infos[i]
+        for turn, text in zip([t for t in s.turns or () if t.role == "observation"], self.observations):
+            turn.text = text
+        if self.cut:
+            s.finish_reason = "length"
+        s.error = self.error or s.error
+        return s
 
 
 class Episodes:
@@ -158,7 +173,8 @@ def run_episodes(requests: list[GenerationRequest], generate: Callable[[list[Gen
     once, then every environment answers. An episode ends when its environment says done, after
     `max_turns` model turns (the environment still rewards the last one), when its token budget
     is spent (finish_reason "length"), or with the error its environment raised. Episode keys are
-    `first_key + index` (unique among episodes in flight)."""
+    `first_key + index` (unique among episodes in flight). The trajectory ends at the last model
+    turn (an observation after it is never seen by the model)."""
     episodes = {first_key + i: _Episode(r) for i, r in enumerate(requests)}
     for key, err in envs.reset(list(episodes), [{prompt_key: e.request.prompt_text, **e.request.metadata}
                                                 for e in episodes.values()]).items():
@@ -169,7 +185,7 @@ def run_episodes(requests: list[GenerationRequest], generate: Callable[[list[Gen
             live = {k: e for k, e in episodes.items() if not e.done and _budget(e, limits) > 0}
             for e in episodes.values():
                 if not e.done and e not in live.values():
-                    e.done, e.finish_reason = True, "length"
+                    e.done, e.cut = True, True
             if not live:
                 break
             asks = [GenerationRequest(e.request.prompt_ids + e.ids, e.request.prompt_text, e.request.group_id,
@@ -177,11 +193,15 @@ def run_episodes(requests: list[GenerationRequest], generate: Callable[[list[Gen
                                       max_tokens=min(limits.max_new_tokens, _budget(e, limits)),
                                       temperature=e.request.temperature) for e in live.values()]
             for e, out in zip(live.values(), generate(asks)):
-                e.add("model", out.completion_ids, out.completion_text, out.logprobs)
-                e.versions.append(out.policy_version)
-                e.finish_reason = out.finish_reason
-            answers = envs.step(list(live), [e.turns[-1].text for e in live.values()],
-                                [e.ids[e.turns[-1].start:] for e in live.values()])
+                if out.error is not None:  # the engine refused the turn: it ends this episode only
+                    e.error, e.done = f"model call {len(e.calls) + 1}: {out.error}", True
+                else:
+                    e.call(out)
+            live = {k: e for k, e in live.items() if not e.done}
+            if not live:
+                continue
+            answers = envs.step(list(live), [e.calls[-1].completion_text for e in live.values()],
+                                [e.calls[-1].completion_ids for e in live.values()])
             for key, e in live.items():
                 _answer(e, answers.get(key, "no answer"), turn + 1 == limits.max_turns, encode, limits)
     finally:
@@ -196,9 +216,9 @@ def _budget(e: _Episode, limits: Limits) -> int:
 def _answer(e: _Episode, answer: StepResult | str, last_turn: bool, encode: ObservationEncoder,
             limits: Limits) -> None:
     if isinstance(answer, str):
-        e.error, e.done = f"environment step {len([t for t in e.turns if t.role == 'model'])}: {answer}", True
+        e.error, e.done = f"environment step {len(e.calls)}: {answer}", True
         return
-    e.turns[-1].reward, e.turns[-1].info = answer.reward, answer.info
+    e.rewards[-1], e.infos[-1] = answer.reward, answer.info
     if answer.done or last_turn:
         e.done = True
         return
@@ -209,19 +229,23 @@ def _answer(e: _Episode, answer: StepResult | str, last_turn: bool, encode: Obse
         return
     obs = obs[: max(0, _budget(e, limits))]
     if obs:
-        text = answer.observation if isinstance(answer.observation, str) else \
-            "\n".join(m["content"] for m in answer.observation)
-        e.add("observation", obs, text)
+        e.ids += obs
+        e.observations.append(answer.observation if isinstance(answer.observation, str) else
+                              "\n".join(m["content"] for m in answer.observation))
 
 
 def with_episode_rewards(samples: list[Sample], scored: list[ScoredSample] | None) -> list[ScoredSample]:
     """Each episode's reward: the sum of its turn rewards (component "env") plus what the reward
-    functions gave (`scored`, None when there are none). A failed episode keeps its error."""
+    functions gave (`scored`, None when there are none); a single completion's is the functions'.
+    A failed sample (its episode, or a request the engine refused) keeps its error."""
     out = []
     for i, s in enumerate(samples):
         base = scored[i] if scored is not None else None
         if s.error is not None:
             out.append(ScoredSample(s, None, base.components if base else {}, error=s.error))
+            continue
+        if s.turns is None and base is not None:  # a single completion: the reward functions' alone
+            out.append(base)
             continue
         turn = [r for _, r in s.turn_rewards()]
         env = sum(turn) if turn else None

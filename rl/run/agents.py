@@ -1,102 +1,167 @@
-"""Agent episodes (`task.agent`, DESIGN.md "Agents through an OpenAI-compatible endpoint"): the
-user's agent code runs once per sample against a base URL of its own on the agent server, and the
-calls it makes there, recorded token for token, are the sample.
+"""Agent episodes (`task.agent`, docs/architecture.md "Agents"): the user's agent code runs once
+per sample, in a process of its own, against a base URL of its own on the agent server; the calls
+it makes there, recorded token for token, are the sample.
 
-`AgentRunner` has the streaming fleet's face (`submit`, `drain`, `repair`), so `rl.run.streaming`
-streams agent episodes as it streams completions: each request starts an episode in a worker
-thread; the agent's return value is the episode's reward (on its last model turn, like an
-environment's); an episode whose agent raises, or has not returned after `task.agent_timeout_s`,
-comes back as an error sample that names it (the thread is abandoned, its episode closed, so its
-further calls are refused), and the run goes on.
+`AgentRunner` is a rollout `Source` (rl/run/rollouts.py): a batch (`run`) or a stream
+(`submit`/`drain`) of episodes. Each request opens an episode on the server (an unguessable key,
+the request's temperature) and starts the agent in the process pool; the agent's return value is
+the episode's reward, on its last model turn, like an environment's. The pool kills an agent that
+has not returned after `task.agent_timeout_s`, and one that raises, exits or crashes costs its
+episode only: the episode comes back as an error sample naming the agent, the prompt and the
+cause, its server episode is closed (later calls get a 404) and the run goes on. No wait here is
+without a deadline, and closing never waits on an agent.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Protocol
 
 from rl.data.agent_calls import RecordedCall, episode_sample
 from rl.data.types import GenerationRequest, Sample
 
 
 class EpisodeServer(Protocol):
-    def open_episode(self, key: str, seed_base: int, metadata: dict | None = None) -> str: ...
-    def close_episode(self, key: str, timeout_s: float | None = None) -> list[RecordedCall]: ...
+    def open_episode(self, seed_base: int, metadata: dict | None = None,
+                     temperature: float | None = None) -> tuple[str, str]: ...
+    def close_episode(self, key: str) -> list[RecordedCall]: ...
+
+
+class Outcome(Protocol):
+    value: Any
+    error: str | None
+    log_tail: str
+
+
+class AgentProcesses(Protocol):
+    """`reward.agent_procs.AgentPool`: agents in killable processes."""
+
+    def start(self, job_id: Hashable, base_url: str, row: dict[str, Any]) -> None: ...
+    def results(self, wait_s: float) -> list[tuple[Hashable, Outcome]]: ...
+    def cancel(self, job_id: Hashable) -> None: ...
+    def close(self) -> None: ...
+
+
+def episode_reward(value: Any) -> tuple[float | None, str | None]:
+    """An agent's return value as (reward, error): a finite number, or None (no reward of the
+    agent's own: `reward.functions` score the episode); anything else is an error."""
+    if value is None:
+        return None, None
+    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
+        return float(value), None
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return None, (f"returned {shown} ({type(value).__name__}): an agent returns the episode's reward, a finite "
+                  "number, or None to leave it to reward.functions")
+
+
+@dataclass
+class _Running:
+    request: GenerationRequest
+    owner: Hashable  # "stream", or the `run` call waiting for it
+    started: float
 
 
 class AgentRunner:
-    def __init__(self, server: EpisodeServer, agent: Callable[..., Any], fleet: Any, *, prompt_key: str,
-                 workers: int, timeout_s: float, max_len: int, decode: Callable[[list[int]], str] | None = None,
-                 agent_kwargs: dict[str, Any] | None = None):
-        """`agent(base_url, row, **agent_kwargs) -> reward`; `fleet`: repaired on `repair`."""
-        self.server, self.agent, self.fleet = server, agent, fleet
-        self.prompt_key, self.timeout_s, self.max_len, self.decode = prompt_key, timeout_s, max_len, decode
-        self.kwargs = dict(agent_kwargs or {})
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="agent")
+    def __init__(self, server: EpisodeServer, pool: AgentProcesses, fleet: Any, *, name: str, prompt_key: str,
+                 timeout_s: float, workers: int, max_len: int, decode: Callable[[list[int]], str] | None = None):
+        """`name`: the `task.agent` spec (in error messages); `fleet`: repaired on `repair`;
+        `timeout_s`/`workers`: the pool's deadline and size, which bound how long `run` may take."""
+        self.server, self.pool, self.fleet = server, pool, fleet
+        self.name, self.prompt_key, self.timeout_s, self.workers = name, prompt_key, timeout_s, workers
+        self.max_len, self.decode = max_len, decode
         self._cond = threading.Condition()
-        self._done: list[Sample] = []
-        self._running: dict[str, tuple[GenerationRequest, float]] = {}  # by episode key: request, start
-        self._count = 0
+        self._running: dict[str, _Running] = {}  # by episode key
+        self._done: dict[Hashable, list[Sample]] = {}  # by owner
+        self._calls = 0
 
-    def submit(self, requests: list[GenerationRequest]) -> None:
+    # --- a rollout source ---
+
+    def submit(self, requests: list[GenerationRequest], owner: Hashable = "stream") -> None:
         for req in requests:
+            key, url = self.server.open_episode(req.seed, req.metadata, req.temperature)
             with self._cond:
-                self._count += 1
-                key = f"g{req.group_id}-s{req.sample_index}-{self._count}"
-            self._pool.submit(self._episode, key, req)
-
-    def _episode(self, key: str, req: GenerationRequest) -> None:
-        row = {self.prompt_key: req.prompt_text, **req.metadata}
-        url = self.server.open_episode(key, seed_base=req.seed, metadata=req.metadata)
-        with self._cond:
-            self._running[key] = (req, time.monotonic())
-        reward, error = None, None
-        try:
-            reward = float(self.agent(url, row, **self.kwargs))
-        except Exception as exc:  # noqa: BLE001 - the user's code: its error is the episode's
-            error = f"task.agent raised {type(exc).__name__}: {exc}"
-        with self._cond:
-            if self._running.pop(key, None) is None:
-                return  # past its deadline: already answered as an error
-        self._finish(key, req, reward, error)
-
-    def _finish(self, key: str, req: GenerationRequest, reward: float | None, error: str | None) -> None:
-        calls = self.server.close_episode(key, timeout_s=5.0)
-        sample = episode_sample(calls, prompt_text=req.prompt_text, group_id=req.group_id,
-                                sample_index=req.sample_index, metadata=req.metadata, max_len=self.max_len,
-                                decode=self.decode)
-        if error is not None:
-            sample.error = error
-        elif sample.error is None:
-            model_turns = [t for t in sample.turns or () if t.role == "model"]
-            if model_turns:
-                model_turns[-1].reward = reward
-            else:
-                sample.error = "agent episode sampled no token (every call returned an empty completion)"
-        with self._cond:
-            self._done.append(sample)
-            self._cond.notify_all()
+                self._running[key] = _Running(req, owner, time.monotonic())
+            self.pool.start(key, url, {self.prompt_key: req.prompt_text, **req.metadata})
 
     def drain(self, wait_s: float) -> list[Sample]:
-        """The episodes finished since the last call (waiting up to `wait_s`), including those whose
-        agent is past its deadline: they end here as error samples."""
+        """The streamed episodes finished since the last call (waiting up to `wait_s`)."""
+        self._pump(wait_s)
         with self._cond:
-            self._cond.wait_for(lambda: self._done, timeout=wait_s)
-            now = time.monotonic()
-            late = {k: req for k, (req, started) in self._running.items() if now - started > self.timeout_s}
-            for k in late:
-                del self._running[k]
-        for k, req in late.items():
-            self._finish(k, req, None, f"task.agent did not return within task.agent_timeout_s={self.timeout_s:g} "
-                                       "s: its episode is dropped (its further calls are refused)")
+            return self._done.pop("stream", [])
+
+    def run(self, requests: list[GenerationRequest]) -> list[Sample]:
+        """A batch of episodes, in request order, beside any stream. Every agent ends within its
+        deadline (the pool kills it), so the batch ends within as many deadlines as it takes rounds
+        of the pool; past that (a bug), the episodes left are error samples."""
         with self._cond:
-            done, self._done = self._done, []
-        return done
+            self._calls += 1
+            owner = ("run", self._calls)
+        self.submit(requests, owner)
+        rounds = -(-len(requests) // self.workers) + 1
+        deadline = time.monotonic() + rounds * (self.timeout_s + 30.0)
+        while True:
+            with self._cond:
+                got = len(self._done.get(owner, []))
+            if got == len(requests) or time.monotonic() > deadline:
+                break
+            self._pump(0.2)
+        with self._cond:
+            done = {(s.group_id, s.sample_index): s for s in self._done.pop(owner, [])}
+            late = [k for k, r in self._running.items() if r.owner == owner]
+        for key in late:
+            self.pool.cancel(key)
+            self._finish(key, None, f"no outcome within {rounds} x (task.agent_timeout_s + 30 s)")
+        with self._cond:
+            done.update({(s.group_id, s.sample_index): s for s in self._done.pop(owner, [])})
+        return [done[(r.group_id, r.sample_index)] for r in requests]
 
     def repair(self) -> None:
         self.fleet.repair()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Kill every agent (never waits on one) and close their episodes."""
+        self.pool.close()
+        with self._cond:
+            keys, self._running = list(self._running), {}
+        for key in keys:
+            self.server.close_episode(key)
+
+    # --- outcomes ---
+
+    def _pump(self, wait_s: float) -> None:
+        """Turn the pool's finished agents into samples for whoever waits for them."""
+        for key, outcome in self.pool.results(wait_s):
+            self._finish(str(key), outcome, None)
+
+    def _finish(self, key: str, outcome: Outcome | None, lost: str | None) -> None:
+        with self._cond:
+            running = self._running.pop(key, None)
+        if running is None:
+            return  # closed meanwhile
+        req = running.request
+        calls = self.server.close_episode(key)
+        sample = episode_sample(calls, prompt_ids=req.prompt_ids, prompt_text=req.prompt_text,
+                                group_id=req.group_id, sample_index=req.sample_index, metadata=req.metadata,
+                                max_len=self.max_len, decode=self.decode)
+        cause = lost or (outcome.error if outcome is not None else "no outcome")
+        reward = None
+        if cause is None:
+            reward, cause = episode_reward(outcome.value)
+        model_turns = [t for t in sample.turns or () if t.role == "model"]
+        if cause is None and sample.error is None and not model_turns:
+            cause = "the episode sampled no token (every call returned an empty completion)"
+        cause = cause or sample.error  # (the calls themselves: none made, or history rewritten)
+        if cause is not None:
+            tail = " ".join((outcome.log_tail if outcome is not None else "").split()[-40:])
+            sample.error = (f"task.agent={self.name} on prompt {req.prompt_text[:60]!r} (group {req.group_id}, sample "
+                            f"{req.sample_index}): {cause}" + (f" [its output ends: {tail[-300:]}]" if tail else ""))
+        else:
+            model_turns[-1].reward = reward
+        with self._cond:
+            self._done.setdefault(running.owner, []).append(sample)
+            self._cond.notify_all()

@@ -37,7 +37,9 @@ def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
     if split and "time/step_s" in metrics:
         parts[-1] += f" ({' '.join(split)})"
     if metrics.get("reward/errors_count"):
-        parts.append(f"{int(metrics['reward/errors_count'])} reward errors")
+        agents = (f" ({int(metrics['agent/errors_count'])} agents failed, {int(metrics['agent/timeouts_count'])} "
+                  "of them killed at task.agent_timeout_s)") if metrics.get("agent/errors_count") else ""
+        parts.append(f"{int(metrics['reward/errors_count'])} reward errors{agents}")
     return " | ".join(parts)
 
 

@@ -1,11 +1,12 @@
-"""Streaming rollouts (`rollout.mode=streaming`, DESIGN.md "Asynchronous steps"): prompts flow
+"""Streaming rollouts (`rollout.mode=streaming`, docs/architecture.md "Rollouts"): prompts flow
 through the fleet continuously and finished groups queue up for the learner, which never waits for
 the slowest sample of a batch.
 
 A background thread draws prompts as the staleness bound allows (AReaL's rule): while the learner
 is at version v, at most (v + k + 1) x prompts_per_step groups have been started, k =
-`algorithm.off_policy_steps`; groups dropped by dynamic sampling make room for more. Groups are
-scored as they finish. Weight syncs happen while
+`algorithm.off_policy_steps`; a group that dynamic sampling sets aside (all its rewards equal)
+makes room for one more at once (up to `max_sampling_rounds` steps' worth per step), so a step
+never waits on groups that cannot count. Groups are scored as they finish. Weight syncs happen while
 requests are in flight (the engines pause with them kept), so a sample may span several policy
 versions; it is dated by its oldest token, and a group whose oldest token is more than k versions
 behind the learner is never trained on: its prompt is generated again. A checkpoint records the
@@ -33,7 +34,7 @@ class StreamingFleet(Protocol):
     def repair(self) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)  # found by identity in the queues
 class ReadyGroup:
     """A finished, scored group waiting for the learner."""
 
@@ -62,30 +63,45 @@ def staleness_metrics(samples: list[Sample], version: int) -> dict[str, float]:
             "policy/spanning_samples_frac": sum(n > 1 for n in spans) / len(spans)}
 
 
+class StreamStalled(RuntimeError):
+    """Nothing finished for longer than the stream's deadline: the run stops, naming what it waited for."""
+
+
 class StreamingRollouts:
     def __init__(self, fleet: StreamingFleet, draw: Callable[[int], list[GenerationRequest]],
-                 score: Callable[[list[Sample]], list[ScoredSample]], *, groups_per_step: int, max_staleness: int, start_step: int, end: int,
-                 informative: Callable[[list[ScoredSample]], bool] | None = None,
-                 max_rounds: int = 1, state: dict[str, Any] | None = None, poll_s: float = 0.1):
+                 score: Callable[[list[Sample]], list[ScoredSample]], *, groups_per_step: int, max_staleness: int,
+                 start_step: int, steps: int, informative: Callable[[list[ScoredSample]], bool] | None = None,
+                 max_rounds: int = 1, state: dict[str, Any] | None = None, poll_s: float = 0.1,
+                 stall_s: float = 1800.0, stall_hint: str = "run.call_timeout_s"):
         """`draw(b)`: the requests of prompt batch b (`groups_per_step` groups, group ids unique
-        across batches); `score`: rewards of finished samples; `end`: the run's last step
-        (nothing is drawn for after it); `informative`: DAPO's filter, with at most `max_rounds` x
+        across batches); `score`: rewards of finished samples; `steps`: the run's (nothing is drawn
+        for a step after the last); `informative`: DAPO's filter, with at most `max_rounds` x
         `groups_per_step` groups looked at per step before uninformative ones fill the batch;
-        `state`: what `in_flight()` returned at a checkpoint."""
+        `state`: what `in_flight()` returned at a checkpoint; `stall_s`: how long `take` waits with
+        no sample finishing before it stops the run (`StreamStalled`, naming `stall_hint`)."""
         self.fleet, self._draw, self._score = fleet, draw, score
-        self.P, self.k, self.end = groups_per_step, max_staleness, end
+        self.P, self.k, self.steps = groups_per_step, max_staleness, steps
         self._informative, self._max_rounds, self._poll_s = informative, max_rounds, poll_s
+        self._stall_s, self._stall_hint = stall_s, stall_hint
         state = state or {}
         self._cursor: int = state.get("cursor", start_step)  # the next prompt batch to draw
-        self._budget = (start_step + self.k + 1) * self.P  # groups that may have been started by now
-        self._started = self._cursor * self.P
+        self._version = start_step  # the learner's
+        # Dynamic sampling: every uninformative group that finishes is set aside (a filler for a step
+        # short of informative ones, `_spare`) and frees its place in the staleness budget at once
+        # (`_credit`), so a step never waits on groups that cannot count; a set-aside group dropped
+        # unused (too old, or more than a step could need) frees one more (`_dropped`); `_looked`
+        # counts the groups finished since the last take (a step may fill once it looked at
+        # max_rounds x P of them).
+        self._credit: int = state.get("credit", 0)
+        self._dropped: int = state.get("dropped", 0)
+        self._looked: int = state.get("looked", 0)
+        self._spare: list[ReadyGroup] = list(state.get("spare", []))
         self._groups: dict[int, list[GenerationRequest]] = {}  # admitted, not yet taken: by group id
         self._ready: list[ReadyGroup] = list(state.get("ready", []))
         self._partial: dict[int, list[Sample]] = {}
         self._resend: list[GenerationRequest] = []
         self._stale = 0  # groups dropped as too old (and sent again) since the last take
-        self._looked = 0  # groups finished since the last take (dynamic sampling's budget)
-        self._last_take = time.perf_counter()
+        self._last_take = self._progress = time.monotonic()
         self._error: BaseException | None = None
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -97,6 +113,14 @@ class StreamingRollouts:
         self._resend += pending
         self._thread = threading.Thread(target=self._run, name="streaming-rollouts", daemon=True)
         self._thread.start()
+
+    def _budget(self) -> int:
+        """Groups that may have been started by now: k + 1 steps' worth ahead of the learner (none
+        for a step after the run's last), plus one for every group dynamic sampling set aside, up to
+        `max_rounds` steps' worth per step (what lock-step dynamic sampling may look at), plus one for
+        every set-aside group dropped unused."""
+        steps = min(self._version + self.k + 1, self.steps)
+        return steps * self.P + min(self._credit, steps * (self._max_rounds - 1) * self.P) + self._dropped
 
     # --- the background thread: admit, drain, score ---
 
@@ -116,10 +140,10 @@ class StreamingRollouts:
         """Start the prompt batches the staleness bound allows; send groups dropped as stale again."""
         with self._cond:
             sends, self._resend = self._resend, []
-            while self._started + self.P <= self._budget and self._cursor < self.end:
+            while self._cursor * self.P < self._budget():  # a whole batch once a place is free
                 batch = self._draw(self._cursor)
                 self._cursor += 1
-                self._started += self.P
+                self._progress = time.monotonic()
                 for req in batch:
                     self._groups.setdefault(req.group_id, []).append(req)
                 sends += batch
@@ -129,6 +153,7 @@ class StreamingRollouts:
     def _collect(self, finished: list[Sample]) -> None:
         complete: list[int] = []
         with self._cond:
+            self._progress = time.monotonic()
             ready = {g.requests[0].group_id for g in self._ready}
             sizes = {gid: len(reqs) for gid, reqs in self._groups.items() if gid not in ready}
         for s in finished:
@@ -149,8 +174,14 @@ class StreamingRollouts:
             by_group.setdefault(s.sample.group_id, []).append(s)
         with self._cond:
             for gid, members in by_group.items():
-                self._ready.append(ReadyGroup(self._groups[gid], members, oldest_version([m.sample for m in members]),
-                                              self._informative(members) if self._informative else True))
+                group = ReadyGroup(self._groups[gid], members, oldest_version([m.sample for m in members]),
+                                   self._informative(members) if self._informative else True)
+                if group.informative:
+                    self._ready.append(group)
+                else:  # set aside: a filler at most, and its place in the budget is free again
+                    del self._groups[gid]
+                    self._credit += 1
+                    self._keep_spare(self._spare + [group], self._version - self.k)
             self._looked += len(by_group)
             self._cond.notify_all()
 
@@ -159,29 +190,34 @@ class StreamingRollouts:
     def take(self, step: int) -> tuple[list[ScoredSample], list[Sample], dict[str, float]]:
         """Step's groups (the learner trains at version `step`): the `groups_per_step` finished
         groups with the oldest tokens that are at most k versions behind (informative ones first
-        under dynamic sampling), as soon as there are that many."""
+        under dynamic sampling), as soon as there are that many. Every wait here ends: groups
+        arrive, the draws run out (an error naming the budget), or `stall_s` passes without a
+        sample finishing (`StreamStalled`)."""
         with self._cond:
-            self._budget = max(self._budget, (step + self.k + 1) * self.P)  # the learner is at `step` now
+            self._version = max(self._version, step)  # the learner is at `step` now: more may start
+            self._progress = max(self._progress, time.monotonic() - self._poll_s)
         while True:
             self.fleet.repair()  # replaced workers, on this thread (which also runs the weight syncs)
             with self._cond:
                 if self._error is not None:
                     raise self._error
-                for g in [g for g in self._ready if g.oldest < step - self.k]:
-                    self._ready.remove(g)
-                    self._resend += g.requests
-                    self._stale += 1
+                self._drop_stale(step)
                 chosen = self._choose()
                 if chosen is None:
+                    self._check_stalled(step)
                     self._cond.wait(0.2)
                     continue
                 for g in chosen:
-                    self._ready.remove(g)
-                    del self._groups[g.requests[0].group_id]
-                ready_left, stale, self._stale, self._looked = len(self._ready), self._stale, 0, 0
+                    if g in self._ready:
+                        self._ready.remove(g)
+                        del self._groups[g.requests[0].group_id]
+                    else:
+                        self._spare.remove(g)
+                ready_left, stale, looked = len(self._ready), self._stale, self._looked
+                self._stale = self._looked = 0
                 in_flight = len(self._groups) - ready_left
                 break
-        window, self._last_take = time.perf_counter() - self._last_take, time.perf_counter()
+        window, self._last_take = time.monotonic() - self._last_take, time.monotonic()
         scored = [s for g in chosen for s in g.scored]
         samples = [s.sample for s in scored]
         metrics = {"time/rollout_s": window, "time/reward_s": 0.0,
@@ -190,38 +226,73 @@ class StreamingRollouts:
         if self._informative is not None:
             metrics["dapo/informative_groups"] = float(sum(g.informative for g in chosen))
             metrics["dapo/filled_groups"] = float(sum(not g.informative for g in chosen))
+            metrics["dapo/looked_groups"] = float(looked)
         return scored, samples, metrics
 
-    def _choose(self) -> list[ReadyGroup] | None:
-        """The groups for a step, or None while too few are ready. Under dynamic sampling,
-        uninformative groups fill the step only once `max_rounds` steps' worth of groups have
-        finished since the last take without enough informative ones; the surplus is dropped."""
-        ready = sorted(self._ready, key=lambda g: g.oldest)
-        if self._informative is None:
-            return ready[: self.P] if len(ready) >= self.P else None
-        good = [g for g in ready if g.informative]
-        flat = [g for g in ready if not g.informative]
-        if len(good) >= self.P:
-            return good[: self.P]
-        if self._looked >= self._max_rounds * self.P and len(ready) >= self.P:
-            return good + flat[: self.P - len(good)]
-        for g in flat[: max(0, len(flat) - (self.P - len(good)))]:  # more than could be needed
+    def _drop_stale(self, step: int) -> None:
+        """Finished groups older than the bound: informative ones are generated again; set-aside
+        ones are forgotten (their place in the budget was freed when they were set aside)."""
+        for g in [g for g in self._ready if g.oldest < step - self.k]:
             self._ready.remove(g)
-            del self._groups[g.requests[0].group_id]
-            self._budget += 1  # room for another prompt
+            self._resend += g.requests
+            self._stale += 1
+        self._keep_spare(self._spare, step - self.k)
+
+    def _keep_spare(self, groups: list[ReadyGroup], fresh_from: int) -> None:
+        """Of `groups` (the set-aside ones, and any new), keep the freshest `P` of versions >=
+        `fresh_from` (a step needs no more fillers); the others are dropped, each freeing its place
+        in the budget."""
+        keep = sorted((g for g in groups if g.oldest >= fresh_from), key=lambda g: -g.oldest)[: self.P]
+        self._dropped += len(groups) - len(keep)
+        self._spare = keep
+
+    def _exhausted(self) -> bool:
+        """Nothing in flight or waiting to be sent, and nothing more may be drawn: what is finished
+        is all this step will get."""
+        in_flight = len(self._groups) - len(self._ready) + len(self._resend)
+        return not in_flight and self._cursor * self.P >= self._budget()
+
+    def _choose(self) -> list[ReadyGroup] | None:
+        """The groups for a step, or None while too few are ready. Under dynamic sampling, set-aside
+        groups fill the step only once `max_rounds` steps' worth of groups have finished since the
+        last take without enough informative ones (or nothing more can come)."""
+        ready = sorted(self._ready, key=lambda g: g.oldest)
+        if len(ready) >= self.P:
+            return ready[: self.P]
+        exhausted = self._exhausted()
+        if self._informative is not None and (self._looked >= self._max_rounds * self.P or exhausted) \
+                and len(ready) + len(self._spare) >= self.P:
+            return ready + self._spare[: self.P - len(ready)]
+        if exhausted:
+            raise RuntimeError(f"streaming rollouts: the learner at version {self._version} needs {self.P} finished "
+                               f"groups but only {len(ready)} (+{len(self._spare)} set aside) can come: the staleness "
+                               f"budget of {self._budget()} groups (algorithm.off_policy_steps, "
+                               "algorithm.max_sampling_rounds) is used up")
         return None
+
+    def _check_stalled(self, step: int) -> None:
+        waited = time.monotonic() - self._progress
+        if waited > self._stall_s:
+            raise StreamStalled(
+                f"streaming rollouts: no sample finished for {waited:.0f} s while the learner waited for step "
+                f"{step + 1}'s {self.P} groups ({len(self._ready)} finished, {len(self._groups) - len(self._ready)} "
+                f"in flight): the deadline is {self._stall_s:g} s ({self._stall_hint})")
 
     def between_batches(self):
         """Weight syncs need no batch boundary here: the engines pause with their requests kept."""
         return nullcontext()
 
-    def in_flight(self) -> dict[str, Any]:
-        """What a checkpoint keeps: the next batch to draw, the groups finished and scored, and the
-        requests of every group admitted and unfinished (sent again, whole, on resume)."""
+    def in_flight(self, whole: bool = True) -> dict[str, Any]:
+        """What a checkpoint keeps (also when the fleet is broken: it is the driver's own record):
+        the next batch to draw, the groups finished and scored (and set aside), the requests of
+        every group admitted and unfinished (sent again, whole, on resume), and dynamic sampling's
+        budget state."""
         with self._cond:
             ready = {g.requests[0].group_id for g in self._ready}
             pending = [r for gid, reqs in self._groups.items() if gid not in ready for r in reqs]
-            return {"streaming": {"cursor": self._cursor, "ready": list(self._ready), "pending": pending}}
+            return {"streaming": {"cursor": self._cursor, "ready": list(self._ready), "pending": pending,
+                                  "spare": list(self._spare), "credit": self._credit, "dropped": self._dropped,
+                                  "looked": self._looked}}
 
     def close(self) -> None:
         self._stop.set()

@@ -1,0 +1,173 @@
+"""What keeps the agent server's HTTP up under clients that are broken or hostile (the agents are
+user code): OpenAI-format errors, a 500 that leaves its keep-alive connection usable, deadlines for
+a request's headers and body (uvicorn has none), and limits on body size and JSON shape, so that
+a client costs a bounded amount of memory and time and never a crash."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 16 * 1024  # h11's own default, made explicit: an OpenAI client sends < 1 KiB of headers
+MAX_JSON_DEPTH = 64  # tool schemas nest a few levels; deeper only feeds recursion in json and the template
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's format: {"error": {"message", "type", "param", "code"}}.
+    `close`: the request was not read to its end, so the connection cannot carry another."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 close: bool = False):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.close = status, message, param, code, close
+
+    def response(self) -> JSONResponse:
+        kind = "not_found_error" if self.status == 404 else "server_error" if self.status >= 500 \
+            else "invalid_request_error"
+        return JSONResponse({"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}},
+                            status_code=self.status, headers={"connection": "close"} if self.close else None)
+
+
+def check_values(value: Any, path: str) -> None:
+    """400 for a string with a lone surrogate (no tokenizer takes it), a non-finite number, or
+    nesting deeper than MAX_JSON_DEPTH, anywhere in `value`; the message names where."""
+    stack = [(value, path, 0)]
+    while stack:
+        item, where, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels", where)
+        if isinstance(item, str):
+            check_text(item, where)
+        elif isinstance(item, float) and not math.isfinite(item):
+            raise ApiError(400, f"{where}={item}: NaN and infinities are not numbers this server takes", where)
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                check_text(key, where or "the body", "a key")
+                stack.append((sub, f"{where}.{key}" if where else key, depth + 1))
+        elif isinstance(item, list):
+            stack += [(sub, f"{where}[{i}]", depth + 1) for i, sub in enumerate(item)]
+
+
+def check_text(text: str, param: str, what: str = "the string") -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param}: {what} is not valid Unicode (it has a lone surrogate such as \\ud800)",
+                       param) from None
+
+
+def loads(text: str | bytes, param: str | None) -> Any:
+    """JSON as Python, 400 when it is not JSON (nesting that overflows the parser included)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError and bad UTF-8 are ValueErrors
+        what = f"{param} is" if param else "the request body is"
+        detail = "nested too deeply" if isinstance(err, RecursionError) else str(err)
+        raise ApiError(400, f"{what} not JSON ({detail})", param) from None
+
+
+class AnswerFaults:
+    """ASGI middleware: an unexpected exception becomes an OpenAI-format 500 that leaves the
+    connection usable. Starlette's ServerErrorMiddleware answers such an exception and then raises
+    it again (for the server's log); uvicorn then closes the connection under a response that did
+    not say `connection: close`, and the client's next request on that keep-alive connection is
+    reset. Nothing is raised again here (a response already begun cannot be answered: that one
+    still goes up, and uvicorn rightly drops the connection)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except ClientDisconnect:  # nobody to answer
+            return
+        except Exception as err:
+            if started:
+                raise
+            route = getattr(scope.get("route"), "path", "?")  # the pattern: the path would hold the key
+            log.error("agent server: %s %s: %s", scope.get("method"), route, type(err).__name__, exc_info=err)
+            await ApiError(500, f"internal error ({type(err).__name__}); the trainer's log has the details",
+                           code="internal_error").response()(scope, receive, send)
+
+
+class Connection(H11Protocol):
+    """uvicorn's h11 connection with a deadline for a request's headers.
+
+    uvicorn closes a connection left idle `timeout_keep_alive` after a response, but arms nothing
+    when a connection opens, and cancels that timer at the first byte: a client that connects and
+    stays silent, or sends half a request line, would hold its connection (and a place under
+    `limit_concurrency`) forever. Here a new connection is idle like one after a response, and one
+    whose next request's headers have not come `headers_timeout_s` after it opened or after the
+    last response is closed. (The body's deadline is the app's: `read_body`.)"""
+
+    def __init__(self, *args: Any, headers_timeout_s: float, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._headers_timeout_s = headers_timeout_s
+        self._headers_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self._await_headers()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self._headers_deadline is not None:
+            self._headers_deadline.cancel()
+
+    def _await_headers(self) -> None:
+        if self._headers_deadline is not None:
+            self._headers_deadline.cancel()
+        self._headers_deadline = self.loop.call_later(self._headers_timeout_s, self._headers_late)
+
+    def _headers_late(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:  # no request came in time
+            self.timeout_keep_alive_handler()  # closes the connection as uvicorn closes an idle one
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+        """The body, refused (413) past `max_bytes` as soon as that is known (a Content-Length
+        over it: before reading anything), and (408) when it has not all come `timeout_s` after
+        reading began. Either way the connection closes: the rest of the body is never read."""
+        too_large = ApiError(413, f"the request body is over this server's limit of {max_bytes} bytes",
+                             code="request_too_large", close=True)
+        length = request.headers.get("content-length")
+        if length is not None and int(length) > max_bytes:  # (h11 has checked it is digits)
+            raise too_large
+        chunks, size = [], 0
+        try:
+            with anyio.fail_after(timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise too_large
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout_s} s", code="timeout",
+                           close=True) from None
+        return b"".join(chunks)
+

@@ -1,0 +1,236 @@
+"""Agents that user code cannot break: a table of hostile agents (tests/hostile_agents.py) run
+through the real agent server, the real runner and the real agent processes, in front of the real
+model (SmolLM2 through HFEngine, fp32). Each case's expected outcome is asserted: an error sample
+naming the agent and the cause, a 4xx the episode survives, or nothing at all; and for the whole
+table: every episode comes back, the engine never failed (no worker would have been restarted),
+the driver's memory stayed bounded and no agent process is left."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import psutil
+import pytest
+
+from rl.config.schema import ModelConfig, RolloutConfig
+from rl.data.types import GenerationRequest, Sample
+
+HOSTILE = os.path.join(os.path.dirname(__file__), "hostile_agents.py")
+MAX_NEW_TOKENS = 8
+
+# case -> (text the episode's error must contain, or None for a good episode with reward 1.0;
+#          what the agent's hostile request must have got back: status and the field named)
+CASES: dict[str, tuple[str | None, dict | None]] = {
+    "good": (None, None),
+    "raise_before_call": ("raised RuntimeError: the agent gave up before calling", None),
+    "never_call": ("made no model call", None),
+    "call_then_hang": ("did not return within task.agent_timeout_s", None),
+    "sys_exit": ("sys.exit(3)", None),
+    "segfault": ("SIGSEGV", None),
+    "busy_loop": ("did not return within task.agent_timeout_s", None),
+    "fork_bomb": ("task.agent", None),
+    "huge_return": ("over the 1.0 MiB limit", None),
+    "print_flood": (None, None),
+    "reward_nan": ("returned nan (float)", None),
+    "reward_inf": ("returned inf (float)", None),
+    "reward_str": ("returned 'high' (str)", None),
+    "wrong_key": (None, {"status": 404}),
+    "neighbour_key": (None, {"status": 404}),
+    "closed_key": (None, {"status": 404}),
+    "models_closed_key": (None, {"status": 404}),
+    "temperature_nan": (None, {"status": 400, "param": "temperature"}),
+    "temperature_inf": (None, {"status": 400, "param": "temperature"}),
+    "temperature_3": (None, {"status": 400, "param": "temperature"}),
+    "temperature_0": (None, {"status": 400, "param": "temperature"}),
+    "top_k": (None, {"status": 400, "param": "top_k"}),
+    "token_id_negative": (None, {"status": 400, "param": "prompt[1]"}),
+    "token_id_huge": (None, {"status": 400, "param": "prompt[1]"}),
+    "max_tokens_huge": (None, {"status": 200}),
+    "body_30mb": (None, {"status": 413}),
+    "deep_json": (None, {"status": 400}),
+    "lone_surrogate": (None, {"status": 400}),
+    "idle_connections": (None, {"status": 200}),
+    "stream_true": (None, {"status": 200}),
+}
+
+
+def _agent_processes() -> list[psutil.Process]:
+    """This process's descendants that run agents (the pool's zygote and its workers)."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "_zygote_main" in " ".join(p.cmdline()):
+                found.append(p)
+        except psutil.Error:  # gone, or a zombie not yet reaped (a Ray worker's, say)
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def served(smollm2):
+    """The real server in front of SmolLM2 (HFEngine), counting engine failures (each one would
+    have cost a rollout worker)."""
+    from transformers import AutoTokenizer
+
+    from rollout.agent_server import AgentServer, RequestRejected
+    from rollout.hf_engine import HFEngine
+    from rollout.protocol import RolloutSpec
+
+    engine = HFEngine(RolloutSpec(ModelConfig(path=smollm2, dtype="float32"),
+                                  RolloutConfig(backend="hf", max_new_tokens=MAX_NEW_TOKENS, max_model_len=512), seed=0))
+    lock, failures = threading.Lock(), []
+
+    def generate(request: GenerationRequest) -> Sample:
+        with lock:  # HFEngine draws from torch's global RNG: one generate at a time
+            try:
+                sample = engine.generate([request])[0]
+            except Exception as err:  # noqa: BLE001 - an engine failure: the fleet would replace the worker
+                failures.append(err)
+                raise
+        if sample.error is not None:
+            raise RequestRejected(sample.error)
+        return sample
+
+    engine.generate([GenerationRequest([1, 2], "", 0, 0, seed=0)])  # its weights' pages in memory before measuring
+    server = AgentServer(AutoTokenizer.from_pretrained(smollm2), generate, max_new_tokens=MAX_NEW_TOKENS,
+                         max_model_len=512)
+    server.start()
+    yield server, failures, len(engine.tokenizer)
+    server.stop()
+
+
+def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
+    from reward.agent_procs import AgentLimits, AgentPool
+    from rl.run.agents import AgentRunner
+
+    server, failures, vocab = served
+    key, closed_url = server.open_episode(seed_base=1)
+    server.close_episode(key)
+    spec = f"{HOSTILE}:act"
+    pool = AgentPool(spec, str(tmp_path), workers=6, limits=AgentLimits(timeout_s=8.0, memory_mb=1024,
+                                                                         max_processes=32),
+                     kwargs={"out_dir": str(tmp_path), "closed_url": closed_url, "vocab": vocab})
+
+    class Fleet:
+        def repair(self) -> None:
+            pass
+
+    runner = AgentRunner(server, pool, Fleet(), name=spec, prompt_key="prompt", timeout_s=8.0, workers=6,
+                         max_len=512, decode=None)
+    me = psutil.Process()
+    rss_before = me.memory_info().rss
+    requests = [GenerationRequest([1, 2], "2+2=", i, 0, seed=i, metadata={"case": case})
+                for i, case in enumerate(CASES)]
+    started = time.monotonic()
+    try:
+        samples = runner.run(requests)
+        elapsed = time.monotonic() - started
+        rss_growth = (me.memory_info().rss - rss_before) / 2**20
+        agents = _agent_processes()
+    finally:
+        runner.close()
+    print(f"{len(CASES)} hostile agents in {elapsed:.1f} s; driver RSS +{rss_growth:.0f} MiB")
+
+    assert [s.group_id for s in samples] == list(range(len(CASES)))  # every episode came back
+    for case, s in zip(CASES, samples):
+        error, request = CASES[case]
+        if error is None:
+            assert s.error is None, f"{case}: {s.error}"
+            assert [t.reward for t in s.turns if t.role == "model"][-1] == 1.0, case
+        else:
+            assert s.error is not None and error in s.error, f"{case}: {s.error}"
+            assert s.error.startswith(f"task.agent={spec} on prompt '2+2='"), s.error  # names the agent, the row
+        if request is not None:
+            facts = json.loads((tmp_path / f"{case}.json").read_text())
+            assert facts["status"] == request["status"], f"{case}: {facts}"
+            if "param" in request:
+                assert facts["param"] == request["param"], f"{case}: {facts}"
+    notes = {case: json.loads((tmp_path / f"{case}.json").read_text()) for case, (_, r) in CASES.items() if r}
+    # a wrong key and a closed one are told apart by nothing
+    assert notes["wrong_key"]["body"] == notes["closed_key"]["body"] == notes["neighbour_key"]["body"]
+    assert notes["models_closed_key"]["body"] == notes["closed_key"]["body"]
+    assert notes["max_tokens_huge"]["completion_tokens"] <= MAX_NEW_TOKENS
+    assert notes["body_30mb"]["seconds"] < 2.0
+    assert notes["stream_true"]["events"] >= 2
+    assert not failures, f"the engine failed on {len(failures)} request(s): {failures[:3]}"
+    assert rss_growth < 100, f"the driver grew by {rss_growth:.0f} MiB"
+    assert server.open_count() == 0
+    _, alive = psutil.wait_procs(agents, timeout=5)  # the zygote (its workers die with their cgroups)
+    assert agents and not alive, alive
+
+
+E2E_CASES = ["good", "raise_before_call", "call_then_hang", "segfault", "reward_nan", "sys_exit", "temperature_0",
+             "token_id_huge", "wrong_key", "max_tokens_huge"]
+
+
+@pytest.mark.slow
+def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(tiny_calc, tmp_path, capfd):
+    """The real command's run (Ray, vLLM's AsyncLLM behind the agent server, DeepSpeed), lock-step,
+    with one hostile agent per prompt: both steps finish, each failed episode is counted and named,
+    the requests vLLM would have refused are 400s (no rollout worker replaced), and nothing of the
+    agents is left afterwards."""
+    from launch.train import train
+    from rl.run.run_log import read_metrics
+    from tests.conftest import compose_config
+
+    out, _ = tiny_calc
+    rows = tmp_path / "cases.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": "What is 2+2?", "answer": "4", "case": c}) + "\n"
+                            for c in E2E_CASES))
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    cfg = compose_config(["task=calculator_agent", f"model.path={out}/model", f"task.train_files=[{rows}]",
+                          f"task.agent={HOSTILE}:act", f"+task.agent_kwargs.out_dir={notes}",
+                          "task.agent_timeout_s=10", f"task.prompts_per_step={len(E2E_CASES)}", "rollout.n=2",
+                          "rollout.mode=batch", "algorithm.off_policy_steps=0", f"run.dir={tmp_path}/run",
+                          "run.progress=false", "run.steps=2", "run.save_every=0", "run.save_final_model=false",
+                          f"run.log_samples_per_step={2 * len(E2E_CASES)}"])
+    started = time.monotonic()
+    train(cfg)
+    print(f"2 hostile steps in {time.monotonic() - started:.0f} s")
+    printed = capfd.readouterr().out
+    metrics = read_metrics(cfg.run.dir)
+    assert len(metrics) == 2 and "replacing it" not in printed, printed[-3000:]
+    failing = {"raise_before_call", "call_then_hang", "segfault", "reward_nan", "sys_exit"}
+    for m in metrics:  # each failing agent's two episodes, every step; two of them killed at the deadline
+        assert m["agent/errors_count"] == 2 * len(failing) and m["agent/timeouts_count"] == 2, m
+        assert f"{2 * len(failing)} reward errors ({2 * len(failing)} agents failed, 2 of them killed" in printed
+    logged = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
+    by_case = {}
+    for row in logged:
+        by_case.setdefault(row["data"]["case"], []).append(row)
+    for case in E2E_CASES:
+        errors = [row["error"] for row in by_case[case]]
+        if case in failing:
+            assert all(e and e.startswith(f"task.agent={HOSTILE}:act") for e in errors), (case, errors)
+        else:
+            assert errors == [None] * len(errors) and all(r["reward"] == 1.0 for r in by_case[case]), (case, errors)
+    for case, status in (("temperature_0", 400), ("token_id_huge", 400), ("wrong_key", 404), ("max_tokens_huge", 200)):
+        assert json.loads((notes / f"{case}.json").read_text())["status"] == status, case
+    assert not _agent_processes(), "agent processes outlived the run"
+
+
+@pytest.mark.slow
+def test_a_step_where_no_agent_made_a_call_names_the_agent_s_error(tiny_calc, tmp_path):
+    """Every agent raises before its first call: each step is all error samples (no token was
+    sampled), the learner's batch is still a batch, and after reward.max_failed_steps such steps
+    the run stops naming the agent's own error (before: a crash deep in the batch builder)."""
+    from launch.train import train
+    from rl.run.faults import RewardsFailing
+    from rl.run.run_log import read_metrics
+    from tests.conftest import compose_config
+
+    out, _ = tiny_calc
+    rows = tmp_path / "cases.jsonl"
+    rows.write_text(json.dumps({"prompt": "What is 2+2?", "answer": "4", "case": "raise_before_call"}) + "\n")
+    cfg = compose_config(["task=calculator_agent", f"model.path={out}/model", f"task.train_files=[{rows}]",
+                          f"task.agent={HOSTILE}:act", "task.prompts_per_step=2", "rollout.n=2", "rollout.mode=batch",
+                          "algorithm.off_policy_steps=0", "reward.max_failed_steps=2", f"run.dir={tmp_path}/run",
+                          "run.progress=false", "run.steps=4", "run.save_final_model=false"])
+    with pytest.raises(RewardsFailing, match="raised RuntimeError: the agent gave up before calling"):
+        train(cfg)
+    metrics = read_metrics(cfg.run.dir)
+    assert len(metrics) == 2 and all(m["agent/errors_count"] == 4 for m in metrics)

@@ -4,9 +4,10 @@
 One fault regime for every call: a worker that dies, stops answering or raises is noted broken
 (`_fail`) and gets no more requests; `repair` replaces it with a new one, which rejoins the
 weight-sync group and loads the current weights (`on_replace`), and its unfinished requests are
-sent again (each request carries its own seed, so a retried request samples the same tokens). A
-blocking call repairs on its own thread, except in a stream, where only the thread that owns the
-fleet (the driver's, which also runs the weight syncs) repairs and the others wait for it.
+sent again (each request carries its own seed, so a retried request samples the same tokens).
+Only the thread that owns the fleet (the driver's, which also runs the weight syncs) repairs; a
+call on another thread (batches made ahead, agents' calls, environment episodes in a stream)
+waits for it, so a replacement never races a weight sync.
 Replacements are bounded by `rollout.max_restarts` per run, retries of a call by `max_retries`.
 A request the engine refuses is not a fault: it comes back as a sample with its `error`."""
 
@@ -76,7 +77,7 @@ class RolloutFleet:
         self._lock = threading.RLock()
         self._outstanding: list[dict[tuple[int, int], tuple[GenerationRequest, float]]] = [{} for _ in range(n)]
         self._lost: list[GenerationRequest] = []
-        self._broken: dict[int, tuple[Any, str]] = {}
+        self._broken: dict[int, tuple[Any, str, str]] = {}  # worker -> (its handle then, why, during what)
         self._unsynced: set[int] = set()
         self._turn = itertools.count()
         self._owner = threading.get_ident()  # in a stream, the only thread that replaces workers
@@ -167,30 +168,32 @@ class RolloutFleet:
         self._started(failed)
         self.log(f"Replaced: {', '.join(self.name(i) for i in failed)} up")
 
-    def _fail(self, i: int, handle: Any, why: str) -> None:
-        """Note worker `i` (as `handle`, unless replaced since) broken: `repair` replaces it."""
+    def _fail(self, i: int, handle: Any, why: str, phase: str) -> None:
+        """Note worker `i` (as `handle`, unless replaced since) broken during `phase`: `repair`
+        replaces it."""
         with self._lock:
             if self.workers[i] is handle:
-                self._broken[i] = (handle, why)
+                self._broken[i] = (handle, why, phase)
 
-    def _may_repair(self) -> bool:
-        return self.spec.rollout.mode != "streaming" or threading.get_ident() == self._owner
+    def _able(self) -> list[int]:
+        """Workers that may take requests: not broken, holding the current weights (under the lock)."""
+        return [i for i in range(len(self.workers)) if i not in self._broken and i not in self._unsynced]
 
     def _await_repair(self, failed: dict[int, Any]) -> None:
-        """The failed workers replaced and up to date: here, or (in a stream, off the owner's
-        thread) by the owner, waiting at most the start-up deadline for it."""
-        if self._may_repair():
+        """The failed workers replaced and up to date: here on the owner's thread (the driver's,
+        which also runs the weight syncs, so a replacement never races a sync), else by the owner,
+        waited for at most the start-up deadline plus a call's (the owner may be mid-update)."""
+        if threading.get_ident() == self._owner:
             self.repair()
             return
-        deadline = time.monotonic() + self.deadlines.start_s
+        wait_s = self.deadlines.start_s + self.deadlines.floor_s
         with self._repaired:
             ok = self._repaired.wait_for(lambda: all(self.workers[i] is not h and i not in self._unsynced
-                                                     for i, h in failed.items()),
-                                         timeout=max(0.0, deadline - time.monotonic()))
+                                                     for i, h in failed.items()), timeout=wait_s)
         if not ok:
             i = next(iter(failed))
-            raise ActorFailure(self.name(i), "generation", f"not replaced within {self.deadlines.start_s:.0f} s "
-                               "(run.start_timeout_s) of failing")
+            raise ActorFailure(self.name(i), "generation", f"not replaced within {wait_s:.0f} s of failing "
+                               "(run.start_timeout_s + run.call_timeout_s)")
 
     def _on_all(self, calls: dict[int, Callable[[Any], Any]], phase: str) -> dict[int, Any]:
         """Run one call per worker (`calls[i](handle)`); failed workers are noted broken, repaired
@@ -204,7 +207,7 @@ class RolloutFleet:
             if not failed:
                 return results
             for i, why in failed.items():
-                self._fail(i, handles[i], why)
+                self._fail(i, handles[i], why, phase)
             if attempt == self.spec.rollout.max_retries:
                 i, why = next(iter(failed.items()))
                 raise ActorFailure(self.name(i), phase, f"{why}; its requests were tried "
@@ -227,7 +230,7 @@ class RolloutFleet:
         worker, for prefix caching). Workers that failed or lack the current weights get none; with
         no worker able to take them, the requests wait for `drain` to send them."""
         with self._lock:
-            able = [i for i in range(len(self.workers)) if i not in self._broken and i not in self._unsynced]
+            able = self._able()
             if not able:
                 self._lost += requests
                 return
@@ -241,12 +244,15 @@ class RolloutFleet:
                 self.workers[i].submit.remote(members)  # a dead worker surfaces at the next drain
 
     def generate_one(self, request: GenerationRequest) -> Sample:
-        """One request on the next worker in turn (an agent's call: many threads call at once). A
-        worker that fails is replaced (by the owner's thread, in a stream) and the request sent
-        again, as any blocking call's; a request the engine refuses comes back with its `error`."""
-        with self._lock:
-            able = [i for i in range(len(self.workers)) if i not in self._broken] or [0]
-            i = able[next(self._turn) % len(able)]
+        """One request on the next worker in turn that holds the current weights (an agent's call:
+        many threads call at once). A worker that fails is replaced by the owner's thread and the
+        request sent again, as any blocking call's; a request the engine refuses comes back with
+        its `error`."""
+        with self._repaired:  # (the fleet's lock)
+            if not self._able() and threading.get_ident() != self._owner:
+                self._repaired.wait_for(self._able, timeout=self.deadlines.start_s + self.deadlines.floor_s)
+            choice = self._able() or [next(self._turn) % len(self.workers)]  # (none: the call fails and waits)
+            i = choice[next(self._turn) % len(choice)]
         return self._on_all({i: lambda w: w.generate.remote([request])}, "generate")[i][0]
 
     def drain(self, wait_s: float) -> list[Sample]:
@@ -271,7 +277,7 @@ class RolloutFleet:
         now = time.monotonic()
         request_deadline = self.deadlines.of("request")
         for i, why in {**failed, **errors}.items():
-            self._fail(i, handles[i], why)
+            self._fail(i, handles[i], why, "streaming generation")
         with self._lock:
             for i, out in results.items():
                 if self.workers[i] is not handles[i]:
@@ -282,9 +288,9 @@ class RolloutFleet:
                     samples.append(s)
                 oldest = min((sent for _, sent in self._outstanding[i].values()), default=now)
                 if now - oldest > request_deadline:
-                    self._broken[i] = (handles[i], f"a request of it has run {now - oldest:.0f} s without finishing "
-                                                   f"(the deadline: {request_deadline:.0f} s, run.call_timeout_s or "
-                                                   "run.call_timeout_factor x the slowest request so far)")
+                    self._fail(i, handles[i], f"a request of it has run {now - oldest:.0f} s without finishing (the "
+                               f"deadline: {request_deadline:.0f} s, run.call_timeout_s or run.call_timeout_factor x "
+                               "the slowest request so far)", "streaming generation")
                 if out["paused_s"] > self.spec.rollout.pause_timeout_s:
                     self.log(f"WARNING: {self.name(i)} has been left paused for {out['paused_s']:.0f} s (over "
                              f"rollout.pause_timeout_s={self.spec.rollout.pause_timeout_s:g}; a weight sync that "
@@ -296,12 +302,17 @@ class RolloutFleet:
         """Replace the workers noted broken (their requests are sent again) and bring them up to
         date (`on_replace`); wakes the calls waiting for it. A no-op when none is broken."""
         with self._lock:
-            broken = {i: why for i, (handle, why) in self._broken.items() if self.workers[i] is handle}
+            broken = {i: (why, phase) for i, (handle, why, phase) in self._broken.items()
+                      if self.workers[i] is handle}
             self._broken.clear()
+        for phase in sorted({phase for _, phase in broken.values()}):
+            self.replace({i: why for i, (why, p) in broken.items() if p == phase}, phase)
         if broken:
-            self.replace(broken, "generation")
             if self.on_replace is not None:
                 self.on_replace()
+            else:  # no learner to bring them up to date: they hold what they started with
+                with self._lock:
+                    self._unsynced -= set(broken)
         with self._repaired:
             self._repaired.notify_all()
 

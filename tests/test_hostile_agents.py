@@ -184,7 +184,7 @@ def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(ti
     notes.mkdir()
     cfg = compose_config(["task=calculator_agent", f"model.path={out}/model", f"task.train_files=[{rows}]",
                           f"task.agent={HOSTILE}:act", f"+task.agent_kwargs.out_dir={notes}",
-                          "task.agent_timeout_s=10", f"task.prompts_per_step={len(E2E_CASES)}", "rollout.n=2",
+                          "task.agent_timeout_s=4", f"task.prompts_per_step={len(E2E_CASES)}", "rollout.n=2",
                           "rollout.mode=batch", "algorithm.off_policy_steps=0", f"run.dir={tmp_path}/run",
                           "run.progress=false", "run.steps=2", "run.save_every=0", "run.save_final_model=false",
                           f"run.log_samples_per_step={2 * len(E2E_CASES)}"])

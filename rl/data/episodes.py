@@ -64,7 +64,7 @@ class ObservationEncoder:
     def _check_role(self) -> None:
         """The template must render a text observation's role with its content (some templates
         raise on roles they do not know, others drop them silently)."""
-        fix = (f"set task.observation_role to a role the template renders (tool or user), or use a model whose "
+        fix = ("set task.observation_role to a role the template renders (tool or user), or use a model whose "
                "template has that role")
         try:  # two contents of different lengths (any tokenizer, unknown words too, tells them apart)
             short, long = (self._ids([{"role": self.role, "content": text}]) for text in ("1", "2 2 2 2"))

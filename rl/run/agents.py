@@ -63,7 +63,6 @@ def episode_reward(value: Any) -> tuple[float | None, str | None]:
 class _Running:
     request: GenerationRequest
     owner: Hashable  # "stream", or the `run` call waiting for it
-    started: float
 
 
 class AgentRunner:
@@ -85,7 +84,7 @@ class AgentRunner:
         for req in requests:
             key, url = self.server.open_episode(req.seed, req.metadata, req.temperature)
             with self._cond:
-                self._running[key] = _Running(req, owner, time.monotonic())
+                self._running[key] = _Running(req, owner)
             self.pool.start(key, url, {self.prompt_key: req.prompt_text, **req.metadata})
 
     def drain(self, wait_s: float) -> list[Sample]:
@@ -109,6 +108,7 @@ class AgentRunner:
                 got = len(self._done.get(owner, []))
             if got == len(requests) or time.monotonic() > deadline:
                 break
+            self.repair()  # a rollout worker lost under an agent's call: replaced here (see rollout.fleet)
             self._pump(0.2)
         with self._cond:
             done = {(s.group_id, s.sample_index): s for s in self._done.pop(owner, [])}

@@ -150,16 +150,34 @@ def test_in_flight_state_resumes_without_losing_or_repeating_a_group():
 
 
 def test_dynamic_sampling_keeps_informative_groups_and_fills_only_past_its_budget():
+    """Informative groups first; set-aside (all-equal) groups fill a step only once max_rounds x P
+    groups finished since the last take, and every set-aside group makes room for another."""
     fleet = QueueFleet()
-    same = lambda samples: [ScoredSample(s, 1.0 if s.group_id % 2 else float(s.sample_index)) for s in samples]  # noqa: E731
+    flat = {1, 3, 4, 5, 6, 7, 8, 9}  # every group from 4 on is uninformative too
+    score = lambda samples: [ScoredSample(s, 1.0 if s.group_id in flat or s.group_id >= 10 else float(s.sample_index))  # noqa: E731
+                             for s in samples]
     informative = lambda group: len({s.reward for s in group}) > 1  # noqa: E731
-    stream = StreamingRollouts(fleet, _draw(2, 2), same, groups_per_step=2, max_staleness=1, start_step=0,
-                               steps=20, informative=informative, max_rounds=2)
+    stream = StreamingRollouts(fleet, _draw(2, 2), score, groups_per_step=2, max_staleness=1, start_step=0,
+                               steps=20, informative=informative, max_rounds=2, poll_s=0.01)
     try:
         _until(lambda: len(fleet.started_groups()) == 4)
-        fleet.finish()  # groups 0, 2 informative; 1, 3 all equal
+        fleet.finish()  # groups 0, 2 informative; 1, 3 all equal: set aside, 2 places freed
         _, samples, m = stream.take(0)
         assert {s.group_id for s in samples} == {0, 2} and m["dapo/filled_groups"] == 0
+        _until(lambda: len(fleet.started_groups()) == 6)  # (0 + 1 + 1) x 2 + the 2 places set-aside groups freed
+        fleet.version = 1
+        got = {}
+        taking = threading.Thread(target=lambda: got.update(out=stream.take(1)), daemon=True)
+        taking.start()
+        _until(lambda: len(fleet.started_groups()) == 8)  # the learner at version 1: 2 more
+        fleet.finish(group_ids={4, 5})  # 2 of max_rounds x P = 4 looked at: no filling yet
+        taking.join(0.5)
+        assert taking.is_alive(), "filled before max_rounds x P groups were looked at"
+        fleet.finish(group_ids={6, 7})  # 4 looked at, none informative: the step fills
+        taking.join(5)
+        _, samples, m = got["out"]
+        assert m["dapo/filled_groups"] == 2 and m["dapo/informative_groups"] == 0
+        assert m["dapo/looked_groups"] == 4 and len({s.group_id for s in samples}) == 2
     finally:
         stream.close()
 

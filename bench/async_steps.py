@@ -24,12 +24,10 @@ rollout worker on a GPU each) instead of `cluster.threads_per_worker=1`.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-from pathlib import Path
 
 from bench import models
-from bench.machine import add_device_arg, machine_info, resolve_device
+from bench.machine import add_device_arg, machine_info, resolve_device, write_result
 from bench.vs_trl import SHAPES, Case, run_ours
 
 TARGET = 0.75
@@ -85,9 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         out.update(streaming_vs_ahead=gain, streaming_target=STREAM_TARGET, streaming_pass=gain >= STREAM_TARGET)
         print(f"samples/s streaming/ahead: {gain:.2f}x (target >= {STREAM_TARGET}) "
               f"{'PASS' if gain >= STREAM_TARGET else 'FAIL'}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2))
-    print(f"wrote {args.out}")
+    write_result(args.out, out)
 
 
 if __name__ == "__main__":

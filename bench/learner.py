@@ -61,7 +61,7 @@ from typing import Callable
 
 import torch
 
-from bench.machine import add_device_arg, machine_info, resolve_device
+from bench.machine import add_device_arg, machine_info, resolve_device, write_result
 from rl.plan.flops import datasheet_card, datasheet_tflops, measure_matmul_tflops, train_flops
 from rl.data.types import TrainBatch
 
@@ -555,9 +555,7 @@ def main(argv: list[str] | None = None) -> None:
     result = run(args)
     if result["rows"]:
         print("targets:\n" + checks(result))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_result(out, result)
 
 
 if __name__ == "__main__":

@@ -84,3 +84,13 @@ def resolve_device(parser, args, gpus_needed: int = 1, why: str = "") -> str:
                      f"{torch.__version__} sees {torch.cuda.device_count()}")
     args.device = device
     return device
+
+
+def write_result(path: str | Path, result: dict[str, Any]) -> None:
+    """Every benchmark's JSON output: the figures it printed, for comparing runs."""
+    import json
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")

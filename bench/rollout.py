@@ -7,8 +7,8 @@ one request per sample, each with its own seed (as `rl.data.dataset` makes them)
 the sampled token's log-prob returned.
 
 - fleet: `RolloutFleet.generate(requests) -> list[Sample]`, called from this driver, with one
-  `RolloutWorker` Ray actor built as `launch.train.build_components` builds it (local Ray started by
-  `launch.train.start_ray`, the actor's environment, thread count, 1 CPU and placement bundle).
+  `RolloutWorker` Ray actor built as `launch.components.build_components` builds it (local Ray started by
+  `launch.components.start_ray`, the actor's environment, thread count, 1 CPU and placement bundle).
   Its time is split, with timers put into the actor: vLLM (`LLM.generate` inside the actor), ours
   (the engine's SamplingParams and conversion to Samples) and Ray (the rest: the calls, moving
   requests and Samples, splitting and sorting).
@@ -53,7 +53,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.machine import add_device_arg, machine_info, memory_bandwidth_gbs, resolve_device
+from bench.machine import add_device_arg, machine_info, memory_bandwidth_gbs, resolve_device, write_result
 
 NEW_TOKENS = 128
 SAMPLES_PER_PROMPT = 4
@@ -137,7 +137,7 @@ def start_fleet(cfg):
 
     from launch.console import rollout_env
     from launch.placement import make_placement
-    from launch.train import start_ray, worker_threads
+    from launch.components import start_ray, worker_threads
     from rl.run.faults import Deadlines
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
@@ -404,9 +404,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(table(result["results"]))
     print(f"target fleet/raw >= {result['target_ratio']}: {'met' if result['meets_target'] else 'NOT met'}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

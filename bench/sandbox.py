@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
 import platform
@@ -27,6 +26,7 @@ from sandbox.backend import Backend
 from sandbox.job import Job, Method, Status
 from sandbox.pool import SandboxSettings, make_backend
 from sandbox.runner import run_job
+from bench.machine import write_result
 
 
 def _burn(stop_at: float) -> None:
@@ -123,10 +123,7 @@ def main() -> None:
         print(f"stability ({s['method']}, {s['repeats']} repeats, {s['load_processes']} busy processes): "
               f"reward {s['reward_min']:.6f}..{s['reward_max']:.6f}, spread {100 * s['reward_spread']:.3f}% "
               f"(cost spread {100 * s['cost_spread']:.3f}%)")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"wrote {args.out}")
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ process to another:
   hosts a `vllm.LLM` with the rollout worker's engine arguments and environment and calls its
   `reload_weights` on all of them (and resets the prefix cache). The reference for the full path;
   it holds a second copy of the weights, which ours does not (it loads bucket by bucket).
-- ours: a sync as a training run does it: `LearnerGroup.sync_weights(fleet, version)` from a
+- ours: a sync as a training run does it: `WeightSync.sync(version)` (trainer/sync/) from a
   DeepSpeed learner (1 rank, ZeRO-2) to a `RolloutFleet` worker (vLLM), both Ray actors built as
-  `launch.train.build_components` builds them, timed in the driver. Its time is split with the
+  `launch.components.build_components` builds them, timed in the driver. Its time is split with the
   worker's own figures (`RolloutWorker.receive_weights`): receive (in the broadcasts) and load
   (vLLM's `reload_weights`, streamed from the buckets as they arrive, plus our tied-weight and
   prefix-cache handling); the rest is the learner's side and Ray. Also the worker's peak extra
@@ -51,7 +51,6 @@ from the GPU buffers. Ours also reports the rollout worker's peak extra GPU memo
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -277,7 +276,7 @@ def run_config(path: str, run_dir: str, device: str = "cpu"):
 def rollout_engine(config) -> tuple[Any, dict[str, str]]:
     """(RolloutSpec, environment) of rollout worker 0, as `build_components` makes them."""
     from launch.console import rollout_env
-    from launch.train import worker_threads
+    from launch.components import worker_threads
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env
 
@@ -290,19 +289,20 @@ def rollout_engine(config) -> tuple[Any, dict[str, str]]:
 def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
     import ray
 
-    import launch.train
+    import launch.components
     from launch.console import actor_env
     from launch.placement import make_placement
     from rl.run.faults import Deadlines
     from rollout.fleet import RolloutFleet
     from trainer.group import LearnerGroup
+    from trainer.sync import make_weight_sync
     from trainer.learner import LearnerSpec
 
-    launch.train.start_ray(cfg)
+    launch.components.start_ray(cfg)
     fleet = learner = None
     try:
-        # what launch.train.build_components does, less the reward service
-        threads, c = launch.train.worker_threads(config), config.cluster
+        # what launch.components.build_components does, less the reward service
+        threads, c = launch.components.worker_threads(config), config.cluster
         deadlines = Deadlines(config.run.call_timeout_s, config.run.call_timeout_factor, config.run.start_timeout_s)
         spec, env = rollout_engine(config)
         placement = make_placement(config, print)
@@ -310,9 +310,8 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
                              actor_options=placement.rollout, deadlines=deadlines, log=print)
         learner = LearnerGroup(LearnerSpec.from_config(config, threads), config.trainer.num_workers, num_cpus=1,
                                num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
-                               weight_sync_method=config.trainer.weight_sync, actor_options=placement.learner,
-                               deadlines=deadlines)
-        learner.connect(fleet)
+                               actor_options=placement.learner, deadlines=deadlines)
+        weights = make_weight_sync(config.trainer.weight_sync, learner, fleet, deadlines)
         worker = fleet.workers[0]
         gpu = c.gpus_per_rollout_worker > 0
         walls, splits, peaks, gpu_peaks = [], [], [], []
@@ -321,7 +320,7 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
             before = ray.get(worker.__ray_call__.remote(_reset_peak))
             gpu_before = ray.get(worker.__ray_call__.remote(_reset_gpu_peak)) if gpu else 0
             started = time.perf_counter()
-            sent = learner.sync_weights(fleet, i + 1)
+            sent = weights.sync(i + 1)
             wall = time.perf_counter() - started
             stats = ray.get(worker.sync_stats.remote())
             peak = ray.get(worker.__ray_call__.remote(_peak)) - before
@@ -420,7 +419,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.machine import add_device_arg, machine_info, resolve_device
+    from bench.machine import add_device_arg, machine_info, resolve_device, write_result
     from launch.console import quiet_driver
     from rl.wire.weight_sync import BUCKET_BYTES
 
@@ -449,9 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print(table(rows))
     print(f"targets wire/raw >= 0.8 and ours/raw+load >= 0.8: {'met' if result['meets_targets'] else 'NOT met'}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def build(
     """Data, then a trained RM in OUT/model; returns the training summary.
 
     `policy_path` is the causal LM the RM starts from (default: the built-in tiny policy, built
-    when missing). `overrides` are extra `launch.train_rm` config overrides (e.g. "optim.epochs=2").
+    when missing). `overrides` are extra `launch.train_rm` config overrides (e.g. "algorithm.epochs=2").
     """
     from rl.config.compose import compose
     from trainer.reward_model import train_rm

@@ -237,7 +237,7 @@ def write_summary(out_dir: str | Path, summary: dict[str, Any]) -> dict[str, Any
 def main(build: Callable[..., dict[str, Any]], default_dir: str, doc: str, argv: list[str] | None = None) -> None:
     """`python -m examples.<task> [--out DIR] [--seed N] [name=value ...]`: run a task's `build`
     with keyword arguments given as `name=value` (values are Python literals, e.g. steps=500,
-    target_accuracy=0.4, overrides='["optim.epochs=2"]'), and print its summary."""
+    target_accuracy=0.4, overrides='["algorithm.epochs=2"]'), and print its summary."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--out", default=default_dir, help="output directory")

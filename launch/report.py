@@ -142,8 +142,9 @@ def summary_table(rows: list[dict[str, Any]], summary: dict[str, Any] | None) ->
 
 
 def config_app(config: dict[str, Any]) -> str:
-    """Which entry point wrote a run's config: `train` (RL), `train_rm` or `train_sft`."""
-    if "algorithm" in config or "optim" not in config:
+    """Which entry point wrote a run's config: `train` (RL), `train_rm` or `train_sft` (their
+    `data` section; older supervised runs: `optim`)."""
+    if "rollout" in config or "task" in config or not ("data" in config or "optim" in config):
         return "train"
     return "train_rm" if "loss" in config else "train_sft"
 
@@ -157,10 +158,15 @@ def config_diff(run_dir: str) -> list[tuple[str, Any, Any]]:
     from omegaconf import OmegaConf
 
     from rl.config.compose import compose
+    from rl.config.supervised import PAIR_ROWS, renamed
 
     tree: Any = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    app = config_app(tree)
     ran = flatten(tree)
-    defaults = flatten(OmegaConf.to_container(compose(config_app(tree), []), resolve=False))
+    if app != "train":  # an older supervised run's deprecated optim.* keys, under their new names
+        per_example = PAIR_ROWS if app == "train_rm" else 1
+        ran = dict(renamed(key, value, per_example) or (key, value) for key, value in ran.items())
+    defaults = flatten(OmegaConf.to_container(compose(app, []), resolve=False))
     keys = [k for k in dict.fromkeys([*defaults, *ran])
             if k != "run.dir" and not _same_value(defaults.get(k), ran.get(k))]
     return [(k, defaults.get(k, "(absent)"), ran.get(k, "(absent)")) for k in keys]

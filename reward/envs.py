@@ -11,15 +11,14 @@ functions, the environment class is loaded inside the actors.
 from __future__ import annotations
 
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayTaskError
 
 from rl.data.env import StepResult, as_step_result
-from rl.run.faults import Deadlines, hung
+from rl.run.faults import Calls, Deadlines, fan_out
 from reward.loader import RewardLoadError, load_environment
 from reward.scorer import RewardCallTimeout, call_with_timeout
 
@@ -120,20 +119,18 @@ class EnvService:
         parts = self._spread(keys, *columns)
         refs = {w: getattr(self.workers[w], method).remote(ks, *cols) for w, (ks, cols) in parts.items()}
         deadline = max(self.deadlines.of(f"env {method}"), 2 * self.timeout_s + 30)
-        started = time.monotonic()
-        ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline)[0])
+        calls = fan_out(refs, deadline, Calls.ray(ray), propagate_raised=True,
+                        kill=lambda w: ray.kill(self.workers[w], no_restart=False))  # Ray starts it again
         out: dict[int, Any] = {}
-        for w, ref in refs.items():
-            try:
-                if ref not in ready:
-                    ray.kill(self.workers[w], no_restart=False)  # Ray starts it again
-                    raise TimeoutError(hung(deadline))
-                out.update(ray.get(ref))
-            except (RayActorError, TimeoutError) as exc:
-                why = "died" if isinstance(exc, RayActorError) else "stopped answering"
-                out.update({k: f"environment worker {w} {why}: {str(exc).splitlines()[0]}" for k in parts[w][0]})
-        if len(ready) == len(refs):
-            self.deadlines.record(f"env {method}", time.monotonic() - started)
+        for w in calls.keys:
+            if w in calls.results:
+                out.update(calls.results[w])
+                continue
+            why, text = (("stopped answering", calls.hung[w]) if w in calls.hung
+                         else ("died", str(calls.errors[w]).splitlines()[0]))
+            out.update({k: f"environment worker {w} {why}: {text}" for k in parts[w][0]})
+        if refs and not calls.hung:
+            self.deadlines.record(f"env {method}", calls.elapsed_s)
         return out
 
     def reset(self, keys: list[int], rows: list[dict[str, Any]]) -> dict[int, str | None]:

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, RuntimeEnvSetupError
 
-from rl.run.faults import Deadlines, hung
+from rl.run.faults import Calls, Deadlines, fan_out
 from rl.data.types import Sample, ScoredSample
 from reward.loader import RewardLoadError
 from reward.scorer import RewardFunctionSpec, RewardScorer
@@ -110,28 +110,30 @@ class RewardService:
         process) or does not answer by the deadline marks that chunk's samples with an error;
         Ray restarts the actor (a silent one is killed first)."""
         chunks = _split(samples, len(self._workers))
-        refs = [(i, w.score.remote(c), c) for i, (w, c) in enumerate(zip(self._workers, chunks)) if c]
+        refs = {i: w.score.remote(c) for i, (w, c) in enumerate(zip(self._workers, chunks)) if c}
         deadline, started = max(self._deadlines.of("reward"), self._least_s), time.monotonic()
-        finished = set(ray.wait([r for _, r, _ in refs], num_returns=len(refs), timeout=deadline)[0])
+        # a silent worker is stopped or stuck: killed, Ray starts it again
+        out = fan_out(refs, deadline, Calls.ray(ray), propagate_raised=True,
+                      kill=lambda i: ray.kill(self._workers[i], no_restart=False))
         scored: list[ScoredSample] = []
-        slow = False
-        for i, ref, chunk in refs:
-            worker = self._workers[i]
-            try:
-                if ref not in finished:
-                    slow = True
-                    ray.kill(worker, no_restart=False)  # stopped or stuck: Ray starts it again
-                    raise _Hung(hung(deadline))
+        for i in out.keys:
+            worker, chunk, error = self._workers[i], chunks[i], None
+            if i in out.results:
+                scored.extend(out.results[i])
+            elif i in out.hung:
+                error = f"reward worker stopped answering while scoring: {out.hung[i]}"
+            elif isinstance(out.errors[i], ActorUnavailableError):  # still restarting after an earlier crash: the chunk never ran
                 try:
-                    scored.extend(ray.get(ref))
-                except ActorUnavailableError:  # still restarting after an earlier crash: the chunk never ran
                     ray.get(worker.load.remote())  # waits until the restarted actor answers
                     scored.extend(ray.get(worker.score.remote(chunk), timeout=deadline))
-            except (RayActorError, _Hung, ray.exceptions.GetTimeoutError) as exc:
-                what = "died" if isinstance(exc, RayActorError) else "stopped answering"
-                error = f"reward worker {what} while scoring: {_first_lines(exc)}"
+                except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                    what = "died" if isinstance(exc, RayActorError) else "stopped answering"
+                    error = f"reward worker {what} while scoring: {_first_lines(exc)}"
+            else:
+                error = f"reward worker died while scoring: {_first_lines(out.errors[i])}"
+            if error is not None:
                 scored.extend(ScoredSample(sample=s, reward=None, error=error) for s in chunk)
-        if not slow:
+        if refs and not out.hung:  # (the retries of restarting workers count too)
             self._deadlines.record("reward", time.monotonic() - started)
         return scored
 
@@ -159,10 +161,6 @@ def _split(items: list[Sample], parts: int) -> list[list[Sample]]:
         chunks.append(items[start:end])
         start = end
     return chunks
-
-
-class _Hung(Exception):
-    """A reward worker gave no answer by the deadline."""
 
 
 def _first_lines(exc: BaseException, n: int = 3) -> str:

@@ -48,6 +48,12 @@ class Fleet(Protocol):
     def wake(self, tags: tuple[str, ...] | None = None) -> None: ...
 
 
+class Weights(Protocol):
+    """The weight sync (trainer/sync/): learner -> rollout workers."""
+
+    def sync(self, version: int) -> float: ...
+
+
 class Rewards(Protocol):
     def score(self, samples: list[Sample]) -> list[ScoredSample]: ...
 
@@ -55,16 +61,14 @@ class Rewards(Protocol):
 class Learner(Protocol):
     def score(self, batch: TrainBatch) -> TrainBatch: ...
     def train_step(self, batch: TrainBatch, step: int, kl_coef: float) -> dict[str, float]: ...
-    def sync_weights(self, fleet: Fleet, version: int) -> float: ...
     def save_checkpoint(self, path: str) -> None: ...
     def offload(self, keep_weights: bool = False) -> None: ...
     def onload(self) -> None: ...
 
 
 def make_kl_controller(a: AlgorithmConfig):
-    if a.kl_ctrl == "adaptive":
-        return KL_CONTROLLERS.get("adaptive")(a.kl_coef, a.kl_target, a.kl_horizon)
-    return KL_CONTROLLERS.get("fixed")(a.kl_coef)
+    """The controller algorithm.kl_ctrl names, built from the settings its registration declares."""
+    return KL_CONTROLLERS.get(a.kl_ctrl)(**KL_CONTROLLERS.settings(a.kl_ctrl, a))
 
 
 def score_samples(cfg: TrainConfig, rewards: Rewards | None, samples: list[Sample]) -> list[ScoredSample]:
@@ -204,7 +208,7 @@ def logprob_mismatch_warning(step: int, diff: float, threshold: float) -> str | 
 
 
 def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, source: Source,
-             rewards: Rewards | None, learner: Learner, log: RunLog, start_step: int = 0,
+             rewards: Rewards | None, learner: Learner, weights: Weights, log: RunLog, start_step: int = 0,
              kl_state: dict | None = None, stop: StopRequest | None = None, in_flight: dict | None = None,
              eval_data: PromptDataset | None = None) -> list[dict[str, float]]:
     """Run steps [start_step, run.steps) of the run `cfg` describes; returns each step's metrics.
@@ -214,7 +218,8 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, s
     signal: RunStopped) or when every reward failed `reward.max_failed_steps` steps in a row
     (RewardsFailing); an actor lost for good ends it with an ActorFailure naming the step.
     `source`: where samples come from (the fleet's completions, environment or agent episodes:
-    rl/run/rollouts.py); `fleet`: what the weights are synced to. `in_flight`: what a checkpoint
+    rl/run/rollouts.py); `fleet`: the engines that sleep while the learner works; `weights`: the
+    weight sync from the learner to them (trainer/sync/). `in_flight`: what a checkpoint
     recorded of the rollouts made ahead. `rewards`: None when only the episodes reward (an
     environment's or an agent's); `eval_data`: `eval.files`.
     """
@@ -237,7 +242,7 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, s
         for step in range(start_step, run.steps):
             evaluated = evaluate(cfg.eval, eval_data, source.run, score) \
                 if eval_data is not None and due(cfg.eval, step) else {}
-            metrics, scored = _step(cfg, pad_id, fleet, learner, log, step, version, kl_ctrl, rollouts, save,
+            metrics, scored = _step(cfg, pad_id, learner, weights, log, step, version, kl_ctrl, rollouts, save,
                                     evaluated, handover)
             version += 1
             history.append(metrics)
@@ -262,7 +267,7 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, s
     return history
 
 
-def _step(cfg: TrainConfig, pad_id: int, fleet: Fleet, learner: Learner, log: RunLog, step: int, version: int,
+def _step(cfg: TrainConfig, pad_id: int, learner: Learner, weights: Weights, log: RunLog, step: int, version: int,
           kl_ctrl, rollouts: Rollouts, save, evaluated: dict[str, float],
           handover: GpuHandover) -> tuple[dict[str, float], list[ScoredSample]]:
     """One step trained at policy `version`: its batch (made now, ahead, or streamed), scores,
@@ -293,7 +298,7 @@ def _step(cfg: TrainConfig, pad_id: int, fleet: Fleet, learner: Learner, log: Ru
         handover.to_sync()  # both sides hold just their weights
         with rollouts.between_batches():
             t_hold = time.perf_counter()
-            sent = learner.sync_weights(fleet, version + 1)
+            sent = weights.sync(version + 1)
             t_sync = time.perf_counter()
         handover.to_rollout()
     except ActorFailure as err:

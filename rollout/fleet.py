@@ -3,7 +3,8 @@
 
 One fault regime for every call: a worker that dies, stops answering or raises is noted broken
 (`_fail`) and gets no more requests; `repair` replaces it with a new one, which rejoins the
-weight-sync group and loads the current weights (`on_replace`), and its unfinished requests are
+weight-sync group and loads the current weights (`after_replace`, set by the weight sync,
+trainer/sync/), and its unfinished requests are
 sent again (each request carries its own seed, so a retried request samples the same tokens).
 Only the thread that owns the fleet (the driver's, which also runs the weight syncs) repairs; a
 call on another thread (batches made ahead, agents' calls, environment episodes in a stream)
@@ -19,9 +20,9 @@ import time
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError
 
-from rl.run.faults import ActorFailure, Deadlines, first_line, hung
+from rl.run.faults import ActorFailure, Calls, Deadlines, fan_out
 from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 from rollout.worker import RolloutWorker
@@ -69,7 +70,7 @@ class RolloutFleet:
         self.spec, self.deadlines, self.log = spec, deadlines or Deadlines(), log
         self._options = [{**base, **(actor_options[i] if actor_options else {})} for i in range(n)]
         self._remote = ray.remote(RolloutWorker)
-        self._version = 0  # the policy version every worker holds (set by the learner's sync)
+        self._version = 0  # the policy version every worker holds (set by the weight sync)
         self.restarts = 0
         # Streaming (`submit`/`drain`): each worker's requests in flight by (group, sample), with the
         # time they were sent; requests of replaced workers waiting to be sent again; workers that
@@ -82,8 +83,8 @@ class RolloutFleet:
         self._turn = itertools.count()
         self._owner = threading.get_ident()  # in a stream, the only thread that replaces workers
         self._repaired = threading.Condition(self._lock)
-        # Set by the learner when it connects: rejoin the weight-sync group and load the weights.
-        self.on_replace: Callable[[], None] | None = None
+        # Set by the weight sync when it joins: bring replaced workers up to date (trainer/sync/).
+        self.after_replace: Callable[[], None] | None = None
         self.workers = [self._start(i) for i in range(n)]
         self.where: list[dict[str, Any]] = [{} for _ in range(n)]
         if wait:
@@ -95,7 +96,7 @@ class RolloutFleet:
 
     @version.setter
     def version(self, version: int) -> None:
-        """Set by the learner once every worker holds `version`: replaced workers are up to date."""
+        """Set by the weight sync once every worker holds `version`: replaced workers are up to date."""
         self._version = version
         with self._lock:
             self._unsynced.clear()
@@ -128,26 +129,12 @@ class RolloutFleet:
         a call that raised inside a live worker is noted there (else its error propagates)."""
         if not refs:
             return {}, {}
-        deadline, started = self.deadlines.of(kind), time.monotonic()
-        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline)
-        finished = set(ready)
-        results: dict[int, Any] = {}
-        failed: dict[int, str] = {}
-        for i, ref in refs.items():
-            if ref not in finished:
-                failed[i] = hung(deadline)
-                continue
-            try:
-                results[i] = ray.get(ref)
-            except RayActorError as exc:
-                failed[i] = f"its process died ({first_line(exc)})"
-            except RayTaskError as exc:
-                if errors is None:
-                    raise
-                errors[i] = first_line(exc)
-        if not failed:
-            self.deadlines.record(kind, time.monotonic() - started)
-        return results, failed
+        out = fan_out(refs, self.deadlines.of(kind), Calls.ray(ray), propagate_raised=errors is None)
+        if errors is not None:
+            errors.update(out.raised)
+        if not out.failed:
+            self.deadlines.record(kind, out.elapsed_s)
+        return out.results, out.failed
 
     def replace(self, failed: dict[int, str], phase: str) -> None:
         """Kill the failed workers and start new ones in their place (same seed, same bundle)."""
@@ -300,7 +287,7 @@ class RolloutFleet:
 
     def repair(self) -> None:
         """Replace the workers noted broken (their requests are sent again) and bring them up to
-        date (`on_replace`); wakes the calls waiting for it. A no-op when none is broken."""
+        date (`after_replace`); wakes the calls waiting for it. A no-op when none is broken."""
         with self._lock:
             broken = {i: (why, phase) for i, (handle, why, phase) in self._broken.items()
                       if self.workers[i] is handle}
@@ -308,9 +295,9 @@ class RolloutFleet:
         for phase in sorted({phase for _, phase in broken.values()}):
             self.replace({i: why for i, (why, p) in broken.items() if p == phase}, phase)
         if broken:
-            if self.on_replace is not None:
-                self.on_replace()
-            else:  # no learner to bring them up to date: they hold what they started with
+            if self.after_replace is not None:
+                self.after_replace()
+            else:  # no weight sync to bring them up to date: they hold what they started with
                 with self._lock:
                     self._unsynced -= set(broken)
         with self._repaired:

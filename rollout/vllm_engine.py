@@ -24,7 +24,7 @@ def vllm_env(kv_cache_gib: int, threads: int, eager: bool = True) -> dict[str, s
     env = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine in this process (a Ray actor), no subprocess
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # fastest on small shared CPU boxes (PLATFORM.md)
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # fastest measured on small shared CPU boxes
         "TOKENIZERS_PARALLELISM": "false",
     }
     if eager:
@@ -61,7 +61,7 @@ def engine_kwargs(spec: RolloutSpec, seed: int) -> dict[str, Any]:
         enable_prefix_caching=True,
         use_tqdm_on_load=False,  # a progress bar for loading a few files is noise
         enable_sleep_mode=r.sleep_between_steps and spec.gpu,  # sleep is a no-op on CPU
-        # hybrid placement: the learner on the same GPU sends by CUDA IPC (trainer/ipc_sync.py)
+        # hybrid placement: the learner on the same GPU sends by CUDA IPC (trainer/sync/ipc.py)
         **({"weight_transfer_config": {"backend": "ipc"}} if spec.weight_sync == "ipc" else {}),
         tensor_parallel_size=tp,
         # TP workers are subprocesses of this actor. Set explicitly: in a Ray placement group vLLM
@@ -197,7 +197,7 @@ class VLLMEngine(BatchQueue):
     def weight_transfer(self, method: str, payload: dict | None = None, version: int | None = None) -> None:
         """One call of vLLM's weight-transfer API (`init_weight_transfer_engine`,
         `start_weight_update`, `update_weights`, `finish_weight_update`), driven by the learner's
-        trainer-side engine (trainer/ipc_sync.py); after `finish_weight_update` the loaded
+        trainer-side engine (trainer/sync/ipc.py); after `finish_weight_update` the loaded
         weights are the policy `version`."""
         if method == "start_weight_update" and self._transfer_open:
             # the last round was cut short (a peer failed mid-sync): vLLM refuses a new one until

@@ -121,14 +121,16 @@ class RolloutWorker:
 
     def receive_weights(self, version: int) -> dict[str, float]:
         """Take rank 0's broadcast and load it bucket by bucket as it arrives (two bucket buffers
-        in memory, not a second copy of the model). Returns the sync's figures: bytes, total_s,
-        receive_s (in the broadcasts) and load_s (the rest: loading into the engine)."""
+        in memory, not a second copy of the model). Returns the sync's figures: bytes (taken by all
+        `ranks` of a tensor-parallel engine together), total_s, receive_s (in the broadcasts),
+        load_s (the rest: loading into the engine) and the `version` the engine now holds."""
         if not self._joined:
             raise RuntimeError("receive_weights before join_weight_sync: the fleet was not connected")
         started = time.perf_counter()
         if self._in_workers:  # every TP rank takes all buckets; the slowest one's receive, bytes of all
             per_rank = self.engine.receive_weights(version)
-            stats = {"receive_s": max(s["receive_s"] for s in per_rank), "bytes": sum(s["bytes"] for s in per_rank)}
+            stats = {"receive_s": max(s["receive_s"] for s in per_rank), "bytes": sum(s["bytes"] for s in per_rank),
+                     "ranks": len(per_rank)}
         else:
             device = self.device if self._group_backend == "nccl" else "cpu"  # gloo moves host tensors
             stats = {"receive_s": 0.0, "bytes": 0.0}
@@ -143,16 +145,19 @@ class RolloutWorker:
         stats["total_s"] = time.perf_counter() - started
         stats["load_s"] = stats["total_s"] - stats["receive_s"]
         self.last_sync = stats
-        return stats
+        return {**stats, "version": self.engine.version}
 
     def sync_stats(self) -> dict[str, float]:
         """The figures of the latest `receive_weights` (empty before the first)."""
         return self.last_sync
 
-    def load_weights_from_object(self, state: dict[str, torch.Tensor], version: int) -> None:
+    def load_weights_from_object(self, state: dict[str, torch.Tensor], version: int) -> dict[str, float]:
         """Load weights from Ray's object store (merged here with LoRA; with tensor parallelism they
-        then cross to every vLLM worker as a list, each keeping its shard)."""
+        then cross to every vLLM worker as a list, each keeping its shard). Returns the bytes
+        taken and the `version` the engine now holds."""
         self.engine.update_weights(self._merged(state.items()), version)
+        return {"bytes": float(sum(t.numel() * t.element_size() for t in state.values())),
+                "version": self.engine.version}
 
     def _merged(self, tensors):
         """Full weights as sent, or LoRA adapters merged into the kept base weights."""
@@ -168,5 +173,5 @@ class RolloutWorker:
 
     def weight_transfer(self, method: str, payload: dict | None = None, version: int | None = None) -> None:
         """vLLM's weight-transfer API on this worker's engine (CUDA IPC from the learner rank on
-        this GPU in hybrid placement, `trainer/ipc_sync.py`)."""
+        this GPU in hybrid placement, `trainer/sync/ipc.py`)."""
         self.engine.weight_transfer(method, payload, version)

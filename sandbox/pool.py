@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rl.run.faults import first_line, hung
+from rl.run.faults import Calls, fan_out
 from sandbox.backend import Backend
 from sandbox.job import COMPILE_LIMITS, Job, Method, Result, Status
 from sandbox.runner import VALGRIND_SLOWDOWN, run_job
@@ -178,7 +178,6 @@ def _dispatch(workers: list, jobs: list[Job], max_retries: int = 2) -> list[Resu
     or overruns its jobs' own time limits (stopped, stuck) is killed, Ray starts it again, and
     its jobs are sent again, up to `max_retries` times; after that they are `sandbox_error`s."""
     import ray
-    from ray.exceptions import RayActorError
 
     if not jobs:
         return []
@@ -190,17 +189,10 @@ def _dispatch(workers: list, jobs: list[Job], max_retries: int = 2) -> list[Resu
     for _ in range(max_retries + 1):
         refs = {i: workers[i].run.remote(chunk) for i, chunk in chunks.items()}
         deadline = 60 + max(sum(job_deadline_s(j) for j in chunk) for chunk in chunks.values())
-        finished = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=deadline)[0])
-        failed = {}
-        for i, ref in refs.items():
-            if ref not in finished:
-                ray.kill(workers[i], no_restart=False)
-                failed[i] = hung(deadline)
-                continue
-            try:
-                results[i] = ray.get(ref)
-            except RayActorError as exc:
-                failed[i] = f"its process died ({first_line(exc)})"
+        out = fan_out(refs, deadline, Calls.ray(ray), propagate_raised=True,
+                      kill=lambda i: ray.kill(workers[i], no_restart=False))
+        results.update(out.results)
+        failed = out.failed
         if not failed:
             break
         for i in failed:

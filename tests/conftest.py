@@ -65,10 +65,10 @@ def shared_ray() -> None:
     (1-1.5 s) once, not each. Tests that check starting itself run `launch.train` as a command."""
     import ray
 
-    import launch.train
+    import launch.components
 
     if not ray.is_initialized():
-        assert launch.train.start_ray(compose_config([f"cluster.num_cpus={SHARED_RAY_CPUS}"]))
+        assert launch.components.start_ray(compose_config([f"cluster.num_cpus={SHARED_RAY_CPUS}"]))
 
 
 def ray_left_free(timeout_s: float = 10.0) -> bool:
@@ -142,6 +142,13 @@ def tiny_code(tmp_path_factory) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp("tiny_code")
     summary = build_tiny_code(str(out), seed=0, threads=0, log_every=0)
     return str(out), summary
+
+
+def imported_packages(stderr: str) -> set[str]:
+    """Top-level packages a `python -X importtime` run imported, read from its stderr: how a test
+    shows a command refused before anything heavy loaded (a wall-clock bound varies by host)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("import time:")]
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines[1:]}  # lines[0]: the header
 
 
 def compose_config(overrides: list[str]):

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from rl.algo.advantages import (
-    ADVANTAGE_INPUTS,
     ADVANTAGES,
     discounted_returns,
     gae_advantages,
@@ -18,6 +17,7 @@ from rl.algo.advantages import (
     token_level_rewards,
     whiten,
 )
+from rl.config.schema import AlgorithmConfig
 from rl.algo.kl import KL_ESTIMATORS
 from rl.algo.kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, kl_controller_from_dict
 from rl.algo.losses import (
@@ -40,8 +40,39 @@ approx = pytest.approx
 
 def test_registries_list_every_algorithm():
     assert ADVANTAGES.names() == ["gae", "grpo", "reinforce_pp", "rloo"]
-    assert sorted(ADVANTAGE_INPUTS) == ADVANTAGES.names()
+    assert {n: ADVANTAGES.entry(n).kind for n in ADVANTAGES.names()} == {
+        "gae": "token", "grpo": "outcome", "reinforce_pp": "token", "rloo": "outcome"}
+    assert ADVANTAGES.entry("gae").inputs == ("values",) and ADVANTAGES.entry("grpo").inputs == ("group_ids",)
+    assert ADVANTAGES.settings("gae", AlgorithmConfig(gamma=0.5, lam=0.9)) == {
+        "gamma": 0.5, "lam": 0.9, "whiten_advantages": True}
     assert POLICY_LOSSES.names() == ["cispo", "gspo", "ppo_clip", "ppo_dual_clip"]
+    assert POLICY_LOSSES.settings("ppo_dual_clip", AlgorithmConfig(clip_ratio_c=4.0))["clip_ratio_c"] == 4.0
+    assert "clip_ratio_c" not in POLICY_LOSSES.settings("ppo_clip", AlgorithmConfig())
+
+
+def test_a_registry_refuses_a_contract_the_config_cannot_see():
+    """Names come only from rl/config/algorithm_names.py; kinds, inputs and settings are checked."""
+    from rl.algo.registry import Registry
+
+    fresh = Registry("advantage estimator", "algorithm.advantage", kinds=("outcome", "token"),
+                     inputs=("group_ids", "values"))
+    with pytest.raises(ValueError, match="add it to rl/config/algorithm_names.py"):
+        fresh.register("my_adv", kind="outcome")
+    with pytest.raises(ValueError, match="kind 'sample'"):
+        fresh.register("grpo", kind="sample", inputs=("group_ids",))
+    with pytest.raises(ValueError, match="unknown inputs"):
+        fresh.register("grpo", kind="outcome", inputs=("group_ids", "rewards_model"))
+    with pytest.raises(ValueError, match="make them agree"):  # the list says grpo needs group ids
+        fresh.register("grpo", kind="outcome")
+    with pytest.raises(ValueError, match="not AlgorithmConfig fields"):
+        fresh.register("grpo", kind="outcome", inputs=("group_ids",), settings=("norm_by_sd",))
+    with pytest.raises(ValueError, match="no list of names"):
+        Registry("reward shaping", "algorithm.reward_shaping", kinds=("token",))
+    fresh.register("grpo", kind="outcome", inputs=("group_ids",))(grpo_advantages)
+    with pytest.raises(ValueError, match="registered twice"):
+        fresh.register("grpo", kind="outcome", inputs=("group_ids",))(grpo_advantages)
+    with pytest.raises(KeyError, match="algorithm.advantage='rloo': unknown advantage estimator; choose one of grpo"):
+        fresh.get("rloo")
     assert KL_ESTIMATORS.names() == ["k1", "k2", "k3", "k3_clamped"]
     assert KL_CONTROLLERS.names() == ["adaptive", "fixed"]
     assert ADVANTAGES.get("rloo") is rloo_advantages

@@ -45,15 +45,46 @@ def test_default_run_improves_reward_and_saves_a_loadable_model(make_config):
     assert all(m["sync/logprob_abs_diff"] < 1e-3 for m in metrics[1:])
     assert all(m["policy/version_count"] == i + 1 for i, m in enumerate(metrics))
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(summary["final_model"])
-    tok = AutoTokenizer.from_pretrained(summary["final_model"])
-    out = model.generate(**tok("12+34=", return_tensors="pt"), max_new_tokens=4, do_sample=False)
-    assert out.shape[1] > len(tok("12+34=").input_ids)
+    _assert_saved_model_is_the_trained_policy(summary["final_model"], cfg.model.path, cfg.task.train_files[0],
+                                              metrics)
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json"):
         assert os.path.getsize(os.path.join(cfg.run.dir, name)) > 0
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(cfg.run.dir, "tb")))
+
+
+def _assert_saved_model_is_the_trained_policy(saved_dir: str, start_dir: str, train_file: str,
+                                              metrics: list[dict]) -> None:
+    """`saved_dir` loads with plain transformers (model and tokenizer) and holds the policy the run
+    trained, not the one it started from: the starting model's tokenizer and architecture, every
+    weight finite and some changed, and its exact chance of a right answer at the rollout
+    temperature (1.0, no sampling noise) on the training prompts at least what the run measured
+    over its last steps, well above the starting model's. Its greedy answers are well formed."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from examples.arith import Problem, expected_accuracy, sample_accuracy
+
+    model, tok = AutoModelForCausalLM.from_pretrained(saved_dir), AutoTokenizer.from_pretrained(saved_dir)
+    start, start_tok = AutoModelForCausalLM.from_pretrained(start_dir), AutoTokenizer.from_pretrained(start_dir)
+    assert tok.get_vocab() == start_tok.get_vocab()
+    assert (tok.eos_token_id, tok.pad_token_id) == (start_tok.eos_token_id, start_tok.pad_token_id)
+    saved, initial = model.state_dict(), start.state_dict()
+    assert {k: (v.shape, v.dtype) for k, v in saved.items()} == {k: (v.shape, v.dtype) for k, v in initial.items()}
+    assert all(torch.isfinite(v).all() for v in saved.values())
+    assert any(not torch.equal(saved[k], initial[k]) for k in saved), "the saved weights are the starting ones"
+
+    with open(train_file) as f:
+        problems = [Problem(row["prompt"], row["answer"]) for row in map(json.loads, f)][:2000]
+    acc, acc_start = expected_accuracy(model, tok, problems), expected_accuracy(start, start_tok, problems)
+    run_last = statistics.fmean(m["reward/exact_answer_mean"] for m in metrics[-8:])  # sampled, T=1.0
+    print(f"P(right answer) on {len(problems)} training prompts: start {acc_start:.3f} -> saved {acc:.3f}; "
+          f"the run's last 8 steps sampled {run_last:.3f}")
+    assert acc > acc_start + 0.03 and acc > run_last - 0.05, (acc_start, acc, run_last)
+
+    prompt = tok("12+34=", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=6, do_sample=False, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)[0, prompt.input_ids.shape[1]:].tolist()
+    assert tok.eos_token_id in out and tok.decode(out[:out.index(tok.eos_token_id)]).isdigit(), tok.decode(out)
+    assert sample_accuracy(model, tok, problems[:500], temperature=0.0, seed=0)["well_formed"] >= 0.95
 
 
 def _samples_by_step(run_dir: str) -> dict[int, list[dict]]:

@@ -65,3 +65,42 @@ def test_episode_turn_rewards_sit_on_each_turn_s_last_token_for_gae():
                                torch.tensor([True, True]), torch.tensor([0, 0]), mask.repeat(2, 1),
                                turn_rewards=turns.repeat(2, 1))
     assert grpo.advantages[0].tolist() == pytest.approx((mask[0] * 1.0).tolist())
+
+
+def test_a_new_estimator_is_called_by_its_registered_contract(monkeypatch):
+    """Adding an estimator is its registration plus its name in rl/config/algorithm_names.py: the
+    step calls it by kind, with the inputs and settings it declares, and names none itself."""
+    from rl.algo.advantages import ADVANTAGES
+    from rl.config import algorithm_names
+
+    monkeypatch.setattr(ADVANTAGES, "_entries", dict(ADVANTAGES._entries))  # registrations undone afterwards
+    for name, needs in (("batch_mean", ()), ("token_critic", ("values",))):
+        monkeypatch.setitem(algorithm_names.ADVANTAGE_NAMES, name, needs)
+        monkeypatch.setitem(algorithm_names.ALGORITHM_CHOICES, "algorithm.advantage",
+                            algorithm_names.ALGORITHM_CHOICES["algorithm.advantage"] + (name,))
+    calls = {}
+
+    @ADVANTAGES.register("batch_mean", kind="outcome", inputs=("ref_logprobs",), settings=("gamma",))
+    def batch_mean(rewards, valid, ref_logprobs, gamma):
+        calls["batch_mean"] = (valid.tolist(), ref_logprobs.dtype, gamma)
+        return rewards - rewards.mean()
+
+    @ADVANTAGES.register("token_critic", kind="token", inputs=("values",), settings={"discount": "lam"})
+    def token_critic(token_rewards, mask, values, discount):
+        calls["token_critic"] = discount
+        return token_rewards - values, token_rewards * mask
+
+    ref = torch.zeros(2, 4, dtype=torch.float64)
+    out = estimate_advantages(AlgorithmConfig(advantage="batch_mean", gamma=0.5), torch.tensor([3.0, 1.0]),
+                              torch.tensor([True, True]), torch.tensor([0, 1]), MASK, ref_logprobs=ref)
+    assert out.advantages.tolist() == [[0, 1, 1, 0], [0, -1, -1, -1]] and out.returns is None
+    assert calls["batch_mean"] == ([True, True], torch.float32, 0.5)
+    with pytest.raises(ValueError, match="algorithm.advantage=batch_mean needs a reference model"):
+        estimate_advantages(AlgorithmConfig(advantage="batch_mean"), torch.tensor([3.0, 1.0]),
+                            torch.tensor([True, True]), torch.tensor([0, 1]), MASK)
+    out = estimate_advantages(AlgorithmConfig(advantage="token_critic", lam=0.7), torch.tensor([2.0, 1.0]),
+                              torch.tensor([True, True]), torch.tensor([0, 1]), MASK, values=torch.ones(2, 4))
+    # reward on the last completion token, minus the value 1 on every completion token
+    assert out.advantages.tolist() == [[0, -1, 1, 0], [0, -1, -1, 0]] and calls["token_critic"] == 0.7
+    assert out.returns.tolist() == [[0, 0, 2, 0], [0, 0, 0, 1]]
+    assert out.metrics["critic/returns_mean"] == pytest.approx(0.6)

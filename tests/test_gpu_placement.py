@@ -11,7 +11,7 @@ import pytest
 
 from rl.plan.devices import GPU_VISIBILITY_ENV, NoCudaError, actor_device, collective_backend, local_device_index
 from tests.conftest import own_ray
-from trainer.group import sync_backend
+from trainer.sync.collective import sync_backend
 
 
 def test_device_and_backend_come_from_the_gpus_an_actor_was_given():
@@ -218,7 +218,7 @@ def test_disaggregated_shares_that_may_pack_one_role_twice_on_a_gpu_are_refused(
 def test_engines_start_alone_on_a_gpu_they_may_share():
     """vLLM sizes its memory from what is free while it starts: where an engine may share its GPU
     with a learner rank (hybrid, or any share below one GPU), the learner starts after it."""
-    from launch.train import engines_start_first
+    from launch.components import engines_start_first
     from tests.conftest import compose_config
 
     assert engines_start_first(compose_config(["cluster=hybrid_gpu"]).cluster)

@@ -54,7 +54,8 @@ def test_token_budget_micro_batches_sort_by_length_and_respect_the_budget():
     # longest first: 30 alone (2 x 30 > 40); 20 + 19 (2 x 20 = 40); 7, 5, 3 (3 x 7 = 21)
     assert plan == [[5], [1, 3], [2, 0, 4]]
     assert plan_micro_batches(lengths, max_rows=2, max_tokens=1000) == [[5, 1], [3, 2], [0, 4]]
-    assert plan_micro_batches(lengths, max_rows=4) == [[0, 1, 2, 3], [4, 5]]  # by rows, in order
+    with pytest.raises(ValueError, match="row cuts: rl.plan.geometry"):  # rows alone: BatchGeometry's cut
+        plan_micro_batches(lengths, max_rows=4, max_tokens=0)
     assert split_to_count(plan, 5) == [[5], [1], [3], [2], [0, 4]]
     with pytest.raises(ValueError):
         split_to_count([[0], [1]], 3)

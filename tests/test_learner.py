@@ -57,7 +57,7 @@ def test_update_follows_the_advantages(ray_local, tiny_dir, tmp_path, stage, wor
     path = f"{tiny_dir}/model"
     tok, model = AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path).eval()
     batch, scored = _batch(tok, model)
-    group = LearnerGroup(_spec(path, stage, len(batch)), world, num_cpus=1, weight_sync_method="object_store")
+    group = LearnerGroup(_spec(path, stage, len(batch)), world, num_cpus=1)
     try:
         metrics = group.train_step(batch, step=0)
         group.save_pretrained(str(tmp_path / "after"))
@@ -115,7 +115,7 @@ def test_one_update_is_the_same_however_the_work_is_cut(ray_local, tiny_dir, tmp
         spec = dataclasses.replace(spec, trainer=dataclasses.replace(spec.trainer, **trainer))
         assert not spec.recompute_old_logprobs
         b = dataclasses.replace(batch, old_logprobs=scored_old.clone() if given else None)
-        group = LearnerGroup(spec, world, num_cpus=1, weight_sync_method="object_store")
+        group = LearnerGroup(spec, world, num_cpus=1)
         try:
             metrics[name] = group.train_step(b, step=0)
             group.save_pretrained(str(tmp_path / str(len(weights))))
@@ -154,7 +154,7 @@ def test_lora_update_trains_and_stores_the_adapters_only(ray_local, tiny_dir, tm
     spec = _spec(path, stage, len(batch))
     spec.model.lora = LoraConfig(rank=4, alpha=8.0)
     spec.algorithm.lr = 1e-2
-    group = LearnerGroup(spec, world, num_cpus=1, weight_sync_method="object_store")
+    group = LearnerGroup(spec, world, num_cpus=1)
     try:
         counts = group.parameter_counts()
         metrics = group.train_step(batch, step=0)
@@ -164,7 +164,7 @@ def test_lora_update_trains_and_stores_the_adapters_only(ray_local, tiny_dir, tm
         group.shutdown()
     # rank 4 on q, k, v, o of 2 layers of width 128: 2 * 4 * (4*128 + 128*4) adapter numbers
     assert counts["trainable"] == 2 * 4 * (4 * 128 + 128 * 4) and counts["total"] > 30 * counts["trainable"]
-    assert group.sync_bytes() == counts["trainable"] * 4  # what each sync sends: the adapters, fp32
+    assert sum(m.nbytes for m in group.metas) == counts["trainable"] * 4  # what a sync sends: the adapters, fp32
     # The checkpoint holds the weights once plus Adam's two moments of the adapters; with every
     # weight trained the moments alone would be twice the weights.
     saved = sum(os.path.getsize(f) for f in glob.glob(str(tmp_path / "ckpt" / "state" / "*")))

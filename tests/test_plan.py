@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rl.plan.memory_plan import GIB, LEARNER_RUNTIME_GIB, ModelShape, Settings, make_plan
 from test_bad_inputs import RAY_STARTED
+from tests.conftest import imported_packages
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -175,11 +175,13 @@ def test_activation_model_matches_what_autograd_saves():
         assert shape.activation_elements(4 * seq, seq) * 4 == pytest.approx(per_layer, rel=0.01), (hidden, seq)
 
 
-def _run(module: str, overrides: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", module, *overrides], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
-    return proc, time.perf_counter() - start
+def _run(module: str, overrides: list[str], cwd: Path) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """The command's outcome (its import log taken out of stderr) and the packages it imported."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *overrides], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+    imported = imported_packages(proc.stderr)
+    proc.stderr = "".join(line + "\n" for line in proc.stderr.splitlines() if not line.startswith("import time:"))
+    return proc, imported
 
 
 def test_3b_full_finetune_on_24_gib_is_refused_before_anything_starts(tmp_path):
@@ -191,7 +193,7 @@ def test_3b_full_finetune_on_24_gib_is_refused_before_anything_starts(tmp_path):
     (model / "config.json").write_text(json.dumps(LLAMA_3B))
     overrides = [f"model.path={model}", "cluster.memory_gib=24", f"run.dir={tmp_path}/run", "run.progress=false"]
     for module in ("launch.plan", "launch.train"):
-        proc, wall = _run(module, overrides, tmp_path)
+        proc, imported = _run(module, overrides, tmp_path)
         output = proc.stdout + proc.stderr
         assert proc.returncode == 2, output
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -202,8 +204,9 @@ def test_3b_full_finetune_on_24_gib_is_refused_before_anything_starts(tmp_path):
         assert "Memory per role (GiB)" in proc.stdout and "DOES NOT FIT" in proc.stdout  # the table
         assert "Traceback" not in output
         assert RAY_STARTED not in output
-        print(f"{module}: {wall:.1f} s: {error}")
-        assert wall < 15, f"{module} took {wall:.1f} s"
+        assert {"hydra", "launch", "rl"} <= imported, "no import log: the check below would pass vacuously"
+        heavy = imported & {"ray", "vllm", "deepspeed"}
+        assert not heavy, f"{module} refused only after importing {sorted(heavy)}"
     # the suggested overrides make the plan fit
     fix = error.split("; ")[1].split(" would fit")[0].split()
     proc, _ = _run("launch.plan", overrides + fix, tmp_path)

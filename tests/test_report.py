@@ -82,10 +82,15 @@ def test_a_supervised_run_is_compared_with_its_own_defaults(tmp_path):
     run = tmp_path / "sft"
     run.mkdir()
     (run / "metrics.jsonl").write_text(json.dumps({"step": 0, "train/loss": 2.0, "eval/loss": 2.1}) + "\n")
-    (run / "config.yaml").write_text("optim:\n  lr: 0.01\ndata:\n  format: chat\nrun:\n  log_every: 20\n")
+    (run / "config.yaml").write_text("algorithm:\n  lr: 0.01\ndata:\n  format: chat\nrun:\n  log_every: 20\n")
     page = Path(write_report(str(run))[1]).read_text()
-    assert "- `optim.lr`: 0.001 -> 0.01" in page and "- `data.format`: completion -> chat" in page
-    assert "log_every" not in page and "algorithm" not in page
+    assert "- `algorithm.lr`: 0.001 -> 0.01" in page and "- `data.format`: completion -> chat" in page
+    assert "log_every" not in page and "kl_coef" not in page and "rollout" not in page  # not the RL defaults
+    # an older run's config, under the deprecated optim.* names, is compared under the new ones
+    (run / "config.yaml").write_text("optim:\n  lr: 0.01\n  micro_batch_size: 32\ndata:\n  format: chat\n")
+    diff = {key: (default, ran) for key, default, ran in config_diff(str(run)) if ran != "(absent)"}
+    assert diff == {"algorithm.lr": (0.001, 0.01), "trainer.micro_batch_size": (64, 32),
+                    "data.format": ("completion", "chat")}
 
 
 def test_a_default_path_made_absolute_by_the_launch_is_no_difference(tmp_path):

@@ -323,7 +323,7 @@ def test_weights_loaded_mid_generation_date_every_token_and_faults_are_caught(sm
     logs: list[str] = []
     fleet = RolloutFleet(spec, num_cpus=1, env_vars=vllm_env(1, 2), log=logs.append,
                          deadlines=Deadlines(floor_s=4.0, factor=20.0, start_s=120.0))
-    fleet.on_replace = lambda: setattr(fleet, "version", fleet.version)  # (a learner would load its weights)
+    fleet.after_replace = lambda: setattr(fleet, "version", fleet.version)  # (a weight sync would load the weights)
     prompt = [1, 2, 3, 4]
     requests = [GenerationRequest(prompt + [10 + g], "", g, 0, seed=g) for g in range(4)]
     base = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()

@@ -24,7 +24,7 @@ def built_rm(tiny_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny_rm")
     t0 = time.perf_counter()
     summary = build_tiny_rm(str(out), seed=0, policy_path=f"{tiny_dir}/model",
-                            overrides=["optim.epochs=2", "trainer.zero_stage=2"])
+                            overrides=["algorithm.epochs=2", "trainer.zero_stage=2"])
     summary["wall_s"] = time.perf_counter() - t0
     return out, summary
 
@@ -158,9 +158,10 @@ def test_missing_chosen_column_fails_naming_it(tiny_dir, tmp_path) -> None:
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # failed before any training
 
 
-@pytest.mark.parametrize("override,expected", [("optim.lrr=1", "optim.lrr"), ("+nonsense=1", "nonsense"),
+@pytest.mark.parametrize("override,expected", [("algorithm.lrr=1", "algorithm.lrr"), ("+nonsense=1", "nonsense"),
                                                ("trainer.zero_stage=5", "trainer.zero_stage=5"),
-                                               ("optim.micro_batch_size=24", "optim.micro_batch_size")])
+                                               ("trainer.micro_batch_size=1", "trainer.micro_batch_size=1: must be >= 2"),
+                                               ("optim.lrr=1", "optim.lrr")])
 def test_cli_rejects_bad_config_fast_naming_the_field(override, expected, tmp_path) -> None:
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "launch.train_rm", override, f"run.dir={tmp_path}/run"], cwd=ROOT,

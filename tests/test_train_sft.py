@@ -108,10 +108,10 @@ def sft_runs(tiny_dir, tmp_path_factory):
     from launch.train_sft import run
 
     tmp = tmp_path_factory.mktemp("sft")
-    base = [f"model.path={tiny_dir}/model", "run.progress=false", "optim.epochs=0.5", "optim.lr=2e-3"]
+    base = [f"model.path={tiny_dir}/model", "run.progress=false", "algorithm.epochs=0.5", "algorithm.lr=2e-3"]
     completion = run(base + [f"data.train_files=[{tiny_dir}/data/train.jsonl]",
                              f"data.test_files=[{tiny_dir}/data/test.jsonl]", "data.completion_key=answer",
-                             "trainer.zero_stage=3", "optim.micro_batch_size=32", f"run.dir={tmp}/completion"])
+                             "trainer.zero_stage=3", "trainer.micro_batch_size=32", f"run.dir={tmp}/completion"])
     chat_file = _write(tmp / "chat.jsonl", _chat_rows(tiny_dir, 3000))
     chat = run(base + ["data.format=chat", f"data.train_files=[{chat_file}]", "data.test_files=[]",
                        "data.test_fraction=0.1", f"run.dir={tmp}/chat"])
@@ -149,6 +149,35 @@ def test_sft_cli_rejects_bad_config_fast_naming_the_field(tmp_path) -> None:
         assert proc.returncode != 0 and expected in proc.stdout + proc.stderr
         assert "Traceback" not in proc.stderr
     assert time.perf_counter() - start < 20
+
+
+def test_old_optim_names_still_work_with_a_warning_naming_the_new_field() -> None:
+    """`optim.*` (the names before SFT/RM took the RL run's) are translated before validation:
+    the same config as the new names, a FutureWarning per key naming the new field, and the run's
+    saved config has no `optim` section."""
+    from omegaconf import OmegaConf
+
+    from rl.config.compose import compose
+
+    def tree(cfg):  # unresolved: run.dir holds the time of composing
+        return OmegaConf.to_container(cfg, resolve=False)
+
+    old = ["optim.epochs=0.5", "optim.lr=2e-3", "optim.warmup_steps=3", "optim.micro_batch_size=32",
+           "optim.batch_size=96", "optim.weight_decay=0.1", "optim.max_grad_norm=0.5"]
+    new = ["algorithm.epochs=0.5", "algorithm.lr=2e-3", "algorithm.lr_warmup_steps=3", "trainer.micro_batch_size=32",
+           "algorithm.batch_size=96", "algorithm.weight_decay=0.1", "algorithm.max_grad_norm=0.5"]
+    with pytest.warns(FutureWarning) as caught:
+        translated = compose("train_sft", old)
+    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert "optim.lr is deprecated, use algorithm.lr: optim.lr=0.002 was applied as algorithm.lr=0.002" in messages[3]
+    assert "optim.warmup_steps is deprecated, use algorithm.lr_warmup_steps" in messages[4]
+    assert "optim.micro_batch_size is deprecated, use trainer.micro_batch_size" in messages[2]
+    assert len(messages) == 7
+    assert tree(translated) == tree(compose("train_sft", new)) and "optim" not in translated
+    # a reward model's old micro-batch counted pairs; the new one counts sequences (2 per pair)
+    with pytest.warns(FutureWarning, match=r"optim.micro_batch_size=24 was applied as trainer.micro_batch_size=48"):
+        rm = compose("train_rm", ["optim.micro_batch_size=24"])
+    assert tree(rm) == tree(compose("train_rm", ["trainer.micro_batch_size=48"]))
 
 
 def test_sft_missing_messages_column_fails_naming_it(tiny_dir, tmp_path) -> None:

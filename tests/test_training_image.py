@@ -23,7 +23,7 @@ import time
 
 import pytest
 
-pytestmark = pytest.mark.image
+pytestmark = [pytest.mark.image, pytest.mark.slow]  # slow too: outside the fast lane (-m "not slow")
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 IMAGE = os.environ.get("RLPOST_IMAGE", "rlpost-train:cpu")   # build.sh reads it too

@@ -89,7 +89,7 @@ def _stalled_member(rank: int, ports: tuple[int, int], out) -> None:
     if rank == 2:
         time.sleep(120)  # killed by the test before that
         return
-    group.wait_timeout = timedelta(seconds=2)  # what LearnerWorker.broadcast_weights sets per sync
+    group.wait_timeout = timedelta(seconds=2)  # what CollectiveSender.send (trainer/sync/collective.py) sets per sync
     if rank == 0:
         started = time.perf_counter()
         try:
@@ -190,7 +190,7 @@ def _rss(field: str = "VmRSS") -> int:
 
 def _sync_sender(port: int, model_dir: str, new_dir: str, limit: int, to_receiver) -> None:
     """Learner side: new weights (the model's, perturbed; saved to `new_dir` for checking),
-    broadcast twice in `limit`-byte buckets as `LearnerWorker.broadcast_weights` does."""
+    broadcast twice in `limit`-byte buckets as `CollectiveSender.send (trainer/sync/collective.py)` does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rl.wire.weight_sync import WeightMeta, buckets

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -20,14 +18,16 @@ from rl.data.batch import plan_micro_batches, split_to_count
 from rl.config.schema import AlgorithmConfig, ModelConfig, TrainConfig, TrainerConfig
 from rl.plan.devices import actor_device, collective_backend, local_device_index
 from rl.plan.flops import measure_matmul_tflops, train_flops
-from rl.algo.importance import importance_weights
-from rl.algo.kl import KL_ESTIMATORS
-from rl.algo.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
+from rl.plan.geometry import BatchGeometry
+from rl.algo.losses import LossNormalizer
+from rl.algo.objective import policy_objective, value_objective
 from rl.data.types import TrainBatch
 from rl.wire import lora, weight_sync
 from trainer.engine import build_engine, ds_config, import_deepspeed, zero3_load_config
-from trainer.engine import full_state_dict as whole_state_dict
 from trainer.logprobs import packing_matches, token_logprobs
+from trainer import checkpoints
+from trainer.residency import Residency
+from trainer.weights import WeightExport
 
 
 def _assigned_gpus() -> list:
@@ -68,17 +68,18 @@ class LearnerSpec:
         return a.ppo_epochs > 1 or a.mini_batches > 1 or (a.kl_in_reward and a.kl_coef > 0)
 
 
-def gradient_accumulation_steps(spec: LearnerSpec, world_size: int) -> int:
-    rows_per_rank = spec.samples_per_step // (spec.algorithm.mini_batches * world_size)
-    return max(1, -(-rows_per_rank // spec.trainer.micro_batch_size))
+def batch_geometry(spec: LearnerSpec, world_size: int) -> BatchGeometry:
+    """How this run's steps are cut over `world_size` ranks (rl/plan/geometry.py; the memory
+    planner reads the same geometry from the config)."""
+    return BatchGeometry(spec.samples_per_step, world_size, spec.algorithm.mini_batches, spec.trainer.micro_batch_size,
+                         max_tokens_per_micro_batch=spec.trainer.max_tokens_per_micro_batch)
 
 
 def deepspeed_config(spec: LearnerSpec, world_size: int, with_optimizer: bool = True) -> dict[str, Any]:
-    gas = gradient_accumulation_steps(spec, world_size)
-    rows_per_rank = spec.samples_per_step // (spec.algorithm.mini_batches * world_size)
+    geometry = batch_geometry(spec, world_size)
     return ds_config(
-        micro_batch_size=-(-rows_per_rank // gas),
-        gradient_accumulation_steps=gas,
+        micro_batch_size=geometry.micro_batch_examples,
+        gradient_accumulation_steps=geometry.accumulation_steps,
         zero_stage=spec.trainer.zero_stage,
         dtype=spec.model.dtype,
         max_grad_norm=spec.algorithm.max_grad_norm if with_optimizer else None,
@@ -121,7 +122,7 @@ class LearnerWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def node_address(self) -> tuple[str, int]:
-        """An address on this actor's node with a free port (rank 0 hosts the rendezvous)."""
+        """An address on this actor's node with a free port (rank 0 hosts the data-parallel rendezvous)."""
         import ray
 
         return ray.util.get_node_ip_address(), weight_sync.free_port()
@@ -171,14 +172,16 @@ class LearnerWorker:
 
             self.critic = self._trainable(value_model, deepspeed_config(spec, world_size), spec.algorithm.critic_lr)
         # What a weight sync sends: every parameter, or with LoRA only the adapters (by wire name).
-        self._named_params = ([(lora.wire_name(n), p) for n, p in self.engine.module.named_parameters()
-                               if p.requires_grad] if self.lora else list(self.engine.module.named_parameters()))
-        self._sync_group = None
-        self._ipc = None  # vLLM's trainer-side IPC engine (trainer.weight_sync=ipc)
+        named = ([(lora.wire_name(n), p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
+                 if self.lora else list(self.engine.module.named_parameters()))
+        t = spec.trainer
+        self.residency = Residency([self.engine, self.critic], self.ref, not t.ref_offload and t.zero_stage != 3,
+                                   self.device)
+        self.weights = WeightExport(named, rank, spec.trainer.zero_stage, self.residency.resident)
+        self._sender = None  # the weight sync's learner side (`attach_sender`)
         self._scored_sums: dict[str, float] = {}
         self._model_config = self.engine.module.config.to_dict()
         self._dtype = dtype
-        self._offloaded = False  # states moved to the host for the rollout engine on this GPU (hybrid)
         self.peak_tflops = spec.peak_tflops  # 0: measured at the first update (when the rollout engines are idle)
 
     def _packing_holds(self) -> bool:
@@ -257,16 +260,18 @@ class LearnerWorker:
         return int(t)
 
     def _micro_batches(self, batch: TrainBatch, rows: torch.Tensor, forward_only: bool = False) -> list[torch.Tensor]:
-        """`rows` cut into micro-batches: `gradient_accumulation_steps` runs of rows (a mini-batch;
-        `forward_only`: runs of `micro_batch_size`), or by the padded-token budget
-        (`trainer.max_tokens_per_micro_batch`), as many on every rank."""
-        budget = self.spec.trainer.max_tokens_per_micro_batch
+        """`rows` cut into micro-batches as `BatchGeometry` says: a mini-batch into
+        `accumulation_steps` near-equal runs of rows (`forward_only`: runs of `examples_cap`, i.e.
+        `trainer.micro_batch_size`), or by the padded-token budget (`trainer.max_tokens_per_micro_batch`,
+        at most `examples_cap` rows each), as many on every rank."""
+        geometry = batch_geometry(self.spec, self.world_size)
+        budget = geometry.max_tokens_per_micro_batch
         if budget <= 0 and forward_only:
-            return list(torch.split(rows, self.spec.trainer.micro_batch_size))
+            return list(torch.split(rows, geometry.forward_sizes(len(rows))))
         if budget <= 0:
-            return list(torch.tensor_split(rows, gradient_accumulation_steps(self.spec, self.world_size)))
+            return list(torch.split(rows, geometry.micro_batch_sizes(len(rows))))
         lengths = batch.attention_mask[rows].sum(dim=1).tolist()
-        plan = plan_micro_batches(lengths, self.spec.trainer.micro_batch_size, budget)
+        plan = plan_micro_batches(lengths, geometry.examples_cap, budget)
         plan = split_to_count(plan, self._max_over_ranks(len(plan)))
         return [rows[torch.tensor(mb, dtype=torch.long)] for mb in plan]
 
@@ -336,7 +341,7 @@ class LearnerWorker:
         `kl_coef` weighs the KL term of the loss (the driver's KL controller, which may adapt it;
         default: algorithm.kl_coef).
 
-        Every mini-batch is split into exactly `gradient_accumulation_steps` micro-batches on
+        Every mini-batch is split into exactly `accumulation_steps` micro-batches on
         every rank, so DeepSpeed's accumulation boundary is the mini-batch boundary. The critic
         (PPO) trains on the same mini-batches; during its warm-up steps the policy stays put.
         """
@@ -393,57 +398,36 @@ class LearnerWorker:
         if fused and first_pass:
             _add_mismatch(sums, old.cpu(), mb.rollout_logprobs, mb.loss_mask)
             sums["actor/entropy_nats"] += float((entropy.detach() * mask).sum())
-        extra = {"clip_ratio_c": a.clip_ratio_c} if a.policy_loss == "ppo_dual_clip" else {}
-        # on-policy (off_policy_steps=0) the sampler is the old policy: the ratio stays PPO's own
-        ratio_base = behaviour if a.importance_correction == "behaviour_clip" and a.off_policy_steps > 0 else old
-        pg_loss, clipped = POLICY_LOSSES.get(a.policy_loss)(
-            logp, ratio_base, adv, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, mask=mask, **extra
-        )
-        weights, is_sums = importance_weights(old, behaviour, mask, a.importance_correction, a.tis_cap,
-                                              a.seq_mask_low, a.seq_mask_high)
-        per_token = pg_loss * weights
+        ref = None if mb.ref_logprobs is None else self._to_device(mb.ref_logprobs)
+        out = policy_objective(logp, old, behaviour, adv, mask, a, norm, kl_coef, entropy=entropy, ref_logprobs=ref)
         if first_pass:
-            for k, v in is_sums.items():
+            for k, v in out.importance_sums.items():
                 sums[k] += v
             lengths = mb.attention_mask.sum(dim=1).tolist()
             sums["_trained_tokens"] += float(sum(lengths) * a.ppo_epochs)
             sums["_flops"] += train_flops(self._model_config, lengths) * a.ppo_epochs
-        if mb.ref_logprobs is not None and not spec.algorithm.kl_in_reward:
-            kl = KL_ESTIMATORS.get(spec.algorithm.kl_estimator)(logp, self._to_device(mb.ref_logprobs))
-            per_token = per_token + kl_coef * kl
-            sums["actor/kl_nats"] += float((kl.detach() * mask).sum())
-        if a.entropy_coef > 0:
-            per_token = with_entropy_bonus(per_token, entropy, a.entropy_coef)
-        loss = aggregate(per_token, mask, a.loss_agg, norm)
+        if out.kl_sum is not None:
+            sums["actor/kl_nats"] += out.kl_sum
         # DeepSpeed averages gradients over data-parallel ranks; the normalizer is already global,
         # so undo that average, and do not let it divide by the accumulation steps again.
-        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
-        sums["actor/loss_nats"] += float(loss.detach())
-        sums["actor/pg_loss_nats"] += float((pg_loss.detach() * mask).sum())
-        sums["actor/clip_frac"] += float((clipped * mask).sum())
+        self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
+        sums["actor/loss_nats"] += float(out.loss.detach())
+        sums["actor/pg_loss_nats"] += out.pg_loss_sum
+        sums["actor/clip_frac"] += out.clipped_sum
         sums["_loss_tokens"] += float(mask.sum())
 
     def _critic_backward(self, mb: TrainBatch, norm: LossNormalizer, sums: dict[str, float]) -> None:
         ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
         mask, old, returns = (self._to_device(t) for t in (mb.loss_mask, mb.values, mb.returns))
         values = self._values(self.critic, ids, am)
-        per_token, clipped = value_loss(values, old, returns, self.spec.algorithm.value_clip or None)
-        loss = aggregate(per_token, mask, "token_mean", norm)
-        self.critic.backward(loss * self.world_size, scale_wrt_gas=False)
-        sums["critic/value_loss"] += float(loss.detach())
-        sums["critic/clip_frac"] += float((clipped * mask).sum())
-        sums["critic/value_error"] += float(((values.detach() - returns).abs() * mask).sum())
+        out = value_objective(values, old, returns, mask, self.spec.algorithm, norm)
+        self.critic.backward(out.loss * self.world_size, scale_wrt_gas=False)
+        sums["critic/value_loss"] += float(out.loss.detach())
+        sums["critic/clip_frac"] += out.clipped_sum
+        sums["critic/value_error"] += out.abs_error_sum
         sums["_critic_tokens"] += float(mask.sum())
 
     # ---- weights out ----------------------------------------------------------------------
-
-    def _gathered(self, names: list[int]):
-        """Context in which the listed parameters are whole (ZeRO-3 gathers them; others: no-op)."""
-        if self.spec.trainer.zero_stage != 3:
-            return nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters([self._named_params[i][1] for i in names], modifier_rank=None)
 
     def parameter_counts(self) -> dict[str, float]:
         """Trainable and total parameters and the model's bytes (what a full weight sync moves)."""
@@ -454,157 +438,39 @@ class LearnerWorker:
                 "total_bytes": float(sum(n * p.element_size() for n, p in zip(numel, params)))}
 
     def weight_metas(self) -> list[weight_sync.WeightMeta]:
-        return [
-            weight_sync.WeightMeta(name, tuple(getattr(p, "ds_shape", p.shape)), str(p.dtype).removeprefix("torch."))
-            for name, p in self._named_params
-        ]
+        return self.weights.metas()
 
-    def _full_buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """All ranks iterate (ZeRO-3 gathering is collective); yields whole tensors bucket by bucket."""
-        metas = self.weight_metas()
-        for bucket in weight_sync.buckets(metas):
-            with self._gathered(bucket):
-                yield [(self._named_params[i][0], self._named_params[i][1].data) for i in bucket]
+    def attach_sender(self, sender) -> None:
+        """Hold the learner side of the weight sync (`trainer/sync/`): it reads the weights
+        through `self.weights` and nothing else of this rank."""
+        if self._sender is not None:
+            self._sender.close()
+        sender.bind(self.weights, self.rank, self.device)
+        self._sender = sender
 
-    def join_weight_sync(self, host: str, port: int, world_size: int, backend: str) -> None:
-        """Rank 0 only: become rank 0 of the weight-sync group with the rollout workers."""
-        weight_sync.close_group(self._sync_group)  # the group of the fleet before a replacement
-        self._sync_group = weight_sync.init_group(host, port, 0, world_size, backend)
-        self._sync_on_host = backend == "gloo" and self.device.type == "cuda"  # gloo sends host tensors
+    def sender_call(self, method: str, *args):
+        """A call of the weight sync on its learner side (join, send...)."""
+        return getattr(self._sender, method)(*args)
 
-    def broadcast_weights(self, wait_s: float | None = None) -> float:
-        """Called on every rank; rank 0 broadcasts to the rollout workers, waiting at most `wait_s`
-        for each bucket to arrive (a stopped receiver: this raises). Returns bytes sent."""
-        if self.rank == 0 and wait_s:
-            self._sync_group.wait_timeout = timedelta(seconds=wait_s)
-        sent = 0
-        for bucket in self._full_buckets():
-            if self.rank == 0:
-                weight_sync.send(self._sync_group, [[t.cpu() if self._sync_on_host else t for _, t in bucket]])
-                sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        return float(sent)
-
-    def connect_ipc(self, workers: list, timeout_s: float) -> None:
-        """Every rank, hybrid placement: (re)build the trainer side of the CUDA IPC sync
-        (trainer/ipc_sync.py); rank 0 drives the rollout `workers` (the others pass none)."""
-        from trainer.ipc_sync import FleetClient, trainer_engine
-
-        if self._ipc is not None:
-            self._ipc.shutdown()
-        self._ipc = trainer_engine(self.rank, FleetClient(workers, timeout_s), self.weight_metas(), self._full_buckets)
-
-    def send_weights_ipc(self, version: int) -> float:
-        """Every rank: share the weights with the engine on this GPU as policy `version`;
-        returns the bytes one engine loaded."""
-        self._ipc.client.version = version
-        self._ipc.send_weights()
-        return float(sum(m.nbytes for m in self.weight_metas()))
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Whole weights on CPU at rank 0 (None elsewhere): for the object-store sync and saving."""
-        with self._resident():
-            return self._full_state_dict()
-
-    def _full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        out: dict[str, torch.Tensor] = {}
-        for bucket in self._full_buckets():
-            if self.rank == 0:
-                out.update((name, t.detach().cpu().clone()) for name, t in bucket)
-        return out if self.rank == 0 else None
-
-    # ---- hybrid placement: handing the GPU to the rollout engine on it ----------------------
+    # ---- hybrid placement: handing the GPU to the rollout engine on it (trainer/residency.py) --
 
     def offload(self, keep_weights: bool = False) -> None:
-        """Move this rank's states to host memory so the rollout engine sharing its GPU can wake
-        (cluster.placement_mode=hybrid): DeepSpeed's `offload_states` for the policy and critic
-        (optimizer states, fp32 master weights, gradients, and unless `keep_weights` the
-        16-bit weights a CUDA-IPC sync reads), the reference model's weights, then the caching
-        allocator's free blocks. Again with keep_weights=False, the rest goes too."""
-        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
-
-        include = [s for s in State if not (keep_weights and s == State.lp_params)]
-        pin = self.device.type == "cuda"
-        for engine in (self.engine, self.critic):
-            if engine is not None:
-                engine.offload_states(include=include, pin_memory=pin)
-        if not keep_weights and self._ref_movable:
-            self.ref.module.to("cpu")
-        self._offloaded = True
-        if pin:
-            torch.cuda.empty_cache()
+        self.residency.offload(keep_weights)
 
     def onload(self) -> None:
-        """Undo `offload` (the engine on this GPU sleeps now)."""
-        if not self._offloaded:
-            return
-        for engine in (self.engine, self.critic):
-            if engine is not None:
-                engine.reload_states()
-        if self._ref_movable:
-            self.ref.module.to(self.device)
-        self._offloaded = False
+        self.residency.onload()
 
-    @property
-    def _ref_movable(self) -> bool:
-        """The reference model is a plain module on the device (ZeRO stage 0: see `_reference`);
-        under ZeRO-3 its partitions stay where DeepSpeed keeps them (with ref_offload: the host)."""
-        t = self.spec.trainer
-        return self.ref is not None and not t.ref_offload and t.zero_stage != 3
-
-    @contextmanager
-    def _resident(self):
-        """States on the device for the duration (a checkpoint written between steps), then
-        offloaded again if they were."""
-        was = self._offloaded
-        self.onload()
-        try:
-            yield
-        finally:
-            if was:
-                self.offload()
+    # ---- files (trainer/checkpoints.py) ------------------------------------------------------
 
     def save_checkpoint(self, path: str) -> None:
-        """Full training state (weights, optimizer, lr schedule), every rank writing its shard;
-        the critic's in `critic/` beside it."""
-        with self._resident():
-            self.engine.save_checkpoint(path, tag="state")
-            if self.critic is not None:
-                self.critic.save_checkpoint(os.path.join(path, "critic"), tag="state")
+        with self.residency.resident():
+            checkpoints.save_state(path, self.engine, self.critic)
 
     def load_checkpoint(self, path: str) -> None:
         self.onload()
-        for engine, where in ((self.engine, path), (self.critic, os.path.join(path, "critic"))):
-            if engine is None:
-                continue
-            loaded, _ = engine.load_checkpoint(where, tag="state")
-            if loaded is None:
-                raise FileNotFoundError(f"no learner checkpoint under {where}")
+        checkpoints.load_state(path, self.engine, self.critic)
 
     def save_pretrained(self, path: str, adapter_path: str | None = None) -> None:
-        """Write the policy as a transformers folder (safetensors) that vLLM and HF load directly;
-        with LoRA that is the base model with the adapters merged in, and `adapter_path` gets the
-        adapters alone as a peft folder (`PeftModel.from_pretrained(base, adapter_path)`)."""
-        with self._resident():
-            self._save_pretrained(path, adapter_path)
-
-    def _save_pretrained(self, path: str, adapter_path: str | None) -> None:
-        if not self.lora:
-            state = self._full_state_dict()
-            if self.rank == 0:
-                self.engine.module.save_pretrained(path, state_dict=state, safe_serialization=True)
-            return
-        state = whole_state_dict(self.engine.module, self.spec.trainer.zero_stage)  # collective under ZeRO-3
-        if self.rank != 0:
-            return
-        peft_model = self.engine.module
-        adapters = {name: t for name, t in state.items() if ".lora_" in name}
-        base = {name.removeprefix("base_model.model.").replace(".base_layer.", "."): t
-                for name, t in state.items() if ".lora_" not in name}
-        cfg = self.spec.model.lora
-        merger = lora.AdapterMerger({n: base[n] for n in lora.kept_weight_names(base, cfg.target_modules)},
-                                    cfg.alpha / cfg.rank)
-        merged = dict(base)
-        merged.update(merger.merged((lora.wire_name(n), t) for n, t in adapters.items()))
-        peft_model.get_base_model().save_pretrained(path, state_dict=merged, safe_serialization=True)
-        if adapter_path:
-            peft_model.save_pretrained(adapter_path, state_dict=adapters, safe_serialization=True)
+        with self.residency.resident():
+            checkpoints.save_pretrained(path, adapter_path, self.engine, self.weights, self.rank,
+                                        self.spec.trainer.zero_stage, self.spec.model.lora if self.lora else None)

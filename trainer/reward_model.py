@@ -20,6 +20,8 @@ import torch
 
 from rl.data.dataset import load_encoded
 from rl.algo.preference import bradley_terry_loss, pairwise_accuracy
+from rl.config.supervised import PAIR_ROWS
+from rl.plan.geometry import BatchGeometry
 from trainer.sft import collate_right_padded, pad_id_of, tokenize_pair
 from trainer.supervised import fit, torch_threads
 
@@ -123,13 +125,17 @@ def bt_batch_loss(pairs: list[dict[str, Any]], pad_id: int, margin: float):
 
 
 def evaluate(model: Any, pairs: list[dict[str, Any]], pad_id: int, margin: float, micro_batch_size: int) -> dict[str, float]:
-    """Held-out loss and pairwise accuracy (overall and per group, when the data has groups)."""
+    """Held-out loss and pairwise accuracy (overall and per group, when the data has groups), in
+    passes of at most `micro_batch_size` sequences (`trainer.micro_batch_size`: half as many pairs)."""
     was_training = model.training
     model.eval()
     chosen, rejected = [], []
+    start = 0
     with torch.no_grad():
-        for start in range(0, len(pairs), micro_batch_size):
-            c, r = pair_scores(model, pairs[start : start + micro_batch_size], pad_id)
+        geometry = BatchGeometry(len(pairs), micro_batch_size=micro_batch_size, rows_per_example=PAIR_ROWS)
+        for size in geometry.forward_sizes(len(pairs)):
+            c, r = pair_scores(model, pairs[start : start + size], pad_id)
+            start += size
             chosen.append(c.cpu())
             rejected.append(r.cpu())
     model.train(was_training)
@@ -168,8 +174,9 @@ def train_rm(cfg: Any) -> dict[str, Any]:
             load_model=load_model,
             n_train=len(train_pairs),
             loss_fn=bt_batch_loss(train_pairs, pad_id, cfg.loss.margin),
-            evaluate=(lambda engine: evaluate(engine, test_pairs, pad_id, cfg.loss.margin, cfg.optim.micro_batch_size))
+            evaluate=(lambda engine: evaluate(engine, test_pairs, pad_id, cfg.loss.margin, cfg.trainer.micro_batch_size))
             if test_pairs else None,
+            rows_per_example=PAIR_ROWS,
             summary={"train_pairs": len(train_pairs), "test_pairs": len(test_pairs or []), "dropped_pairs": dropped},
         )
     acc = summary.get("eval/pairwise_accuracy")

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from rl.data.dataset import load_encoded
+from rl.plan.geometry import BatchGeometry
 from trainer.supervised import TorchStepper, fit, lr_factor, torch_threads, train_loop
 
 IGNORE_INDEX = -100
@@ -221,18 +222,10 @@ def sft_train(
     tokenizer: Any,
     prompts: list[str],
     completions: list[str],
-    *,
-    steps: int,
-    batch_size: int = 64,
-    lr: float = 3e-3,
-    seed: int = 0,
-    log_every: int = 0,
-    weight_decay: float = 0.0,
-    warmup_steps: int = 0,
-    log_fn: Callable[[str], None] = print,
-    stop_fn: Callable[[int], bool] | None = None,
+    **options: Any,
 ) -> list[float]:
     """Train `model` in place on completion tokens (plain torch AdamW); returns every step's loss.
+    `options`: `train_examples`' keyword arguments (steps, batch_size, lr, seed, ...).
 
     Batches are drawn epoch by epoch from a permutation made by a local generator seeded with
     `seed`, so the run depends only on its inputs, not on global RNG state. `stop_fn(done_steps)`
@@ -245,9 +238,7 @@ def sft_train(
             f"need equally many prompts and completions (> 0), got {len(prompts)} and {len(completions)}"
         )
     examples = [build_example(*tokenize_pair(tokenizer, p, c)) for p, c in zip(prompts, completions)]
-    return train_examples(model, examples, pad_id_of(tokenizer), steps=steps, batch_size=batch_size, lr=lr,
-                          seed=seed, log_every=log_every, weight_decay=weight_decay, warmup_steps=warmup_steps,
-                          log_fn=log_fn, stop_fn=stop_fn)
+    return train_examples(model, examples, pad_id_of(tokenizer), **options)
 
 
 def train_examples(
@@ -305,14 +296,17 @@ def load_examples(cfg: Any, tokenizer: Any):
 
 
 def evaluate(model: Any, examples: list[tuple[list[int], list[int]]], pad_id: int, micro_batch_size: int) -> dict[str, float]:
-    """Held-out loss: mean cross-entropy per trained (completion / assistant) token."""
+    """Held-out loss: mean cross-entropy per trained (completion / assistant) token, in passes of
+    at most `micro_batch_size` rows (`trainer.micro_batch_size`)."""
     loss_fn = completion_batch_loss(examples, pad_id)
     was_training = model.training
     model.eval()
     total = tokens = 0.0
+    start = 0
     with torch.no_grad():
-        for start in range(0, len(examples), micro_batch_size):
-            loss, extra = loss_fn(model, list(range(start, min(start + micro_batch_size, len(examples)))))
+        for size in BatchGeometry(len(examples), micro_batch_size=micro_batch_size).forward_sizes(len(examples)):
+            loss, extra = loss_fn(model, list(range(start, start + size)))
+            start += size
             total += float(loss) * extra["tokens"]
             tokens += extra["tokens"]
     model.train(was_training)
@@ -334,7 +328,7 @@ def train_sft(cfg: Any) -> dict[str, Any]:
             load_model=lambda: AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=getattr(torch, cfg.model.dtype)),
             n_train=len(train),
             loss_fn=completion_batch_loss(train, pad_id),
-            evaluate=(lambda engine: evaluate(engine, test, pad_id, cfg.optim.micro_batch_size)) if test else None,
+            evaluate=(lambda engine: evaluate(engine, test, pad_id, cfg.trainer.micro_batch_size)) if test else None,
             summary={"format": cfg.data.format, "train_rows": len(train), "test_rows": len(test or []),
                      "dropped_rows": dropped},
         )

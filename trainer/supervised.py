@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from rl.plan.geometry import BatchGeometry
+
 LossFn = Callable[[Any, list[int]], tuple[torch.Tensor, dict[str, float]]]
 
 
@@ -103,6 +105,7 @@ def train_loop(
     steps: int,
     batch_size: int,
     micro_batch_size: int | None = None,
+    rows_per_example: int = 1,
     seed: int = 0,
     log_every: int = 0,
     log_fn: Callable[[str], None] = print,
@@ -113,19 +116,21 @@ def train_loop(
     """Run `steps` optimizer updates of `batch_size` examples each; returns every step's loss.
 
     Example indices come epoch after epoch from permutations of a generator seeded with `seed`
-    (never from global RNG state). A batch is split into micro-batches of `micro_batch_size`
-    (default: the whole batch); `loss_fn(model, indices)` returns one micro-batch's mean loss and
-    extra metrics, and the step's loss is the mean over its micro-batches. After each step,
+    (never from global RNG state). A batch is cut as `rl.plan.geometry.BatchGeometry` cuts it:
+    into the fewest micro-batches of at most `micro_batch_size` sequences (default: the whole
+    batch in one; an example is `rows_per_example` sequences, a preference pair 2), of near-equal
+    size. `loss_fn(model, indices)` returns one micro-batch's mean loss and extra metrics; each
+    counts by its share of the batch's examples (equal micro-batches: the mean over them), and so
+    does the step's loss. After each step,
     `on_step(done_steps, metrics)` gets the averaged metrics plus `loss`, `lr` and `grad_norm`,
     then `stop_fn(done_steps)` may end training early (it may switch the model to eval mode;
     training mode is restored).
     """
     if n_examples < 1:
         raise ValueError("no training examples")
-    micro = micro_batch_size or batch_size
-    if batch_size % micro:
-        raise ValueError(f"batch size {batch_size} is not a multiple of the micro-batch size {micro}")
-    n_micro = batch_size // micro
+    sizes = BatchGeometry(batch_size, micro_batch_size=micro_batch_size or 0,
+                          rows_per_example=rows_per_example).micro_batch_sizes()
+    n_micro = len(sizes)
     generator = torch.Generator().manual_seed(seed)
     stepper.train()
     order: list[int] = []
@@ -135,11 +140,14 @@ def train_loop(
             order += torch.randperm(n_examples, generator=generator).tolist()
         picked, order = order[:batch_size], order[batch_size:]
         sums: dict[str, float] = {}
-        for start in range(0, batch_size, micro):
-            loss, extra = loss_fn(stepper.model, picked[start : start + micro])
-            stepper.backward(loss, n_micro)
+        start = 0
+        for size in sizes:
+            loss, extra = loss_fn(stepper.model, picked[start : start + size])
+            start += size
+            weight = size * n_micro / batch_size  # exactly 1.0 when the micro-batches are equal
+            stepper.backward(loss if weight == 1.0 else loss * weight, n_micro)
             for key, value in {"loss": float(loss.detach()), **extra}.items():
-                sums[key] = sums.get(key, 0.0) + value
+                sums[key] = sums.get(key, 0.0) + value * weight
         grad_norm = stepper.update()
         metrics = {k: v / n_micro for k, v in sums.items()}
         metrics["lr"] = stepper.lr()
@@ -195,10 +203,13 @@ def fit(
     loss_fn: LossFn,
     evaluate: Callable[[Any], dict[str, float]] | None = None,
     summary: dict[str, Any] | None = None,
+    rows_per_example: int = 1,
 ) -> dict[str, Any]:
     """Train with a one-process DeepSpeed engine and write the run directory; returns the summary.
 
-    `cfg` has the `model`, `optim`, `trainer` and `run` sections of `rl/config/supervised.py`.
+    `cfg` has the `model`, `algorithm`, `trainer` and `run` sections of `rl/config/supervised.py`
+    (validated: deprecated `optim.*` keys already translated); an example is `rows_per_example`
+    sequences of a forward pass (a preference pair: 2), for `trainer.micro_batch_size`.
     `load_model()` builds the model (called under the ZeRO-3 context; seed it yourself);
     `loss_fn(engine, indices)` is one micro-batch's loss (see `train_loop`); `evaluate(engine)`
     returns held-out metrics (keys like "eval/loss"), run before training, after every epoch,
@@ -208,17 +219,26 @@ def fit(
     from trainer.engine import restored_dist_env
 
     with restored_dist_env():
-        return _fit(cfg, title, tokenizer, load_model, n_train, loss_fn, evaluate, summary)
+        return _fit(cfg, title, tokenizer, load_model, n_train, loss_fn, evaluate, summary, rows_per_example)
+
+
+def supervised_geometry(cfg: Any, rows_per_example: int = 1) -> BatchGeometry:
+    """A supervised run's cuts: `algorithm.batch_size` examples per update on one process, at
+    most `trainer.micro_batch_size` sequences per forward-backward pass."""
+    return BatchGeometry(cfg.algorithm.batch_size, micro_batch_size=cfg.trainer.micro_batch_size,
+                         rows_per_example=rows_per_example)
 
 
 def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn.Module], n_train: int,
-         loss_fn: LossFn, evaluate: Callable[[Any], dict[str, float]] | None, summary: dict[str, Any] | None):
+         loss_fn: LossFn, evaluate: Callable[[Any], dict[str, float]] | None, summary: dict[str, Any] | None,
+         rows_per_example: int):
     from omegaconf import OmegaConf
 
     from rl.run.run_log import RunLog, row_line
     from trainer.engine import build_engine, ds_config, full_state_dict, init_single_process, save_pretrained_atomic
 
-    o = cfg.optim
+    o = cfg.algorithm
+    geometry = supervised_geometry(cfg, rows_per_example)
     steps, per_epoch = schedule(o.epochs, n_train, o.batch_size)
     writer = RunLog(cfg.run.dir, steps, title=title, progress=cfg.run.progress,
                     config_yaml=OmegaConf.to_yaml(cfg, resolve=True), line=row_line(title),
@@ -226,8 +246,8 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
                     sink_options={"project": cfg.run.project, "mlflow_tracking_uri": cfg.run.mlflow_tracking_uri})
     try:
         config = ds_config(
-            micro_batch_size=o.micro_batch_size,
-            gradient_accumulation_steps=o.batch_size // o.micro_batch_size,
+            micro_batch_size=geometry.micro_batch_examples,
+            gradient_accumulation_steps=geometry.accumulation_steps,
             zero_stage=cfg.trainer.zero_stage,
             dtype=cfg.model.dtype,
             max_grad_norm=o.max_grad_norm,
@@ -236,10 +256,10 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
         )
         init_single_process()
         engine = build_engine(load_model, config, lr=o.lr, weight_decay=o.weight_decay,
-                              lr_lambda=lambda s: lr_factor(s, steps, o.warmup_steps),
+                              lr_lambda=lambda s: lr_factor(s, steps, o.lr_warmup_steps),
                               gradient_checkpointing=cfg.model.gradient_checkpointing)
         print(f"{title}: {n_train} training rows, {steps} steps of {o.batch_size} "
-              f"({o.batch_size // o.micro_batch_size} micro-batches), ZeRO-{cfg.trainer.zero_stage}", flush=True)
+              f"({geometry.accumulation_steps} micro-batches), ZeRO-{cfg.trainer.zero_stage}", flush=True)
         history: list[dict[str, float]] = []
 
         def run_eval(done: int) -> None:
@@ -265,7 +285,8 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
         run_eval(0)
         t_train = time.perf_counter()
         losses = train_loop(DeepSpeedStepper(engine), n_train, loss_fn, steps=steps, batch_size=o.batch_size,
-                            micro_batch_size=o.micro_batch_size, seed=cfg.run.seed, on_step=on_step)
+                            micro_batch_size=cfg.trainer.micro_batch_size, rows_per_example=rows_per_example,
+                            seed=cfg.run.seed, on_step=on_step)
         out: dict[str, Any] = {
             **(summary or {}),
             "steps": len(losses),

@@ -1,14 +1,15 @@
-"""Advantage estimators: pure tensor functions, registered by name (`algorithm.advantage`).
+"""Advantage estimators: pure tensor functions, registered by name (`algorithm.advantage`) with
+their contract, which is how `rl/algo/estimate.py` calls them (it never looks at the name):
 
-Three kinds of input, named in `ADVANTAGE_INPUTS` so the caller knows how to call each one:
+- kind "outcome": `fn(rewards [B], valid=[B], **inputs, **settings) -> [B]`, one advantage per
+  sample from its sequence reward; the caller broadcasts it to the sample's tokens.
+- kind "token": `fn(token_rewards [B,T], mask=[B,T], **inputs, **settings) -> [B,T]` per-token
+  advantages from per-token rewards (see `token_level_rewards`); one that takes `values` returns
+  `(advantages, returns)`, the returns being the critic's targets.
 
-- "outcome": one scalar reward per sample and the group (prompt) each sample belongs to
-  -> one advantage per sample; the caller broadcasts it to the sample's tokens.
-  Signature `(rewards [B], group_ids [B], valid [B] | None) -> [B]` (grpo also takes norm_by_std).
-- "token": per-token rewards (see `token_level_rewards`) -> per-token advantages.
-  reinforce_pp: `(token_rewards [B,T], mask [B,T], gamma) -> advantages [B,T]`.
-- "critic": per-token rewards and a critic's values -> per-token advantages and value targets.
-  gae: `(token_rewards [B,T], values [B,T], mask [B,T], gamma, lam) -> (advantages, returns)`.
+`inputs` name the extra tensors (group_ids [B], values / old_logprobs / ref_logprobs [B,T]),
+`settings` the AlgorithmConfig fields passed as keyword arguments. A new estimator is named in
+`rl/config/algorithm_names.py` too (see there).
 
 Samples whose reward could not be computed are excluded by the caller (`valid` mask, or an
 all-zero row of the token mask). Masks are 1 on completion tokens; rows may start with prompt
@@ -21,14 +22,14 @@ import torch
 
 from rl.algo.registry import Registry
 
-ADVANTAGES = Registry("advantage estimator", "algorithm.advantage")
-ADVANTAGE_INPUTS = {"grpo": "outcome", "rloo": "outcome", "reinforce_pp": "token", "gae": "critic"}
+ADVANTAGES = Registry("advantage estimator", "algorithm.advantage", kinds=("outcome", "token"),
+                      inputs=("group_ids", "values", "old_logprobs", "ref_logprobs"))
 
 
 # ---- outcome-reward estimators (one advantage per sample) -----------------------------------
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", kind="outcome", inputs=("group_ids",), settings=("norm_by_std",))
 def grpo_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
@@ -58,7 +59,7 @@ def grpo_advantages(
     return adv.to(torch.float32)
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", kind="outcome", inputs=("group_ids",))
 def rloo_advantages(
     rewards: torch.Tensor, group_ids: torch.Tensor, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -158,7 +159,7 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
 # ---- per-token estimators ---------------------------------------------------------------------
 
 
-@ADVANTAGES.register("reinforce_pp")
+@ADVANTAGES.register("reinforce_pp", kind="token", settings=("gamma",))
 def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++ (Hu 2025): A_t = whiten(G_t) with G_t = sum_{k >= t} gamma^(k-t) r_k.
 
@@ -169,13 +170,14 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, gam
     return whiten(discounted_returns(token_rewards, mask, gamma), mask)
 
 
-@ADVANTAGES.register("gae")
+@ADVANTAGES.register("gae", kind="token", inputs=("values",), settings=("gamma", "lam", "whiten_advantages"))
 def gae_advantages(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
     mask: torch.Tensor,
     gamma: float = 1.0,
     lam: float = 0.95,
+    whiten_advantages: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE (Schulman et al. 2016) with a learned critic; returns (advantages, returns), both [B, T].
 
@@ -185,8 +187,8 @@ def gae_advantages(
     Masked positions inside a row (an episode's observation tokens) are skipped: value and
     advantage carry across them from the next model turn, as verl and OpenRLHF do for multi-turn,
     rather than the recursion restarting there. Masked positions are 0 in the outputs.
-    Advantages are *not* whitened here: PPO usually applies `whiten(advantages, mask)` afterwards
-    (keep `returns` from the raw advantages).
+    With `whiten_advantages` (PPO's usual choice) the advantages are whitened over the batch's valid
+    tokens; `returns` are always from the raw advantages.
     """
     mask = mask.to(values.dtype)
     values = values * mask
@@ -201,4 +203,5 @@ def gae_advantages(
         # a masked position leaves both as they were: the next valid token's
         next_value = m * values[:, t] + (1 - m) * next_value
         next_adv = a_t + (1 - m) * next_adv
-    return adv, (adv + values) * mask
+    returns = (adv + values) * mask
+    return (whiten(adv, mask) if whiten_advantages else adv), returns

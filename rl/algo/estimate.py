@@ -3,6 +3,9 @@
 The driver calls this after the learner has scored the batch (old and reference log-probs,
 critic values) and before it updates: all estimators see the whole step's batch, which the
 global ones (REINFORCE++ and PPO whitening) need. Pure tensor code, like the rest of `rl/`.
+
+It calls the estimator as its registration says (`rl/algo/advantages.py`): by its kind, with the
+inputs and settings it declares; no estimator is named here.
 """
 
 from __future__ import annotations
@@ -11,18 +14,23 @@ from dataclasses import dataclass
 
 import torch
 
-from rl.algo.advantages import ADVANTAGES, token_level_rewards, whiten
+from rl.algo.advantages import ADVANTAGES, token_level_rewards
 from rl.config.schema import AlgorithmConfig
 from rl.algo.kl import KL_ESTIMATORS
 
-OUTCOME_ESTIMATORS = ("grpo", "rloo")   # one advantage per sample, broadcast to its tokens
-TOKEN_ESTIMATORS = ("reinforce_pp", "gae")
+# what to set when an estimator's input is missing
+_MISSING_INPUT_FIX = {
+    "values": "a critic (set algorithm.critic=true)",
+    "old_logprobs": "the old policy's log-probs (the learner's score step)",
+    "ref_logprobs": "a reference model (set algorithm.kl_coef > 0)",
+    "group_ids": "the group (prompt) of each sample",
+}
 
 
 @dataclass
 class Estimate:
     advantages: torch.Tensor        # [B, T-1], zero off the loss mask
-    returns: torch.Tensor | None    # [B, T-1] value targets (gae only)
+    returns: torch.Tensor | None    # [B, T-1] value targets (estimators that take values only)
     metrics: dict[str, float]
 
 
@@ -53,10 +61,16 @@ def estimate_advantages(
         metrics["actor/kl_coef"] = float(kl_coef)
 
     name = settings.advantage
-    if name in OUTCOME_ESTIMATORS:
+    estimator = ADVANTAGES.entry(name)
+    given = {"group_ids": group_ids, "values": values, "old_logprobs": old_logprobs, "ref_logprobs": ref_logprobs}
+    missing = [key for key in estimator.inputs if given[key] is None]
+    if missing:
+        raise ValueError(f"algorithm.advantage={name} needs {', '.join(_MISSING_INPUT_FIX[key] for key in missing)}")
+    kwargs = {key: given[key] if key == "group_ids" else given[key].float() for key in estimator.inputs}
+    kwargs.update(ADVANTAGES.settings(name, settings))
+    if estimator.kind == "outcome":
         seq_reward = outcome if kl is None else outcome - kl_coef * kl.sum(dim=1).to(torch.float64)
-        extra = {"norm_by_std": settings.norm_by_std} if name == "grpo" else {}
-        per_sample = ADVANTAGES.get(name)(seq_reward, group_ids, valid, **extra)
+        per_sample = estimator.fn(seq_reward, valid=valid, **kwargs)
         return Estimate(per_sample.float()[:, None] * mask, None, metrics)
     if turn_rewards is None:
         token_rewards = token_level_rewards(outcome.float(), mask, kl, kl_coef)
@@ -64,14 +78,9 @@ def estimate_advantages(
         turns = turn_rewards.to(torch.float32) * mask
         rest = outcome.float() - turns.sum(dim=1)
         token_rewards = token_level_rewards(rest, mask, kl, kl_coef) + turns
-    if name == "reinforce_pp":
-        return Estimate(ADVANTAGES.get(name)(token_rewards, mask, settings.gamma), None, metrics)
-    if name == "gae":
-        if values is None:
-            raise ValueError("algorithm.advantage=gae needs a critic (set algorithm.critic=true)")
-        adv, returns = ADVANTAGES.get(name)(token_rewards, values.float(), mask, settings.gamma, settings.lam)
-        metrics["critic/returns_mean"] = float((returns * mask).sum() / mask.sum().clamp(min=1))
-        if settings.whiten_advantages:
-            adv = whiten(adv, mask)
-        return Estimate(adv * mask, returns, metrics)
-    raise ValueError(f"algorithm.advantage={name!r}: choose one of {', '.join(OUTCOME_ESTIMATORS + TOKEN_ESTIMATORS)}")
+    out = estimator.fn(token_rewards, mask=mask, **kwargs)
+    if "values" not in estimator.inputs:
+        return Estimate(out * mask, None, metrics)
+    adv, returns = out  # an estimator with a critic also gives the critic's targets
+    metrics["critic/returns_mean"] = float((returns * mask).sum() / mask.sum().clamp(min=1))
+    return Estimate(adv * mask, returns, metrics)

@@ -11,6 +11,11 @@ on-policy it changes nothing): no extra weight here.
 
 Pure tensor functions: `learner_lp` is the learner's (pre-update) log-prob of each sampled token,
 `behaviour_lp` the rollout engine's, both [B, T] with `mask` marking the tokens that count.
+
+Each correction (`algorithm.importance_correction`) is registered with its kind: "none" (no
+weight), "token" (a weight per token), "sequence" (one per sequence) or "ratio" (no weight: PPO's
+ratio is taken against the behaviour policy instead); and the settings it takes (tis_cap, ...).
+It is called as `fn(log_ratio [B,T], mask [B,T], **settings) -> (weights [B,T], metric sums)`.
 """
 
 from __future__ import annotations
@@ -19,29 +24,56 @@ import math
 
 import torch
 
+from rl.algo.registry import Registry
+
+IMPORTANCE_CORRECTIONS = Registry("importance correction", "algorithm.importance_correction",
+                                  kinds=("none", "token", "sequence", "ratio"))
+
+
+@IMPORTANCE_CORRECTIONS.register("none", kind="none")
+def no_correction(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    return mask.clone(), {}
+
+
+@IMPORTANCE_CORRECTIONS.register("behaviour_clip", kind="ratio")
+def behaviour_clip(log_ratio: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    """No weight: the correction is PPO's clipped ratio taken against the behaviour policy."""
+    return mask.clone(), {}
+
+
+@IMPORTANCE_CORRECTIONS.register("token_tis", kind="token", settings=("tis_cap",))
+def token_tis(log_ratio: torch.Tensor, mask: torch.Tensor,
+              tis_cap: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance sampling: each token weighted by min(ratio, tis_cap)."""
+    ratio = log_ratio.exp()
+    return ratio.clamp(max=tis_cap) * mask, {"is/capped_frac": float(((ratio > tis_cap).float() * mask).sum())}
+
+
+@IMPORTANCE_CORRECTIONS.register("seq_mask", kind="sequence", settings=("seq_mask_low", "seq_mask_high"))
+def seq_mask(log_ratio: torch.Tensor, mask: torch.Tensor, seq_mask_low: float = 0.5,
+             seq_mask_high: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+    """Drop whole sequences whose geometric-mean ratio leaves [seq_mask_low, seq_mask_high]."""
+    tokens = mask.sum(dim=1).clamp(min=1.0)
+    seq_log_ratio = log_ratio.sum(dim=1) / tokens
+    keep = (seq_log_ratio >= math.log(seq_mask_low)) & (seq_log_ratio <= math.log(seq_mask_high))
+    return mask * keep.unsqueeze(1).float(), {"is/masked_frac": float((mask * (~keep).unsqueeze(1).float()).sum())}
+
+
+def ratio_against_behaviour(mode: str) -> bool:
+    """Whether correction `mode` takes PPO's ratio against the behaviour policy (kind "ratio")."""
+    return IMPORTANCE_CORRECTIONS.entry(mode).kind == "ratio"
+
 
 def importance_weights(learner_lp: torch.Tensor, behaviour_lp: torch.Tensor, mask: torch.Tensor, mode: str,
                        cap: float = 2.0, low: float = 0.5, high: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token weights (detached, 0 off-mask) for the policy-gradient term, and metric sums:
     `is/capped_frac` / `is/masked_frac` (tokens), `_is/w_sum`, `_is/w_sq_sum` (for the effective
     sample size, reduced over ranks by `effective_sample_size`)."""
+    correction = IMPORTANCE_CORRECTIONS.entry(mode)
+    given = {"tis_cap": cap, "seq_mask_low": low, "seq_mask_high": high}  # the config fields, as passed
     mask = mask.float()
     log_ratio = (learner_lp.detach().float() - behaviour_lp.float()) * mask
-    sums: dict[str, float] = {}
-    if mode in ("none", "behaviour_clip"):  # behaviour_clip: PPO's ratio is taken against the behaviour policy
-        weights = mask.clone()
-    elif mode == "token_tis":
-        ratio = log_ratio.exp()
-        weights = ratio.clamp(max=cap) * mask
-        sums["is/capped_frac"] = float(((ratio > cap).float() * mask).sum())
-    elif mode == "seq_mask":
-        tokens = mask.sum(dim=1).clamp(min=1.0)
-        seq_log_ratio = log_ratio.sum(dim=1) / tokens
-        keep = (seq_log_ratio >= math.log(low)) & (seq_log_ratio <= math.log(high))
-        weights = mask * keep.unsqueeze(1).float()
-        sums["is/masked_frac"] = float((mask * (~keep).unsqueeze(1).float()).sum())
-    else:
-        raise ValueError(f"unknown importance correction {mode!r}: none, token_tis or seq_mask")
+    weights, sums = correction.fn(log_ratio, mask, **{key: given[field] for key, field in correction.settings.items()})
     # the ESS of the weights the uncorrected loss would use (ratios), as a share of the tokens
     ratio = log_ratio.exp() * mask
     sums["_is/w_sum"] = float(ratio.sum())

@@ -4,7 +4,8 @@ Preferences'), registered by name (`algorithm.kl_ctrl`).
 A controller holds the current coefficient `value`; the loop calls `update(current_kl, n_steps)`
 once per step with the measured KL (nats per token, or whatever unit the target uses) and the
 number of samples the step used. `to_dict()` / `kl_controller_from_dict()` save and restore the
-state for checkpoint resume.
+state for checkpoint resume. A controller is registered with its kind ("constant" or "feedback")
+and the AlgorithmConfig fields its constructor takes (`KL_CONTROLLERS.settings(name, config)`).
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from typing import Any
 
 from rl.algo.registry import Registry
 
-KL_CONTROLLERS = Registry("KL controller", "algorithm.kl_ctrl")
+KL_CONTROLLERS = Registry("KL controller", "algorithm.kl_ctrl", kinds=("constant", "feedback"))
 
 
-@KL_CONTROLLERS.register("fixed")
+@KL_CONTROLLERS.register("fixed", kind="constant", settings={"coef": "kl_coef"})
 class FixedKLController:
     """A constant coefficient: `update` does nothing."""
 
@@ -34,7 +35,8 @@ class FixedKLController:
         return cls(state["value"])
 
 
-@KL_CONTROLLERS.register("adaptive")
+@KL_CONTROLLERS.register("adaptive", kind="feedback",
+                         settings={"init_coef": "kl_coef", "target_kl": "kl_target", "horizon": "kl_horizon"})
 class AdaptiveKLController:
     """Proportional controller towards a target KL (Ziegler et al. 2019, section 2.2):
 

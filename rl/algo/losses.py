@@ -6,9 +6,16 @@ Every per-token tensor has shape [B, T] with `mask` 1 on completion tokens. Aggr
 exactly the gradient of the unsplit loss.
 
 Every registered policy loss is called as
-    fn(logp, old_logp, advantages, clip_eps_low, clip_eps_high, mask=mask) -> (loss [B,T], clipped [B,T])
+    fn(logp, old_logp, advantages, mask=mask, **POLICY_LOSSES.settings(name, algorithm_config))
+    -> (loss [B,T], clipped [B,T])
 where `clipped` is a 0/1 flag of tokens whose gradient the clipping removed (for `actor/clip_frac`;
-for `cispo`, which removes no gradient, the tokens whose importance weight was clipped).
+for `cispo`, which removes no gradient, the tokens whose importance weight was clipped). Its kind
+says what its importance ratio is over: "token" or "sequence"; its settings are the config fields
+it takes (clip_eps_low, clip_eps_high, ...).
+
+Every registered loss aggregation is called as `fn(per_token [B,T], mask [B,T], norm) -> scalar`
+through `aggregate`; its kind says what it averages over ("token" or "sequence"), and the input
+"max_response_len" that it divides by `norm.max_response_len`, which must then be set.
 """
 
 from __future__ import annotations
@@ -19,8 +26,10 @@ import torch
 
 from rl.algo.registry import Registry
 
-POLICY_LOSSES = Registry("policy loss", "algorithm.policy_loss")
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+POLICY_LOSSES = Registry("policy loss", "algorithm.policy_loss", kinds=("token", "sequence"), inputs=("mask",))
+LOSS_AGGREGATORS = Registry("loss aggregation", "algorithm.loss_agg", kinds=("token", "sequence"),
+                            inputs=("max_response_len",))
+_CLIP = ("clip_eps_low", "clip_eps_high")
 
 
 @dataclass(frozen=True)
@@ -42,31 +51,43 @@ class LossNormalizer:
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm: LossNormalizer) -> torch.Tensor:
-    """Reduce a [B, T] per-token loss to the scalar this micro-batch contributes.
+    """Reduce a [B, T] per-token loss to the scalar this micro-batch contributes, as the loss
+    aggregation `mode` (algorithm.loss_agg) does; KeyError for an unknown one."""
+    aggregation = LOSS_AGGREGATORS.entry(mode)
+    if "max_response_len" in aggregation.inputs and norm.max_response_len <= 0:
+        raise ValueError(
+            f"algorithm.loss_agg={mode} divides by the generation budget: build the "
+            "LossNormalizer with max_response_len=rollout.max_new_tokens"
+        )
+    return aggregation.fn(per_token, mask.to(per_token.dtype), norm)
 
-    token_mean:              sum of all tokens / tokens in mini-batch (DAPO, TRL default)
-    seq_mean_token_mean:     mean over tokens of each sequence, then / sequences (GRPO paper)
-    seq_mean_token_sum:      sum over tokens of each sequence, then / sequences
-    seq_mean_token_sum_norm: sum of all tokens / (max_response_len * sequences), a constant that
-                             does not depend on the lengths sampled (Dr.GRPO, Liu et al. 2025), so
-                             long and short answers get the same per-token weight
-    """
-    mask = mask.to(per_token.dtype)
-    if mode == "token_mean":
-        return (per_token * mask).sum() / max(norm.tokens, 1.0)
-    per_seq_sum = (per_token * mask).sum(-1)
-    if mode == "seq_mean_token_mean":
-        return (per_seq_sum / mask.sum(-1).clamp(min=1.0)).sum() / max(norm.sequences, 1.0)
-    if mode == "seq_mean_token_sum":
-        return per_seq_sum.sum() / max(norm.sequences, 1.0)
-    if mode == "seq_mean_token_sum_norm":
-        if norm.max_response_len <= 0:
-            raise ValueError(
-                "algorithm.loss_agg=seq_mean_token_sum_norm divides by the generation budget: build the "
-                "LossNormalizer with max_response_len=rollout.max_new_tokens"
-            )
-        return per_seq_sum.sum() / (norm.max_response_len * max(norm.sequences, 1.0))
-    raise KeyError(f"algorithm.loss_agg={mode!r}: choose one of {', '.join(LOSS_AGGREGATIONS)}")
+
+@LOSS_AGGREGATORS.register("token_mean", kind="token")
+def token_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    """Sum of all tokens / tokens in the mini-batch (DAPO, TRL's default)."""
+    return (per_token * mask).sum() / max(norm.tokens, 1.0)
+
+
+@LOSS_AGGREGATORS.register("seq_mean_token_mean", kind="sequence")
+def seq_mean_token_mean(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    """Mean over the tokens of each sequence, then / sequences in the mini-batch (GRPO paper)."""
+    return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / max(norm.sequences, 1.0)
+
+
+@LOSS_AGGREGATORS.register("seq_mean_token_sum", kind="sequence")
+def seq_mean_token_sum(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    """Sum over the tokens of each sequence, then / sequences in the mini-batch."""
+    return (per_token * mask).sum() / max(norm.sequences, 1.0)
+
+
+@LOSS_AGGREGATORS.register("seq_mean_token_sum_norm", kind="sequence", inputs=("max_response_len",))
+def seq_mean_token_sum_norm(per_token: torch.Tensor, mask: torch.Tensor, norm: LossNormalizer) -> torch.Tensor:
+    """Sum of all tokens / (max_response_len * sequences), a constant that does not depend on the
+    lengths sampled (Dr.GRPO, Liu et al. 2025), so long and short answers get the same per-token weight."""
+    return (per_token * mask).sum() / (norm.max_response_len * max(norm.sequences, 1.0))
+
+
+LOSS_AGGREGATIONS = tuple(LOSS_AGGREGATORS.names())  # every algorithm.loss_agg
 
 
 def _clipped_surrogate(
@@ -78,7 +99,7 @@ def _clipped_surrogate(
     return loss, (clipped < unclipped).to(loss.dtype)
 
 
-@POLICY_LOSSES.register("ppo_clip")
+@POLICY_LOSSES.register("ppo_clip", kind="token", settings=_CLIP)
 def ppo_clip_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -107,7 +128,7 @@ def ppo_clip_loss(
     return loss, clipped
 
 
-@POLICY_LOSSES.register("ppo_dual_clip")
+@POLICY_LOSSES.register("ppo_dual_clip", kind="token", settings=(*_CLIP, "clip_ratio_c"))
 def ppo_dual_clip_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -121,7 +142,7 @@ def ppo_dual_clip_loss(
     return ppo_clip_loss(logp, old_logp, advantages, clip_eps_low, clip_eps_high, clip_ratio_c)
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", kind="sequence", inputs=("mask",), settings=_CLIP)
 def gspo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -149,7 +170,7 @@ def gspo_loss(
     return _clipped_surrogate(torch.exp(token_log_ratio), advantages, clip_eps_low, clip_eps_high)
 
 
-@POLICY_LOSSES.register("cispo")
+@POLICY_LOSSES.register("cispo", kind="token", settings=_CLIP)
 def cispo_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,

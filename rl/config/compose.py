@@ -1,6 +1,6 @@
 """Compose a run's config from `configs/` in Python, exactly as its command line would.
 
-`compose("train_rm", ["optim.epochs=2"])` is what `python -m launch.train_rm optim.epochs=2`
+`compose("train_rm", ["algorithm.epochs=2"])` is what `python -m launch.train_rm algorithm.epochs=2`
 validates before it trains: the built-in tasks (which train their own reward model) and the tests
 use it, and so do the `run(overrides)` entry points of the supervised trainers.
 """

@@ -15,6 +15,8 @@ from typing import Any, Iterable
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from rl.config.algorithm_names import ALGORITHM_CHOICES, advantage_needs, advantages_needing
+
 # metric sinks of `run.loggers` (rl/run/loggers.py writes them)
 LOGGERS = ("tensorboard", "jsonl", "wandb", "mlflow")
 
@@ -32,7 +34,7 @@ def logger_errors(names: Iterable[str]) -> list[str]:
 @dataclass
 class AlgorithmConfig:
     name: str = "grpo"
-    advantage: str = "grpo"  # grpo | rloo | reinforce_pp | gae (rl/algo/advantages.py)
+    advantage: str = "grpo"  # grpo | rloo | reinforce_pp | gae ... (all: rl/config/algorithm_names.py)
     norm_by_std: bool = True  # grpo only; False = Dr.GRPO (mean-centred only)
     gamma: float = 1.0  # reinforce_pp, gae
     lam: float = 0.95  # gae
@@ -199,9 +201,14 @@ class EvalConfig:
 class TrainerConfig:
     num_workers: int = 1  # DeepSpeed data-parallel ranks
     zero_stage: int = 2
-    micro_batch_size: int = 64  # sequences per forward/backward on one rank
+    # The most sequences (rows of the model's input) one forward or forward-backward pass on one
+    # rank takes; the same meaning in launch.train_sft and launch.train_rm (rl/plan/geometry.py).
+    # A rank's share of one update is cut into the fewest micro-batches within it, of near-equal
+    # rows (gradient accumulation covers the rest); scoring passes take runs of it.
+    micro_batch_size: int = 64
     # > 0: micro-batches are cut by padded tokens (rows x longest row) instead of rows, rows sorted
-    # by length first, so variable-length batches do not pay for padding
+    # by length first, so variable-length batches do not pay for padding (still at most
+    # micro_batch_size rows each)
     max_tokens_per_micro_batch: int = 0
     # each micro-batch's rows packed end to end into rows of its longest one (trainer/packing.py):
     # the layers see no padding; used only if the model gives packed rows their padded values
@@ -297,12 +304,7 @@ class ConfigError(ValueError):
 
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
-    "algorithm.advantage": ("grpo", "rloo", "reinforce_pp", "gae"),
-    "algorithm.policy_loss": ("ppo_clip", "ppo_dual_clip", "gspo", "cispo"),
-    "algorithm.kl_ctrl": ("fixed", "adaptive"),
-    "algorithm.kl_estimator": ("k1", "k2", "k3", "k3_clamped"),
-    "algorithm.importance_correction": ("none", "token_tis", "seq_mask", "behaviour_clip"),
-    "algorithm.loss_agg": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"),
+    **ALGORITHM_CHOICES,  # the names rl.algo's registries hold (rl/config/algorithm_names.py)
     "model.dtype": ("float32", "bfloat16"),
     "rollout.backend": ("vllm", "hf"),
     "rollout.mode": ("batch", "streaming"),
@@ -573,10 +575,10 @@ def validate(cfg: Any) -> None:
             f"rollout.max_new_tokens={cfg.rollout.max_new_tokens}; raise rollout.max_model_len or lower "
             "rollout.max_new_tokens"
         )
-    if 1 <= cfg.rollout.n < 2 and cfg.algorithm.advantage in ("grpo", "rloo"):
+    if 1 <= cfg.rollout.n < 2 and advantage_needs(cfg.algorithm.advantage, "group_ids"):
         errors.append(
-            f"rollout.n={cfg.rollout.n}: group-relative advantages need at least 2 samples per "
-            "prompt; set rollout.n=8 (or another value >= 2)"
+            f"rollout.n={cfg.rollout.n}: group-relative advantages ({cfg.algorithm.advantage}) need at least 2 "
+            "samples per prompt; set rollout.n=8 (or another value >= 2)"
         )
     c = cfg.cluster
     if c.gpus_per_learner > 1:
@@ -600,13 +602,16 @@ def validate(cfg: Any) -> None:
             f"{cfg.trainer.num_workers}; change one of them so the product divides {batch}"
         )
     a = cfg.algorithm
-    if a.advantage == "gae" and not a.critic:
-        errors.append("algorithm.advantage=gae needs a value model: set algorithm.critic=true (or use algorithm=ppo)")
-    if a.critic and a.advantage != "gae":
-        errors.append(f"algorithm.critic=true is only used by advantage=gae, not {a.advantage!r}; "
-                      "set algorithm.critic=false or algorithm.advantage=gae")
-    if a.dynamic_sampling and a.advantage not in ("grpo", "rloo"):
-        errors.append("algorithm.dynamic_sampling needs group-relative advantages (grpo or rloo)")
+    if advantage_needs(a.advantage, "values") and not a.critic:
+        errors.append(f"algorithm.advantage={a.advantage} needs a value model: set algorithm.critic=true "
+                      "(or use algorithm=ppo)")
+    if a.critic and not advantage_needs(a.advantage, "values"):
+        users = advantages_needing("values")
+        errors.append(f"algorithm.critic=true is only used by advantage={' or '.join(users)}, not "
+                      f"{a.advantage!r}; set algorithm.critic=false or algorithm.advantage={users[0]}")
+    if a.dynamic_sampling and not advantage_needs(a.advantage, "group_ids"):
+        errors.append("algorithm.dynamic_sampling needs group-relative advantages "
+                      f"({' or '.join(advantages_needing('group_ids'))})")
     if a.kl_in_reward and a.kl_coef <= 0:
         errors.append("algorithm.kl_in_reward=true needs algorithm.kl_coef > 0")
     if a.policy_loss == "ppo_dual_clip" and a.clip_ratio_c <= 1:

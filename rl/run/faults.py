@@ -1,14 +1,18 @@
 """What a run does when a part of it fails: the failures it names, the deadlines it keeps, and
 the stop request a signal leaves for the loop.
 
-Plain Python (no Ray): the actor wrappers (`rollout.fleet`, `trainer.group`, `reward.service`)
-turn Ray's errors into these, and the loop and the entry point decide what follows: replace
-the actor, stop at the step boundary with a checkpoint, or restart the run from its latest one.
+Plain Python (no Ray): the actor wrappers (`rollout.fleet`, `trainer.group`, `reward.service`,
+`reward.envs`, `sandbox.pool`) call their actors through `fan_out`, which tells the answers from
+the hung, the dead and the raised, and turn those into these; the loop and the entry point decide
+what follows: replace the actor, stop at the step boundary with a checkpoint, or restart the run
+from its latest one.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Hashable, Iterable, Mapping, TypeVar
 
 
 class ActorFailure(RuntimeError):
@@ -89,3 +93,74 @@ def first_line(exc: BaseException) -> str:
 
 def hung(seconds: float) -> str:
     return f"no answer in {seconds:.0f} s (stopped or hung; the deadline is run.call_timeout_s)"
+
+
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class Calls:
+    """How `fan_out` waits on and reads remote calls: the actor framework's side of it, so that
+    this module imports none. `Calls.ray(ray)` builds Ray's, in a module that may import Ray."""
+
+    wait: Callable[[list, float], Iterable[Any]]  # (refs, timeout_s) -> those finished by then
+    get: Callable[[Any], Any]  # a finished ref -> its value (or raises)
+    died: tuple[type[BaseException], ...]  # `get` raised one of these: the actor's process died
+    raised: tuple[type[BaseException], ...]  # ... one of these: the call raised inside a live actor
+
+    @classmethod
+    def ray(cls, ray: Any) -> Calls:
+        """Ray's, from the `ray` module its caller imported (checked first for a dead actor: a
+        task error whose cause is a dead actor counts as dead)."""
+        return cls(wait=lambda refs, timeout_s: ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0],
+                   get=ray.get, died=(ray.exceptions.RayActorError,), raised=(ray.exceptions.RayTaskError,))
+
+
+@dataclass
+class FanOut(Generic[K]):
+    """What became of the calls of one `fan_out`, by key. Every key is in exactly one of
+    `results`, `hung`, `died` and `raised`; `keys` keeps the order the calls were given in."""
+
+    deadline_s: float
+    elapsed_s: float = 0.0  # from the start of the wait until the last result was read
+    keys: list[K] = field(default_factory=list)
+    results: dict[K, Any] = field(default_factory=dict)
+    hung: dict[K, str] = field(default_factory=dict)  # no answer by the deadline: `hung(deadline_s)`
+    died: dict[K, str] = field(default_factory=dict)  # "its process died (<first line of the error>)"
+    raised: dict[K, str] = field(default_factory=dict)  # the first line of the error raised inside
+    errors: dict[K, BaseException] = field(default_factory=dict)  # the error behind each died or raised key
+
+    @property
+    def failed(self) -> dict[K, str]:
+        """The lost actors, hung or dead, with why, in call order (one that raised is not lost)."""
+        return {k: self.hung[k] if k in self.hung else self.died[k] for k in self.keys
+                if k in self.hung or k in self.died}
+
+
+def fan_out(refs: Mapping[K, Any], deadline_s: float, calls: Calls, *,
+            kill: Callable[[K], None] | None = None, propagate_raised: bool = False) -> FanOut[K]:
+    """Wait for every call in `refs` (key -> ref of a call already made), all together, for at
+    most `deadline_s`, then read them in order: an answer, no answer (`kill(key)` is called, when
+    given: the actor is stopped or stuck), a dead process, or an error raised inside the actor
+    (`propagate_raised`: it propagates from here at once, as the caller's own bug would). Any
+    other error from `calls.get` propagates too."""
+    out: FanOut[K] = FanOut(deadline_s=deadline_s)
+    started = time.monotonic()
+    finished = set(calls.wait(list(refs.values()), deadline_s)) if refs else set()
+    for key, ref in refs.items():
+        out.keys.append(key)
+        if ref not in finished:
+            if kill is not None:
+                kill(key)
+            out.hung[key] = hung(deadline_s)
+            continue
+        try:
+            out.results[key] = calls.get(ref)
+        except calls.died as exc:
+            out.died[key], out.errors[key] = f"its process died ({first_line(exc)})", exc
+        except calls.raised as exc:
+            if propagate_raised:
+                raise
+            out.raised[key], out.errors[key] = first_line(exc), exc
+    out.elapsed_s = time.monotonic() - started
+    return out

@@ -33,7 +33,7 @@ import torch
 # cost (~0.4 ms with gloo on one machine) is a few percent of its transfer, small enough that the
 # two buckets a receiver holds (and the one ZeRO-3 gathers on the learner) stay far below a model.
 BUCKET_BYTES = 16 * 1024 * 1024
-# CUDA IPC sync (trainer/ipc_sync.py): the staging buffer each learner rank copies a chunk of
+# CUDA IPC sync (trainer/sync/ipc.py): the staging buffer each learner rank copies a chunk of
 # weights into. vLLM's default is 1 GiB; on a GPU shared with an engine a quarter does (a tensor
 # larger than this gets a buffer of its own size: a chunk holds at least one tensor).
 IPC_BUFFER_BYTES = 256 * 2**20

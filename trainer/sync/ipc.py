@@ -13,29 +13,33 @@ freed after each chunk. CUDA only: vLLM's trainer engine reads the device's UUID
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
+import ray
 import torch
 
 from rl.wire.weight_sync import IPC_BUFFER_BYTES, WeightMeta
+from trainer.sync.base import WeightSync
 
 
 def buffer_bytes(metas: list[WeightMeta]) -> int:
     return max([IPC_BUFFER_BYTES, *(m.nbytes for m in metas)])
 
 
-def learner_weights(metas: list[WeightMeta], buckets: Callable[[], Iterator[list[tuple[str, torch.Tensor]]]]):
+def learner_weights(export):
     """The learner's weights as vLLM's `WeightSource`: the names, dtypes and shapes it will send,
-    and a fresh pass over (name, whole tensor) per sync; `buckets` is the learner's own bucketed
-    iterator (ZeRO-3 gathers a bucket at a time, on every rank in step)."""
+    and a fresh pass over (name, whole tensor) per sync (ZeRO-3 gathers a bucket at a time, on
+    every rank in step)."""
     from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    metas = export.metas()
 
     class LearnerWeights(WeightSource):
         def metadata(self) -> list[ParamMeta]:
             return [ParamMeta(m.name, m.torch_dtype, tuple(m.shape)) for m in metas]
 
         def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-            for bucket in buckets():
+            for bucket in export.buckets():
                 yield from bucket
 
     return LearnerWeights()
@@ -51,8 +55,6 @@ class FleetClient:
         self.workers, self.timeout_s, self.version = workers, timeout_s, 0
 
     def _all(self, method: str, payload: dict | None = None, version: int | None = None) -> None:
-        import ray
-
         ray.get([w.weight_transfer.remote(method, payload, version) for w in self.workers], timeout=self.timeout_s)
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -68,11 +70,52 @@ class FleetClient:
         self._all("finish_weight_update", None, self.version)
 
 
-def trainer_engine(rank: int, client: FleetClient, metas: list[WeightMeta], buckets):
-    """vLLM's trainer-side IPC engine for this rank (rank 0, the sender, tells the engines the
-    wire format now)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-    from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+class IpcSender:
+    """The learner side, in every learner rank: vLLM's trainer-side IPC engine (rank 0, the
+    sender, holds the rollout workers and tells the engines the wire format when built)."""
 
-    info = IPCTrainerInitInfo(rank=rank, packed=True, packed_buffer_size_bytes=buffer_bytes(metas))
-    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=learner_weights(metas, buckets))
+    def __init__(self) -> None:
+        self.engine = None
+
+    def bind(self, export, rank: int, device) -> None:
+        self.export, self.rank = export, rank
+
+    def connect(self, workers: list, timeout_s: float) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        self.close()
+        info = IPCTrainerInitInfo(rank=self.rank, packed=True, packed_buffer_size_bytes=buffer_bytes(self.export.metas()))
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=FleetClient(workers, timeout_s),
+                                                                source=learner_weights(self.export))
+
+    def send(self, version: int) -> float:
+        """Share the weights with the engine on this GPU as policy `version`; the bytes one engine loaded."""
+        self.engine.client.version = version
+        self.engine.send_weights()
+        return self.export.nbytes()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+
+class IpcSync(WeightSync):
+    sender = IpcSender
+
+    def _join(self) -> None:
+        """Every rank builds vLLM's trainer-side IPC engine; rank 0 gets the rollout workers."""
+        timeout = self.deadlines.of("weight sync")
+        self.learner.call([w.sender_call.remote("connect", list(self.fleet.workers) if r == 0 else [], timeout)
+                           for r, w in enumerate(self.learner.workers)], "weight-sync join")
+
+    def push(self, version: int):
+        learner, fleet = self.learner, self.fleet
+        sends = [w.sender_call.remote("send", version) for w in learner.workers]
+        sent = learner.call(sends, "weight sync", tolerate_errors=True)
+        # what each worker holds now (and whether it is still there)
+        reports, failed = fleet.wait({i: w.version.remote() for i, w in enumerate(fleet.workers)}, "weight sync")
+        if sent[0] is None and not failed:
+            ray.get(sends[0])  # not a rollout worker's fault: raise the learner's error
+        return (sent[0] or 0.0), {i: {"version": v} for i, v in reports.items()}, failed, {}

@@ -1,0 +1,195 @@
+"""The actors of a run and how they are wired: Ray, the sandbox pool, the rollout fleet, the
+learner group, the weight sync between them (trainer/sync/), the reward service, environments
+and agents. `launch/train.py` composes these and owns the command line; this module knows how
+each part is built from the typed config and what must start before what.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from rl.config.schema import TrainConfig
+from rl.plan.devices import GPU_VISIBILITY_ENV
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a `taskset`, a container's cpuset), not
+    the machine's count: threads beyond them only wait on each other."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def worker_threads(cfg: DictConfig) -> int:
+    return cfg.cluster.threads_per_worker or usable_cores()
+
+
+def start_ray(cfg: DictConfig) -> bool:
+    """Connect to the configured cluster or start a local Ray; True when this call started or
+    connected it (the run ends it). A Ray this process already started (a notebook, a test
+    session) is used as it is, and False returned: the run then removes only what it created."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if cfg.cluster.address:
+        # Under `ray job submit --working-dir .` the job's runtime env already ships the code.
+        ray.init(address=cfg.cluster.address, runtime_env={"env_vars": GPU_VISIBILITY_ENV}, log_to_driver=True)
+        return True
+    # User reward modules named as `package.module:function` must import inside the actors.
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])),
+           **GPU_VISIBILITY_ENV}  # an actor given no GPU sees none (rl/plan/devices.py)
+    needed = cfg.rollout.num_workers + cfg.trainer.num_workers + cfg.reward.num_workers
+    needed += math.ceil(cfg.sandbox.num_workers * cfg.sandbox.num_cpus_per_worker)
+    needed += math.ceil(cfg.task.env_workers * 0.25) if cfg.task.env else 0  # EnvService's actors
+    num_cpus = cfg.cluster.num_cpus or max(usable_cores(), needed)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
+    return True
+
+
+def start_sandbox_pool(cfg: DictConfig):
+    """The sandbox actors code rewards send their jobs to (None when sandbox.num_workers=0)."""
+    if cfg.sandbox.num_workers < 1:
+        return None
+    from sandbox.pool import SandboxPool, SandboxSettings
+
+    pool = SandboxPool(SandboxSettings(**OmegaConf.to_container(cfg.sandbox, resolve=True)))
+    print(f"Sandbox workers: {', '.join(pool.placement)}")
+    return pool
+
+
+def reward_specs(cfg: DictConfig | TrainConfig):
+    """The reward functions of the config (Hydra's or its typed form), as plain data."""
+    from reward.scorer import RewardFunctionSpec
+
+    def plain(kwargs: Any) -> dict[str, Any]:
+        return OmegaConf.to_container(kwargs, resolve=True) if OmegaConf.is_config(kwargs) else dict(kwargs)
+
+    return [RewardFunctionSpec(f.fn, f.weight, f.name, plain(f.kwargs)) for f in cfg.reward.functions]
+
+
+def engines_start_first(c) -> bool:
+    """Whether the rollout engines must finish starting before the learner starts: where an
+    engine may share its GPU with a learner rank (hybrid placement, or a share below one GPU that
+    Ray may pack beside one), since vLLM sizes its memory from what is free while it starts and
+    refuses to start when that changes under it ("Error in memory profiling")."""
+    return c.placement_mode == "hybrid" or 0 < c.gpus_per_learner < 1 or 0 < c.gpus_per_rollout_worker < 1
+
+
+def build_components(cfg: TrainConfig, log=print):
+    """The rollout fleet, reward service, learner group, the weight sync between learner and fleet,
+    and their placement that the typed config
+    describes, all keeping the run's deadlines (`run.call_timeout_s`...) and reporting to `log`.
+    The rollout workers and learner ranks go into one placement group (`cluster.placement`), one
+    bundle each; it lives until Ray shuts down (the driver's end removes it on a cluster too)."""
+    from launch.console import actor_env, rollout_env
+    from launch.placement import make_placement
+    from reward.service import RewardService
+    from rollout.fleet import RolloutFleet
+    from rollout.protocol import RolloutSpec
+    from rollout.vllm_engine import vllm_env
+    from rl.run.faults import Deadlines
+    from trainer.group import LearnerGroup
+    from trainer.learner import LearnerSpec
+    from trainer.sync import make_weight_sync
+
+    threads, c = worker_threads(cfg), cfg.cluster
+    deadlines = Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor, cfg.run.start_timeout_s)
+    env = rollout_env(threads, c.gpus_per_rollout_worker > 0)
+    if cfg.rollout.backend == "vllm":
+        env.update(vllm_env(cfg.rollout.kv_cache_gib, threads, cfg.rollout.enforce_eager))
+    placement = make_placement(cfg, log)
+    fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
+                         env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log,
+                         wait=False)  # the engines start while the learner does...
+    if engines_start_first(c):  # ...except where they may share a GPU with it
+        fleet.wait_started()
+    if c.placement_mode == "hybrid":  # the learner needs the engines asleep (level 1 keeps their weights:
+        fleet.sleep(1)                # no sync comes before the first rollout)
+    learner = LearnerGroup(LearnerSpec.from_config(cfg, threads), cfg.trainer.num_workers, num_cpus=1,
+                           num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
+                           actor_options=placement.learner, deadlines=deadlines)
+    rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+                            base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
+    fleet.wait_started()  # the engines took longest to start: the learner and rewards started meanwhile
+    weights = make_weight_sync(cfg.trainer.weight_sync, learner, fleet, deadlines)
+    if cfg.model.lora.rank > 0:
+        counts, lora = learner.parameter_counts(), cfg.model.lora
+        log(f"LoRA rank {lora.rank} on {','.join(lora.target_modules)}: {counts['trainable']:,.0f} trainable "
+            f"parameters of {counts['total']:,.0f} ({counts['trainable'] / counts['total']:.2%}); a weight sync "
+            f"sends {weights.bytes_per_sync / 2**10:,.1f} KiB instead of {counts['total_bytes'] / 2**10:,.1f} KiB")
+    return fleet, rewards, learner, weights, placement
+
+
+def load_agent(cfg) -> Any:
+    """The `task.agent` function (None without one), checked in the driver before Ray starts: it
+    loads, is callable as fn(base_url, row, **task.agent_kwargs). The episodes load it again, each
+    in its own process (reward/agent_procs.py)."""
+    if not cfg.task.agent:
+        return None
+    from reward.loader import load_agent_function
+
+    return load_agent_function(cfg.task.agent, os.getcwd(), dict(cfg.task.agent_kwargs), field="task.agent")
+
+
+def start_agents(cfg: TrainConfig, tokenizer, fleet):
+    """The agent server in front of the fleet (on `task.agent_host`), the processes that run the
+    agents and the runner of `task.agent` episodes (None without task.agent)."""
+    if not cfg.task.agent:
+        return None
+    import logging
+
+    from reward.agent_procs import AgentLimits, AgentPool
+    from rl.run.agents import AgentRunner
+    from rollout.agent_server import AgentServer, RequestRejected
+
+    def generate(request):  # a request the engine refused is that call's error (a 400), never a fault
+        sample = fleet.generate_one(request)
+        if sample.error is not None:
+            raise RequestRejected(sample.error)
+        return sample
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' clients log every call at INFO
+    t, r = cfg.task, cfg.rollout
+    pool = AgentPool(t.agent, os.getcwd(), t.agent_workers,
+                     AgentLimits(t.agent_timeout_s, memory_mb=t.agent_memory_mb, max_processes=t.agent_max_processes),
+                     dict(t.agent_kwargs))
+    server = AgentServer(tokenizer, generate, host=t.agent_host, port=t.agent_port, max_new_tokens=r.max_new_tokens,
+                         temperature=r.temperature, top_p=r.top_p, max_model_len=r.max_model_len,
+                         observation_role=t.observation_role)
+    try:
+        server.start()
+    except BaseException:
+        pool.close()
+        raise
+    return AgentRunner(server, pool, fleet, name=t.agent, prompt_key=t.prompt_key, timeout_s=t.agent_timeout_s,
+                       workers=t.agent_workers, max_len=r.max_model_len, decode=tokenizer.decode)
+
+
+def make_source(fleet, episodes, agents):
+    """Where samples come from (rl/run/rollouts.py): agent episodes, environment episodes, or the
+    fleet's single completions."""
+    from rl.run.rollouts import Completions, EnvEpisodes
+
+    if agents is not None:
+        return agents
+    return EnvEpisodes(episodes, fleet) if episodes is not None else Completions(fleet)
+
+
+def start_envs(cfg: TrainConfig, tokenizer):
+    """The environment actors and what the loop needs to run episodes (None without task.env)."""
+    if not cfg.task.env:
+        return None
+    from reward.envs import EnvService
+    from rl.data.episodes import Episodes, Limits, ObservationEncoder
+    from rl.run.faults import Deadlines
+
+    t, r = cfg.task, cfg.rollout
+    envs = EnvService(t.env, dict(t.env_kwargs), num_workers=t.env_workers, timeout_s=t.env_timeout_s,
+                      base_dir=os.getcwd(), deadlines=Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor,
+                                                                cfg.run.start_timeout_s))
+    limits = Limits(t.max_turns, r.max_new_tokens, t.max_episode_tokens or r.max_model_len, r.max_model_len)
+    encoder = ObservationEncoder(tokenizer, t.chat_template, t.observation_role, t.max_observation_tokens)
+    return Episodes(envs, encoder, limits, t.prompt_key)

@@ -1,0 +1,18 @@
+"""The weight sync, as one component: learner -> rollout workers, one strategy per transport
+(`base.py` has the contract: join, push, verify, rejoin)."""
+
+from __future__ import annotations
+
+from trainer.sync.base import Receivers, Senders, WeightSync
+
+
+def make_weight_sync(method: str, learner: Senders, fleet: Receivers, deadlines=None) -> WeightSync:
+    """The strategy `trainer.weight_sync` names, joined with the fleet's current workers."""
+    from trainer.sync.collective import CollectiveSync
+    from trainer.sync.ipc import IpcSync
+    from trainer.sync.object_store import ObjectStoreSync
+
+    strategies = {"collective": CollectiveSync, "object_store": ObjectStoreSync, "ipc": IpcSync}
+    sync = strategies[method](learner, fleet, deadlines)
+    sync.join()
+    return sync

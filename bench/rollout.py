@@ -122,12 +122,12 @@ def device_overrides(device: str, gpu_memory_utilization: float) -> list[str]:
 
 def run_config(model: str, run_dir: str, max_len: int, new_tokens: int, extra: list[str] = ()) -> Any:
     """The composed, validated config of `launch.train` for this model (paths resolved)."""
-    import launch.train
+    import launch.checks
     from rl.config.compose import compose
 
     cfg = compose("train", [f"model.path={model}", f"run.dir={run_dir}", f"rollout.max_new_tokens={new_tokens}",
                             f"rollout.n={SAMPLES_PER_PROMPT}", f"rollout.max_model_len={max_len}", *extra])
-    launch.train.resolve_paths(cfg)
+    launch.checks.resolve_paths(cfg)
     return cfg
 
 

@@ -262,14 +262,14 @@ def run_config(path: str, run_dir: str, device: str = "cpu"):
     profile (`cluster=local_gpu`)."""
     from omegaconf import OmegaConf
 
-    import launch.train
+    import launch.checks
     from rl.config.compose import compose
 
     # kl_coef=0: no reference model (it takes no part in a sync); peak_tflops given: no probe
     cfg = compose("train", [f"model.path={path}", f"run.dir={run_dir}", "rollout.max_model_len=128",
                             "algorithm.kl_coef=0", "cluster.peak_tflops=1",
                             *(["cluster=local_gpu"] if device == "cuda" else [])])
-    launch.train.resolve_paths(cfg)
+    launch.checks.resolve_paths(cfg)
     return cfg, OmegaConf.to_object(cfg)
 
 

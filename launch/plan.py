@@ -17,7 +17,8 @@ import subprocess
 import sys
 from typing import Any
 
-from launch.cli import INPUT_ERRORS, fail, require_model
+from launch.cli import INPUT_ERRORS, fail
+from launch.model_files import require_model
 from rl.config.schema import ConfigError
 from rl.plan.memory_plan import GIB, ModelShape, Plan, Settings, find_fix, make_plan, refusal
 

@@ -23,7 +23,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
-from launch.cli import run_supervised, supervised_main
+from launch.supervised_cli import run_supervised, supervised_main
 from launch.console import quiet_driver
 from rl.config.compose import compose
 from rl.config.supervised import validate_sft

@@ -153,11 +153,11 @@ def imported_packages(stderr: str) -> set[str]:
 
 def compose_config(overrides: list[str]):
     """The real Hydra config of `launch.train` with overrides, validated, paths made absolute."""
-    import launch.train
+    import launch.checks
     from rl.config.compose import compose
 
     cfg = compose("train", overrides)
-    launch.train.resolve_paths(cfg)
+    launch.checks.resolve_paths(cfg)
     return cfg
 
 

@@ -2,7 +2,7 @@
 there is one) and the fix, exit code 2, no traceback, before Ray starts. Each case breaks one
 thing of the valid built-in tiny model and data.
 
-Every case runs the command line's checks in this process (`launch.train.check_inputs`, then
+Every case runs the command line's checks in this process (`launch.checks.check_inputs`, then
 `launch.cli.fail`, as `main` does); one case of each kind of check also runs through the real
 command line, in its own process, and imports none of Ray, vLLM or DeepSpeed."""
 
@@ -224,7 +224,7 @@ def test_bad_input_is_refused_naming_the_field(case, tiny_dir, tmp_path, capsys,
     import ray
 
     from launch.cli import INPUT_ERRORS, fail
-    from launch.train import check_inputs
+    from launch.checks import check_inputs
     from rl.config.compose import compose
 
     def no_ray(*args, **kwargs):
@@ -305,7 +305,8 @@ def _supervised_overrides(case: str, tiny_dir: str, tmp_path: Path) -> tuple[str
 
 @pytest.mark.parametrize("case", list(SUPERVISED_CASES))
 def test_supervised_bad_input_is_refused_naming_the_field(case, tiny_dir, tmp_path, capsys, monkeypatch):
-    from launch.cli import INPUT_ERRORS, fail, supervised_main
+    from launch.cli import INPUT_ERRORS, fail
+    from launch.supervised_cli import supervised_main
     from rl.config.compose import compose
     from rl.config.supervised import validate_rm, validate_sft
     from trainer.reward_model import train_rm

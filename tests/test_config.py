@@ -110,7 +110,7 @@ def test_rollout_n_below_one_fails_for_every_algorithm(algorithm):
 
 
 def test_position_limit_of_model_configs():
-    from launch.cli import position_limit
+    from launch.model_files import position_limit
 
     assert position_limit({"max_position_embeddings": 64}) == (64, "max_position_embeddings")
     assert position_limit({"n_positions": 1024, "max_position_embeddings": 2048}) == (1024, "n_positions")

@@ -103,7 +103,7 @@ def test_async_rollouts_learn_and_resume_without_losing_a_prompt(make_config, tm
     batch as it was generated (not again, from newer weights)."""
     import shutil
 
-    from launch.train import check_run_dir
+    from launch.checks import check_run_dir
 
     cfg = make_config("run.steps=40", "algorithm.off_policy_steps=1", "run.save_every=20",
                       "run.log_samples_per_step=256", "run.save_final_model=false")
@@ -151,7 +151,7 @@ def test_streaming_rollouts_learn_and_resume_without_losing_a_prompt(make_config
     import pickle
     import shutil
 
-    from launch.train import check_run_dir
+    from launch.checks import check_run_dir
 
     common = ("rollout.mode=streaming", "algorithm.off_policy_steps=1", "run.save_every=20",
               "run.log_samples_per_step=1024", "run.save_final_model=false")  # every sample of a step

@@ -244,7 +244,8 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
     import torch
     from safetensors.torch import load_file
 
-    from launch.train import check_run_dir, train
+    from launch.train import train
+    from launch.checks import check_run_dir
     from rl.run.checkpoint import latest
     from rl.config.schema import ConfigError
 

@@ -233,15 +233,15 @@ def test_engines_start_alone_on_a_gpu_they_may_share():
 def test_cuda_vllm_with_rollout_workers_on_cpus_is_refused_before_ray(monkeypatch):
     """vLLM's CUDA build picks its platform from NVML, not CUDA_VISIBLE_DEVICES: rollout workers
     given no GPU on a GPU machine would fail deep in vLLM, so this stops before Ray."""
-    import launch.train
+    import launch.checks
     from rl.config.schema import ConfigError
     from tests.conftest import compose_config
 
-    monkeypatch.setattr(launch.train, "_cuda_devices", lambda: 2)
-    monkeypatch.setattr(launch.train, "vllm_build", lambda: "cuda")
+    monkeypatch.setattr(launch.checks, "_cuda_devices", lambda: 2)
+    monkeypatch.setattr(launch.checks, "vllm_build", lambda: "cuda")
     with pytest.raises(ConfigError, match=r"cluster.gpus_per_rollout_worker=0 .*CUDA build.*cluster=local_gpu"):
-        launch.train.require_local_gpus(compose_config([]))
-    launch.train.require_local_gpus(compose_config(["rollout=hf"]))  # transformers generate on CPUs is fine
-    launch.train.require_local_gpus(compose_config(["cluster=local_gpu"]))
-    monkeypatch.setattr(launch.train, "vllm_build", lambda: "cpu")
-    launch.train.require_local_gpus(compose_config([]))  # vLLM's CPU build on a GPU machine runs on CPUs
+        launch.checks.require_local_gpus(compose_config([]))
+    launch.checks.require_local_gpus(compose_config(["rollout=hf"]))  # transformers generate on CPUs is fine
+    launch.checks.require_local_gpus(compose_config(["cluster=local_gpu"]))
+    monkeypatch.setattr(launch.checks, "vllm_build", lambda: "cpu")
+    launch.checks.require_local_gpus(compose_config([]))  # vLLM's CPU build on a GPU machine runs on CPUs

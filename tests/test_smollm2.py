@@ -15,7 +15,8 @@ import statistics
 
 import pytest
 
-from launch.train import check_run_dir, train
+from launch.train import train
+from launch.checks import check_run_dir
 from rl.run.run_log import read_metrics
 
 pytestmark = pytest.mark.slow

@@ -144,7 +144,8 @@ class Ours:
         from rl.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
         from rl.plan.devices import actor_device
         from rl.wire.weight_sync import free_port
-        from trainer.learner import LearnerSpec, LearnerWorker
+        from trainer.learner import LearnerWorker
+        from trainer.learner_setup import LearnerSpec
 
         algorithm = AlgorithmConfig(kl_coef=0.001 if kl else 0.0)
         trainer = TrainerConfig(zero_stage=zero_stage, max_tokens_per_micro_batch=budget, padding_free=padding_free)

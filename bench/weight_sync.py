@@ -296,7 +296,7 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
     from rollout.fleet import RolloutFleet
     from trainer.group import LearnerGroup
     from trainer.sync import make_weight_sync
-    from trainer.learner import LearnerSpec
+    from trainer.learner_setup import LearnerSpec
 
     launch.components.start_ray(cfg)
     fleet = learner = None

@@ -92,7 +92,7 @@ def build_components(cfg: TrainConfig, log=print):
     from rollout.vllm_engine import vllm_env
     from rl.run.faults import Deadlines
     from trainer.group import LearnerGroup
-    from trainer.learner import LearnerSpec
+    from trainer.learner_setup import LearnerSpec
     from trainer.sync import make_weight_sync
 
     threads, c = worker_threads(cfg), cfg.cluster

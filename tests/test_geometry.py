@@ -86,7 +86,8 @@ def test_the_learners_earlier_formula_is_kept_where_the_step_divides():
 def test_learner_and_planner_read_one_geometry_from_the_config():
     from rl.config.compose import compose
     from rl.plan.memory_plan import Settings
-    from trainer.learner import LearnerSpec, LearnerWorker, batch_geometry, deepspeed_config
+    from trainer.learner import LearnerWorker
+    from trainer.learner_setup import LearnerSpec, batch_geometry, deepspeed_config
 
     # 16 prompts x 8 = 128 samples, 2 ranks, 2 mini-batches: 32 rows per update, at most 12 per
     # pass: ceil(32/12) = 3 micro-batches of at most ceil(32/3) = 11 rows

@@ -48,7 +48,7 @@ def logical_gpus():
 
 def _spec():
     from tests.conftest import compose_config
-    from trainer.learner import LearnerSpec
+    from trainer.learner_setup import LearnerSpec
 
     return LearnerSpec.from_config(compose_config([]))
 

@@ -10,7 +10,7 @@ from rl.data.batch import build_train_batch
 from rl.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
 from rl.data.types import Sample, ScoredSample
 from trainer.group import LearnerGroup
-from trainer.learner import LearnerSpec
+from trainer.learner_setup import LearnerSpec
 from trainer.logprobs import token_logprobs
 
 pytestmark = pytest.mark.slow

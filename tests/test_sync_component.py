@@ -122,7 +122,7 @@ def test_collective_and_object_store_sync_a_real_learner_into_a_real_fleet_acros
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from trainer.group import LearnerGroup
-    from trainer.learner import LearnerSpec
+    from trainer.learner_setup import LearnerSpec
     from trainer.sync import make_weight_sync
 
     cfg = OmegaConf.to_object(make_config("rollout.backend=hf", "rollout.num_workers=2", "trainer.num_workers=1",

@@ -16,7 +16,8 @@ from rl.wire import weight_sync
 from rl.algo.importance import effective_sample_size
 from rl.run.faults import ActorFailure, Calls, Deadlines, fan_out
 from rl.data.types import TrainBatch
-from trainer.learner import LearnerSpec, LearnerWorker
+from trainer.learner import LearnerWorker
+from trainer.learner_setup import LearnerSpec
 
 
 def shard_rows(n_rows: int, world_size: int) -> list[torch.Tensor]:

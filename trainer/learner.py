@@ -1,91 +1,31 @@
-"""One data-parallel rank of the policy learner: a DeepSpeed ZeRO engine doing PPO-style updates.
+"""One data-parallel rank of the policy learner: scores batches and makes PPO-style updates.
 
-`LearnerWorker` is a plain class; `trainer.group.LearnerGroup` runs N of them as Ray actors.
-The math (advantages, clipped loss, KL, aggregation) comes from `rl/`; this file only moves
-tensors through DeepSpeed and reports metrics as sums so the group can reduce them exactly.
+`LearnerWorker` is a plain class; `trainer.group.LearnerGroup` runs N of them as Ray actors. Its
+one job is a rank's scoring and training: the engines are built by `trainer/learner_setup.py`,
+the loss is `rl/algo/objective.py`, what a weight sync sends is `trainer/weights.py`, hybrid
+placement's offloading `trainer/residency.py`, files `trainer/checkpoints.py`. It reports metrics
+as sums so the group can reduce them exactly.
 """
 
 from __future__ import annotations
 
 import os
 from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from rl.data.batch import plan_micro_batches, split_to_count
-from rl.config.schema import AlgorithmConfig, ModelConfig, TrainConfig, TrainerConfig
-from rl.plan.devices import actor_device, collective_backend, local_device_index
+from rl.plan.devices import actor_device
 from rl.plan.flops import measure_matmul_tflops, train_flops
-from rl.plan.geometry import BatchGeometry
 from rl.algo.losses import LossNormalizer
 from rl.algo.objective import policy_objective, value_objective
 from rl.data.types import TrainBatch
 from rl.wire import lora, weight_sync
-from trainer.engine import build_engine, ds_config, import_deepspeed, zero3_load_config
-from trainer.logprobs import packing_matches, token_logprobs
+from trainer.learner_setup import LearnerSpec, assigned_gpus, batch_geometry, build_models, join_data_parallel
+from trainer.logprobs import token_logprobs
 from trainer import checkpoints
 from trainer.residency import Residency
 from trainer.weights import WeightExport
-
-
-def _assigned_gpus() -> list:
-    """The GPUs Ray gave this actor (none outside Ray)."""
-    import ray
-
-    return ray.get_gpu_ids() if ray.is_initialized() else []
-
-
-@dataclass
-class LearnerSpec:
-    """What a rank builds its engines from: the run's typed config sections as they are, plus the
-    few numbers derived from other sections (plain data: it crosses a Ray boundary)."""
-
-    model: ModelConfig
-    algorithm: AlgorithmConfig
-    trainer: TrainerConfig
-    samples_per_step: int  # task.prompts_per_step * rollout.n: rows of every TrainBatch (fixes accumulation)
-    max_response_len: int  # rollout.max_new_tokens: the generation budget (seq_mean_token_sum_norm)
-    temperature: float  # rollout.temperature: log-probs are those of the distribution sampled from
-    seed: int  # run.seed
-    threads: int = 0  # torch threads per rank (cluster.threads_per_worker, resolved on the driver)
-    peak_tflops: float = 0.0  # cluster.peak_tflops; 0 = measure this rank's matmul peak at its first update
-
-    @classmethod
-    def from_config(cls, cfg: TrainConfig, threads: int = 0) -> LearnerSpec:
-        return cls(cfg.model, cfg.algorithm, cfg.trainer, samples_per_step=cfg.task.prompts_per_step * cfg.rollout.n,
-                   max_response_len=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                   seed=cfg.run.seed, threads=threads, peak_tflops=cfg.cluster.peak_tflops)
-
-    @property
-    def recompute_old_logprobs(self) -> bool:
-        """Whether the old policy's log-probs need a forward pass of their own before the update.
-        With one update per step (one epoch, one mini-batch) the training forward's own log-probs,
-        detached, are exactly the pre-update policy's, as long as nothing needs them before the
-        update (a KL penalty in the reward does)."""
-        a = self.algorithm
-        return a.ppo_epochs > 1 or a.mini_batches > 1 or (a.kl_in_reward and a.kl_coef > 0)
-
-
-def batch_geometry(spec: LearnerSpec, world_size: int) -> BatchGeometry:
-    """How this run's steps are cut over `world_size` ranks (rl/plan/geometry.py; the memory
-    planner reads the same geometry from the config)."""
-    return BatchGeometry(spec.samples_per_step, world_size, spec.algorithm.mini_batches, spec.trainer.micro_batch_size,
-                         max_tokens_per_micro_batch=spec.trainer.max_tokens_per_micro_batch)
-
-
-def deepspeed_config(spec: LearnerSpec, world_size: int, with_optimizer: bool = True) -> dict[str, Any]:
-    geometry = batch_geometry(spec, world_size)
-    return ds_config(
-        micro_batch_size=geometry.micro_batch_examples,
-        gradient_accumulation_steps=geometry.accumulation_steps,
-        zero_stage=spec.trainer.zero_stage,
-        dtype=spec.model.dtype,
-        max_grad_norm=spec.algorithm.max_grad_norm if with_optimizer else None,
-        offload_optimizer=spec.trainer.offload_optimizer and with_optimizer,
-        zero3_persistence_threshold=spec.trainer.zero3_persistence_threshold,
-    )
 
 
 def _add_mismatch(sums: dict[str, float], learner_lp: torch.Tensor, rollout_lp: torch.Tensor,
@@ -110,7 +50,7 @@ class LearnerWorker:
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int):
         self.spec, self.rank, self.world_size = spec, rank, world_size
         # the device Ray gave this rank, not whether the machine has CUDA (rl/plan/devices.py)
-        self.device_kind = actor_device(_assigned_gpus(), torch.cuda.is_available(), f"learner rank {rank}")
+        self.device_kind = actor_device(assigned_gpus(), torch.cuda.is_available(), f"learner rank {rank}")
 
     def where(self) -> dict:
         """This actor's process, Ray node and device (for placement reports, fault messages and
@@ -128,124 +68,24 @@ class LearnerWorker:
         return ray.util.get_node_ip_address(), weight_sync.free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
-        """Join the data-parallel group and build the engines (all ranks at once)."""
-        spec, rank, world_size = self.spec, self.rank, self.world_size
-        os.environ.update(
-            MASTER_ADDR=master_addr,
-            MASTER_PORT=str(master_port),
-            RANK=str(rank),
-            LOCAL_RANK=str(local_device_index(_assigned_gpus(), dict(os.environ))),  # 0: Ray shows us only ours
-            WORLD_SIZE=str(world_size),
-        )
-        device = self.device_kind
-        if device == "cpu":
-            os.environ["DS_ACCELERATOR"] = "cpu"
-        if spec.threads:
-            torch.set_num_threads(spec.threads)
-        deepspeed = import_deepspeed()
-        from transformers import AutoModelForCausalLM
-
-        self.device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device == "cuda" else torch.device("cpu")
-        if device == "cuda":
-            torch.cuda.set_device(self.device)
-        deepspeed.init_distributed(dist_backend=collective_backend(device))
-        torch.manual_seed(spec.seed)
-        ds_config = deepspeed_config(spec, world_size)
-        dtype = getattr(torch, spec.model.dtype)
-        self.lora = spec.model.lora.rank > 0
-        self.engine = self._trainable(
-            lambda: self._with_adapters(AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype)),
-            ds_config, spec.algorithm.lr)
-        self.pack = spec.trainer.padding_free and self._packing_holds()
-        # With LoRA the reference policy is the same engine with its adapters off: no second copy.
-        self.uses_ref = spec.algorithm.kl_coef > 0
-        self.ref = self._reference(dtype) if self.uses_ref and not self.lora else None
-        self.critic = None
-        if spec.algorithm.critic:
-            from transformers import AutoModelForTokenClassification
-
-            def value_model() -> torch.nn.Module:
-                # A token-classification head with one label is a per-token value head; from a
-                # reward model (sequence classification, same `score` layer) it keeps that head.
-                return AutoModelForTokenClassification.from_pretrained(
-                    spec.algorithm.critic_init or spec.model.path, num_labels=1, dtype=dtype)
-
-            self.critic = self._trainable(value_model, deepspeed_config(spec, world_size), spec.algorithm.critic_lr)
+        """Join the data-parallel group and build the engines (all ranks at once: trainer/learner_setup.py)."""
+        spec, rank = self.spec, self.rank
+        self.device = join_data_parallel(spec, rank, self.world_size, self.device_kind, master_addr, master_port)
+        m = build_models(spec, rank, self.world_size, self.device)
+        self.engine, self.ref, self.critic, self.pack, self.lora = m.engine, m.ref, m.critic, m.pack, m.lora
+        self.uses_ref = spec.algorithm.kl_coef > 0  # (with LoRA the reference is the engine, adapters off)
         # What a weight sync sends: every parameter, or with LoRA only the adapters (by wire name).
         named = ([(lora.wire_name(n), p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
                  if self.lora else list(self.engine.module.named_parameters()))
         t = spec.trainer
         self.residency = Residency([self.engine, self.critic], self.ref, not t.ref_offload and t.zero_stage != 3,
                                    self.device)
-        self.weights = WeightExport(named, rank, spec.trainer.zero_stage, self.residency.resident)
+        self.weights = WeightExport(named, rank, t.zero_stage, self.residency.resident)
         self._sender = None  # the weight sync's learner side (`attach_sender`)
         self._scored_sums: dict[str, float] = {}
         self._model_config = self.engine.module.config.to_dict()
-        self._dtype = dtype
+        self._dtype = m.dtype
         self.peak_tflops = spec.peak_tflops  # 0: measured at the first update (when the rollout engines are idle)
-
-    def _packing_holds(self) -> bool:
-        """Padding-free micro-batches only for a model that gives packed rows their padded values
-        (`trainer.logprobs.packing_matches`); said once either way."""
-        self.engine.eval()
-        try:
-            holds = packing_matches(self.engine, self.engine.module.get_input_embeddings().num_embeddings, self.device)
-        except (TypeError, ValueError, RuntimeError) as err:  # e.g. a forward that takes no position_ids
-            print(f"learner rank {self.rank}: the packing check failed ({type(err).__name__}: {err})", flush=True)
-            holds = False
-        self.engine.train()
-        if self.world_size > 1:  # one layout on every rank: pack only where all ranks found it holds
-            agreed = torch.tensor([int(holds)], device=self.device)
-            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-            holds = bool(agreed.item())
-        if self.rank == 0:
-            print("learner: padding-free micro-batches (rows packed end to end)" if holds else
-                  "learner: trainer.padding_free=true but this model mixes packed rows (its attention ignores "
-                  "position ids); micro-batches stay padded", flush=True)
-        return holds
-
-    def _with_adapters(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The model as loaded, or with `model.lora` set, wrapped by peft: LoRA matrices on the
-        target modules are the only trainable parameters (so the only ones in the optimizer)."""
-        if not self.lora:
-            return model
-        from peft import LoraConfig, get_peft_model
-
-        cfg = self.spec.model.lora
-        try:
-            return get_peft_model(model, LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                                                    target_modules=list(cfg.target_modules), bias="none"))
-        except ValueError as err:  # e.g. a target module the model does not have
-            raise ValueError(f"model.lora.target_modules={list(cfg.target_modules)}: {err}") from None
-
-    def _trainable(self, load_model, ds_config: dict[str, Any], lr: float):
-        """A DeepSpeed engine with torch AdamW and linear lr warm-up: Adam's first updates are
-        sign-like steps of size lr on every weight, which can knock a small policy off its warm-up."""
-        warmup = max(self.spec.algorithm.lr_warmup_steps, 1)
-        return build_engine(load_model, ds_config, lr=lr, weight_decay=self.spec.algorithm.weight_decay,
-                            lr_lambda=lambda updates: min(1.0, (updates + 1) / warmup),
-                            gradient_checkpointing=self.spec.model.gradient_checkpointing)
-
-    def _reference(self, dtype: torch.dtype):
-        """The frozen reference policy in its own DeepSpeed engine (no optimizer); with
-        `ref_offload` its weights live on the CPU (ZeRO-3 parameter offload) between uses."""
-        import deepspeed
-        from transformers import AutoModelForCausalLM
-
-        spec = self.spec
-        config = deepspeed_config(spec, self.world_size, with_optimizer=False)
-        if spec.trainer.ref_offload:
-            config["zero_optimization"] = {**config["zero_optimization"], "stage": 3,
-                                           "offload_param": {"device": "cpu", "pin_memory": self.device.type == "cuda"}}
-        elif spec.trainer.zero_stage != 3:
-            config["zero_optimization"] = {"stage": 0}  # a frozen model: nothing to shard but weights
-        keep_alive = zero3_load_config(config)
-        model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).eval()
-        model.requires_grad_(False)
-        engine, *_ = deepspeed.initialize(model=model, config=config)
-        engine._rlpost_hf_ds_config = keep_alive
-        engine.eval()
-        return engine
 
     # ---- training -------------------------------------------------------------------------
 

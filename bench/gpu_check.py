@@ -12,7 +12,7 @@
    (checkpointed chunks): relative error < 1e-4.
 2. objective: `rl.algo.objective.policy_objective` for every policy_loss x loss_agg (importance
    corrections in turn, entropy bonus and KL term on): loss and the gradients to logp and entropy
-   on the device vs the CPU, fp32, relative error < 1e-6.
+   on the device vs the CPU, fp32, relative error < 1e-5 (fp32 sums over ~10^3 tokens reduced in another order on the GPU differ by ~10 ulp: 1.7e-6 was seen on an H100).
 3. weight_wire: `rl.wire.weight_sync` over a gloo group between two spawned processes: the sender
    holds the toy model's parameters on the device and sends `trainer.weights.WeightExport`
    (ZeRO-0) buckets as host copies, as trainer/sync/collective.py's CollectiveSender does when
@@ -203,7 +203,8 @@ def check_logprobs(device: torch.device) -> dict:
         item(out, "fp32_vs_fp64", worst < 1e-4 and outside == 0, mean_abs=mean, max_abs=worst, tokens=selected,
              chunks=math.ceil(selected / LOGPROB_CHUNK_TOKENS), chunk_tokens=LOGPROB_CHUNK_TOKENS,
              outside_max=outside, call_ms=call_ms)
-        lp7, ent7 = token_logprobs(model, ids, mask, temperature=0.7, with_entropy=True, entropy_grad=False, positions=pos)
+        lp7, ent7 = token_logprobs(model, ids, mask, temperature=0.7, with_entropy=True, entropy_grad=False,
+                                   positions=pos)
         (m1, w1), (m2, w2) = diff(lp7, ref[0.7][0], pos_c), diff(ent7, ref[0.7][1], pos_c)
         item(out, "fp32_entropy_t0.7", max(w1, w2) < 1e-4, logp_mean=m1, logp_max=w1, entropy_mean=m2, entropy_max=w2)
         one, _ = token_logprobs(model, ids, mask, positions=pos, chunk_tokens=selected)
@@ -248,7 +249,8 @@ def check_objective(device: torch.device) -> dict:
     b, t = 16, 96
     mask = (torch.arange(t)[None] < torch.randint(4, t + 1, (b,), generator=g)[:, None]).float()
     old = -3 * torch.rand(b, t, generator=g)
-    data = dict(logp=old + 0.3 * torch.randn(b, t, generator=g), old=old, behaviour=old + 0.1 * torch.randn(b, t, generator=g),
+    data = dict(logp=old + 0.3 * torch.randn(b, t, generator=g), old=old,
+                behaviour=old + 0.1 * torch.randn(b, t, generator=g),
                 advantages=torch.randn(b, 1, generator=g) + 0.1 * torch.randn(b, t, generator=g), mask=mask,
                 entropy=3 * torch.rand(b, t, generator=g), ref=old + 0.2 * torch.randn(b, t, generator=g))
     norm = LossNormalizer.of(mask, max_response_len=t)
@@ -274,7 +276,7 @@ def check_objective(device: torch.device) -> dict:
             ent_rel = float((e1 - e0).abs().max() / e0.abs().max().clamp(min=1e-30))
             worst = max(loss_rel, grad_rel, ent_rel)
             worst_all = max(worst_all, worst)
-            item(out, f"{loss}/{agg}/{algo.importance_correction}", worst <= 1e-6, loss=float(l0), loss_rel=loss_rel,
+            item(out, f"{loss}/{agg}/{algo.importance_correction}", worst <= 1e-5, loss=float(l0), loss_rel=loss_rel,
                  logp_grad_rel=grad_rel, entropy_grad_rel=ent_rel, clipped_dev=c1, clipped_cpu=c0)
     out["max_rel"] = worst_all
     return out
@@ -282,6 +284,7 @@ def check_objective(device: torch.device) -> dict:
 
 def _wire_process(rank: int, port: int, device: str, reps: int, threads: int, results) -> None:
     torch.set_num_threads(threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback (the box may have no network)
     group = weight_sync.init_group("127.0.0.1", port, rank, 2, "gloo", timeout_s=120)
     try:
         for dtype in (torch.float32, torch.bfloat16):
@@ -350,7 +353,7 @@ def main() -> int:
     report = {"device": str(device), "torch": torch.__version__, "python": platform.python_version(),
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "cpu_threads": torch.get_num_threads(), "checks": {}}
-    print(f"gpu_check on {device} ({report['gpu'] or platform.processor() or 'cpu'}), torch {torch.__version__}", flush=True)
+    print(f"gpu_check on {device} ({report['gpu'] or 'cpu'}), torch {torch.__version__}", flush=True)
     checks = {"logprobs": check_logprobs, "objective": check_objective,
               "weight_wire": lambda d: check_weight_wire(d, threads=max(1, min(4, torch.get_num_threads())))}
     for name, fn in checks.items():

@@ -106,6 +106,7 @@ def assert_chained(calls: list[RecordedCall], sample: Sample) -> list[list[int]]
 
 # ---- the real model ---------------------------------------------------------------------------------
 
+@pytest.mark.slow  # the real model (module fixture `engine`, ~30 s to load): outside the fast lane
 def test_tool_conversation_is_token_exact_and_the_model_rescores_it(server, engine):
     """A 3-call agent through the openai client: the trajectory chains the calls token-exactly,
     observations are the template's tool turn tokenized once, versions date every token, and a
@@ -213,6 +214,7 @@ def test_two_episodes_from_two_threads_are_recorded_apart(server):
         assert all(other not in whole for other in topics.values() if other != text)
 
 
+@pytest.mark.slow  # the real model (module fixture `engine`)
 def test_streaming_and_completions_are_recorded_too(server, engine):
     tok = engine.tokenizer
     key, url = server.open_episode(seed_base=2)
@@ -276,6 +278,7 @@ def test_errors_are_openai_json_naming_the_problem(server):
 CALL_TEXT = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+34"}}</tool_call>'
 
 
+@pytest.mark.slow  # the real model (module fixture `engine`)
 def test_tool_calls_are_returned_and_their_message_reuses_the_sampled_ids(engine):
     """A policy that writes a fixed tool call (in ids that are not the text's own tokenization),
     then an answer: the agent gets OpenAI tool_calls, sends the message back (with ids, arguments
@@ -317,6 +320,7 @@ def test_tool_calls_are_returned_and_their_message_reuses_the_sampled_ids(engine
     assert seeds == [derive_seed(11, 0), 5]
 
 
+@pytest.mark.slow  # the real model (module fixture `engine`)
 def test_a_failing_fleet_is_a_500_and_records_nothing(engine):
     def broken(request: GenerationRequest) -> Sample:
         raise RuntimeError("rollout worker died")

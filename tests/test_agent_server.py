@@ -168,6 +168,7 @@ def test_tool_conversation_is_token_exact_and_the_model_rescores_it(server, engi
     assert max(diffs) < 1e-3, max(diffs)
 
 
+@pytest.mark.slow  # the real model (module fixture `server` -> `engine`)
 def test_an_agent_that_rewrites_its_history_gets_an_error_sample(server):
     key, url = server.open_episode(seed_base=1)
     c = client(url)
@@ -182,6 +183,7 @@ def test_an_agent_that_rewrites_its_history_gets_an_error_sample(server):
     assert sample.completion_mask == [1] * len(calls[0].completion_ids)
 
 
+@pytest.mark.slow  # the real model (module fixture `server` -> `engine`)
 def test_two_episodes_from_two_threads_are_recorded_apart(server):
     topics = {"cats": "Say something about cats.", "rain": "Say something about rain."}
     episodes = {topic: server.open_episode(seed_base=i) for i, topic in enumerate(topics)}
@@ -242,6 +244,7 @@ def test_streaming_and_completions_are_recorded_too(server, engine):
     assert obs == list(tok(" Also,", add_special_tokens=False).input_ids)
 
 
+@pytest.mark.slow  # the real model (module fixture `server` -> `engine`)
 def test_errors_are_openai_json_naming_the_problem(server):
     key, base = server.open_episode(seed_base=0)
     c = client(base)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-import ray
-
 from rl.run.faults import ActorFailure, Deadlines
 
 
@@ -28,6 +26,7 @@ class Receivers(Protocol):
     where: list[dict[str, Any]]
     after_replace: Callable[[], None] | None
     version: int
+    spec: Any  # rollout.protocol.RolloutSpec: its rollout.tensor_parallel_size says how many ranks an engine has
 
     def name(self, i: int) -> str: ...
     def wait(self, refs: dict[int, Any], kind: str,
@@ -115,11 +114,5 @@ class WeightSync:
             self._join()
 
     def close(self) -> None:
-        """Drop the learner side of the transport (the actors' ends go with the actors)."""
+        """Stop being the fleet's `after_replace` hook (the transport's ends go with the actors)."""
         self.fleet.after_replace = None
-
-
-def kill(workers: list[Any], indices) -> None:
-    """End workers that stopped inside a transfer (their peers then fail fast instead of waiting)."""
-    for i in indices:
-        ray.kill(workers[i], no_restart=True)

@@ -16,7 +16,7 @@ import ray
 
 from rl.plan.devices import collective_backend
 from rl.wire import weight_sync
-from trainer.sync.base import WeightSync, kill
+from trainer.sync.base import WeightSync
 
 
 def sync_backend(devices: list[str]) -> str:
@@ -96,6 +96,7 @@ class CollectiveSync(WeightSync):
                                      "weight sync", errors=broken)
         # A stopped receiver holds rank 0's broadcast: end it (gloo then fails the broadcast at
         # once; NCCL at rank 0's wait), and the group is made again without it.
-        kill(fleet.workers, failed)
+        for i in failed:
+            ray.kill(fleet.workers[i], no_restart=True)
         sent = learner.call(sends, "weight sync", tolerate_errors=bool(failed or broken))
         return (sent[0] or 0.0), reports, failed, broken

@@ -16,7 +16,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from examples import ensure_builtin
+from examples import builtin_dir, ensure_builtin
 from launch.components import load_agent, reward_specs
 from launch.model_files import position_limit, require_model
 from launch.plan import preflight  # the memory plan (rl/plan/memory_plan.py)
@@ -68,8 +68,6 @@ def require_tensor_parallel(path: str, config: dict[str, Any], tp: int) -> None:
 def supervised_inputs(cfg: Any) -> None:
     """A supervised run's inputs: the built-in policy and data its default paths name are built
     when missing (`examples.ensure_builtin`); the model folder must exist."""
-    from examples import ensure_builtin
-
     ensure_builtin([cfg.model.path, *cfg.data.train_files, *cfg.data.test_files], cfg.run.seed)
     require_model(cfg.model.path)
 
@@ -144,6 +142,9 @@ def ensure_inputs(cfg: DictConfig) -> None:
     data, a built-in reward model named by a reward function's `path` or `algorithm.critic_init`),
     then check the model folders, before Ray starts."""
     critic = [cfg.algorithm.critic_init] if cfg.algorithm.critic_init else []
+    for path, field in ((cfg.model.path, "model.path"), *((c, "algorithm.critic_init") for c in critic)):
+        if builtin_dir(path) is None:  # the user's own folder: refused before a built-in task is built
+            require_model(path, field)
     ensure_builtin([cfg.model.path, *cfg.task.train_files, *cfg.eval.files, *_reward_model_paths(cfg), *critic],
                    cfg.run.seed)
     # A folder with config.json, whose position limit holds rollout.max_model_len tokens, and whose

@@ -192,6 +192,28 @@ def test_all_cores_means_the_cores_this_process_may_use():
     assert worker_threads(compose_config(["cluster.threads_per_worker=3"])) == 3
 
 
+@pytest.mark.parametrize("overrides, rollout, learner", [
+    ([], 8, 8),  # generation and training take turns: each role has all 8 cores
+    (["rollout.num_workers=2", "trainer.num_workers=4"], 4, 2),  # ...shared among that role's actors
+    (["algorithm.off_policy_steps=1"], 4, 4),  # they overlap: 1 worker + 1 rank share the 8 cores
+    (["rollout.mode=streaming", "algorithm.off_policy_steps=1", "rollout.num_workers=2"], 2, 2),  # 2 + 1 -> 8 // 3
+    (["algorithm.off_policy_steps=1", "rollout.num_workers=4", "trainer.num_workers=8"], 1, 1),  # never below 1
+    (["algorithm.off_policy_steps=1", "cluster.threads_per_worker=3"], 3, 3),  # as set
+])
+def test_automatic_threads_share_the_cores_among_the_roles_computing_at_once(monkeypatch, overrides, rollout,
+                                                                             learner):
+    """`cluster.threads_per_worker=0`: threads beyond the cores only wait on each other, so actors
+    that compute at the same time (a role's own actors; both roles when rollouts overlap
+    training) split the cores between them."""
+    import launch.components
+    from tests.conftest import compose_config
+
+    monkeypatch.setattr(launch.components, "usable_cores", lambda: 8)
+    cfg = compose_config(overrides)
+    assert (launch.components.worker_threads(cfg, "rollout"), launch.components.worker_threads(cfg, "learner")) \
+        == (rollout, learner)
+
+
 def test_streaming_mode_names_what_it_needs():
     """rollout.mode=streaming is refused, field by field, where it cannot run as asked (never a
     silent fallback to batches)."""

@@ -226,7 +226,7 @@ class TrainerConfig:
 class ClusterConfig:
     address: str | None = None  # None: start a local Ray; "auto" or ray://...: join a cluster
     num_cpus: int | None = None  # logical CPUs of the local Ray (default: enough for all actors)
-    threads_per_worker: int = 0  # torch/OMP threads per rollout/learner actor; 0 = all cores
+    threads_per_worker: int = 0  # torch/OMP threads per rollout/learner actor; 0 = the cores shared by the roles computing at once
     gpus_per_rollout_worker: float = 0.0
     gpus_per_learner: float = 0.0
     # How the placement group of the rollout workers and learner ranks (one bundle each) spreads
@@ -354,7 +354,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "sandbox.num_workers": (0, True, None, "0 (jobs run in the reward worker) or 2"),
     "sandbox.num_cpus_per_worker": (0, False, None, "1.0"),
     "sandbox.max_retries": (0, True, None, "2"),
-    "cluster.threads_per_worker": (0, True, None, "0 (all cores)"),
+    "cluster.threads_per_worker": (0, True, None, "0 (automatic)"),
     "cluster.gpus_per_rollout_worker": (0, True, None, "0 or 1"),
     "cluster.gpus_per_learner": (0, True, None, "0 or 1"),
     "run.save_every": (0, True, None, "20 (0 = never)"),

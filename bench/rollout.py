@@ -311,29 +311,22 @@ def measure(fleet, raw: RawEngine, tokenizer, batches: list[tuple[int, int]], re
                "fleet_tokens_per_s": fleet_tps, "raw_tokens_per_s": raw_tps, "ratio": fleet_tps / raw_tps,
                "fleet_split_s": overhead, "fleet_s": times["fleet"], "raw_s": times["raw"], "fleet_splits_s": splits}
         decode_bound(row, ids["fleet"], weights, bandwidth_gbs)
-        print(_line(row), flush=True)
+        print(table([row], header=not rows), flush=True)
         rows.append(row)
     return rows
 
 
-def _line(r: dict) -> str:
-    s = r["fleet_split_s"]
-    return (f"{r['batch']:>6} {r['requests']:>4} req {r['tokens']:>6} tok   fleet {r['fleet_tokens_per_s']:8.1f} tok/s"
-            f"   raw {r['raw_tokens_per_s']:8.1f} tok/s   fleet/raw {r['ratio']:.3f}   fleet: vLLM {s['vllm_s']:.3f} s"
-            f" + ours {s['convert_s']:.3f} s + Ray {s['ray_s']:.3f} s"
-            f"   bandwidth bound {r['decode_bound_s']:.2f} s = {r['bound_over_fleet']:.0%} of the fleet's time"
-            f"{'' if r['same_tokens'] else '   (token ids differ!)'}")
-
-
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], header: bool = True) -> str:
+    """The results as fixed-width lines (a row alone, `header=False`, as each batch finishes)."""
     head = (f"{'batch':>6} {'requests':>8} {'tokens':>7} {'fleet tok/s':>12} {'raw tok/s':>10} {'fleet/raw':>10} "
-            f"{'same ids':>9} | {'fleet s = vLLM':>14} {'+ ours':>7} {'+ Ray':>6}")
-    lines = [head, "-" * len(head)]
+            f"{'same ids':>9} | {'fleet s = vLLM':>14} {'+ ours':>7} {'+ Ray':>6} | {'bound s':>7} {'of fleet':>8}")
+    lines = [head, "-" * len(head)] if header else []
     for r in rows:
         s = r["fleet_split_s"]
         lines.append(f"{r['batch']:>6} {r['requests']:>8} {r['tokens']:>7} {r['fleet_tokens_per_s']:>12.1f} "
                      f"{r['raw_tokens_per_s']:>10.1f} {r['ratio']:>10.3f} {str(r['same_tokens']):>9} | "
-                     f"{s['vllm_s']:>14.3f} {s['convert_s']:>7.3f} {s['ray_s']:>6.3f}")
+                     f"{s['vllm_s']:>14.3f} {s['convert_s']:>7.3f} {s['ray_s']:>6.3f} | "
+                     f"{r['decode_bound_s']:>7.2f} {r['bound_over_fleet']:>8.0%}")
     return "\n".join(lines)
 
 

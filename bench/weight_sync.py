@@ -380,7 +380,7 @@ def measure(shape: str, repeats: int, warmup: int, device: str = "cpu") -> dict[
     }
     if "peak_extra_gpu_bytes" in full:
         row["peak_extra_gpu_mib"] = full["peak_extra_gpu_bytes"] / 2**20
-    print(_line(row), flush=True)
+    print(table([row], header=False), flush=True)
     return row
 
 
@@ -392,29 +392,22 @@ def visible_gpus() -> list[str]:
     return [g.strip() for g in given.split(",") if g.strip()] if given else [str(i) for i in range(torch.cuda.device_count())]
 
 
-def _line(r: dict) -> str:
-    s = r["ours_split_s"]
-    return (f"{r['shape']:>5} {r['mib']:6.1f} MiB  raw {r['raw_gb_per_s']:.2f}  wire {r['wire_gb_per_s']:.2f} GB/s "
-            f"({r['wire_over_raw']:.2f}x)  raw+load {r['raw_load_gb_per_s']:.3f}  ours {r['ours_gb_per_s']:.3f} GB/s "
-            f"({r['ours_over_raw_load']:.2f}x): {s['wall']:.3f} s = receive {s['receive']:.3f} + load {s['load']:.3f}"
-            f" + learner/Ray {s['learner_and_ray']:.3f}; peak extra RSS {r['peak_extra_rss_mib']:.0f} MiB"
-            + (f", GPU {r['peak_extra_gpu_mib']:.0f} MiB" if "peak_extra_gpu_mib" in r else ""))
-
-
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], header: bool = True) -> str:
+    """The results as fixed-width lines (a row alone, `header=False`, as each shape finishes)."""
     head = (f"{'shape':>5} {'MiB':>5} | {'raw':>6} {'wire':>6} {'wire/raw':>8} {'sep.':>5} | {'raw+load':>8} {'ours':>6} "
             f"{'ours/raw+load':>13} | {'ours s':>7} {'receive':>7} {'load':>6} {'other':>6} | {'bare load':>9} "
-            f"{'peak+MiB':>8}")
+            f"{'peak+MiB':>8} {'GPU+MiB':>7}")
     lines = ["GB/s of one full sync (median); sep.: wire/raw with separate tensors; ours split in seconds; "
-             "bare load: vLLM reload_weights in raw+load",
-             head, "-" * len(head)]
+             "bare load: vLLM reload_weights in raw+load; peak+: extra RSS and GPU memory of the receiver",
+             head, "-" * len(head)] if header else []
     for r in rows:
         s = r["ours_split_s"]
         lines.append(f"{r['shape']:>5} {r['mib']:>5.0f} | {r['raw_gb_per_s']:>6.2f} {r['wire_gb_per_s']:>6.2f} "
                      f"{r['wire_over_raw']:>8.2f} {r['wire_separate_over_raw']:>5.2f} | {r['raw_load_gb_per_s']:>8.3f} "
                      f"{r['ours_gb_per_s']:>6.3f} "
                      f"{r['ours_over_raw_load']:>13.2f} | {s['wall']:>7.3f} {s['receive']:>7.3f} {s['load']:>6.3f} "
-                     f"{s['learner_and_ray']:>6.3f} | {r['raw_load_split_s']['load']:>9.3f} {r['peak_extra_rss_mib']:>8.0f}")
+                     f"{s['learner_and_ray']:>6.3f} | {r['raw_load_split_s']['load']:>9.3f} {r['peak_extra_rss_mib']:>8.0f} "
+                     f"{r.get('peak_extra_gpu_mib', float('nan')):>7.0f}")
     return "\n".join(lines)
 
 

@@ -16,6 +16,17 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
+def pytest_collection_finish(session) -> None:
+    """The Docker sandbox's setup (engine, image: mostly network and disk on a clean machine)
+    starts now in the background when its tests are to run, rather than when they are reached."""
+    if session.config.option.collectonly:
+        return
+    if any(item.nodeid.startswith("tests/test_sandbox_docker.py") for item in session.items):
+        from tests.test_sandbox_docker import start_setup
+
+        start_setup()
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     """The built-in tiny model and arithmetic task, built from scratch into a temp dir."""

@@ -2,7 +2,8 @@
 
 The module fixture uses the engine that answers; on a clean machine (root with apt-get) it starts
 one with sandbox/image/start_dockerd.sh and builds the image with sandbox/image/build_rootfs.sh
-(about a minute the first time). Where neither works the module is skipped with the exact error.
+(about a minute the first time, in the background from the start of the session: `start_setup`).
+Where neither works the module is skipped with the exact error.
 Every hostile program must be contained with the right outcome while the container survives, and
 a closed box or backend must leave nothing behind.
 """
@@ -81,43 +82,64 @@ def _image_present() -> bool:
         client.close()
 
 
-def _setup_step(script: str, timeout_s: int) -> None:
-    """Run one of sandbox/image/*.sh; skip the module with its output when it fails."""
+def _setup_step(script: str, timeout_s: int, log: list[str]) -> str:
+    """Run one of sandbox/image/*.sh: '' when it succeeded, else why not (with its output)."""
     path = os.path.join(IMAGE_DIR, script)
-    print(f"docker fixture: running {path}", flush=True)
+    log.append(f"docker fixture: running {path}")
     started = time.monotonic()
     try:
         p = subprocess.run(["bash", path], capture_output=True, text=True, timeout=timeout_s,
                            env={**os.environ, "SANDBOX_IMAGE": IMAGE})
     except subprocess.TimeoutExpired:
-        reason = f"{script} did not finish within {timeout_s}s"
-    else:
-        print(p.stdout, p.stderr, f"({time.monotonic() - started:.1f}s)", flush=True)
-        if p.returncode == 0:
-            return
-        reason = f"{script} failed (exit {p.returncode}): {(p.stderr or p.stdout).strip()[-1500:]}"
-    print(f"docker fixture: {reason}", flush=True)
-    pytest.skip(reason)
+        return f"{script} did not finish within {timeout_s}s"
+    log.append(f"{p.stdout}{p.stderr}({time.monotonic() - started:.1f}s)")
+    return "" if p.returncode == 0 else f"{script} failed (exit {p.returncode}): {(p.stderr or p.stdout).strip()[-1500:]}"
 
 
-@pytest.fixture(scope="module")
-def engine() -> None:
-    """A Docker engine with the sandbox image, set up from scratch where possible."""
+def _set_up(log: list[str]) -> str:
+    """A Docker engine with the sandbox image, set up from scratch where possible: '' when there
+    is one, else why not (the module's skip reason)."""
     can_setup = os.geteuid() == 0 and shutil.which("apt-get") is not None
     err = _engine_error()
     if err:
         if not can_setup:
-            reason = f"no Docker engine ({err}) and no way to start one (needs root and apt-get)"
-            print(f"docker fixture: {reason}", flush=True)
-            pytest.skip(reason)
-        _setup_step("start_dockerd.sh", 600)
+            return f"no Docker engine ({err}) and no way to start one (needs root and apt-get)"
+        reason = _setup_step("start_dockerd.sh", 600, log)
+        if reason:
+            return reason
         err = _engine_error()
         if err:
-            pytest.skip(f"start_dockerd.sh ran but no engine answers: {err}")
+            return f"start_dockerd.sh ran but no engine answers: {err}"
     if not _image_present():
         if not can_setup:
-            pytest.skip(f"image {IMAGE} missing and building it needs root")
-        _setup_step("build_rootfs.sh", 1800)
+            return f"image {IMAGE} missing and building it needs root"
+        return _setup_step("build_rootfs.sh", 1800, log)
+    return ""
+
+
+SETUP: dict = {"log": []}  # the background setup: its thread, its log, its outcome
+
+
+def start_setup() -> None:
+    """Begin the setup in a thread of this process, once: on a clean machine it is a minute and
+    more of mostly network and disk (apt, debootstrap), which then overlaps the tests that run
+    before this module (tests/conftest.py starts it once the session's tests are collected)."""
+    if "thread" not in SETUP:
+        SETUP["thread"] = threading.Thread(target=lambda: SETUP.update(reason=_set_up(SETUP["log"])),
+                                           name="docker-setup", daemon=True)
+        SETUP["thread"].start()
+
+
+@pytest.fixture(scope="module")
+def engine() -> None:
+    """The engine and image of the background setup (started here if the session did not)."""
+    start_setup()
+    SETUP["thread"].join(timeout=2400)  # the setup steps' own deadlines sum to 2400 s
+    print("\n".join(SETUP["log"]), flush=True)
+    reason = "the docker setup did not finish within 2400 s" if SETUP["thread"].is_alive() else SETUP["reason"]
+    if reason:
+        print(f"docker fixture: {reason}", flush=True)
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")

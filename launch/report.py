@@ -72,7 +72,9 @@ def draw(rows: list[dict[str, Any]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8), constrained_layout=True)
+    # fixed margins: matplotlib's constrained layout took 0.6 of the 1.2 s a report took to draw
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8))
+    fig.subplots_adjust(left=0.05, right=0.985, bottom=0.07, top=0.91, wspace=0.22, hspace=0.32)
     fig.suptitle(title)
     for ax in axes.flat:  # steps are whole numbers
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))

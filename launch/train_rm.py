@@ -33,17 +33,13 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 def run(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Python entry: `run(["run.dir=/tmp/x", ...])` is the CLI without a subprocess (the built-in
     policy and data are built when missing)."""
-    from trainer.reward_model import train_rm
-
-    return run_supervised("train_rm", train_rm, overrides)
+    return run_supervised("train_rm", "trainer.reward_model:train_rm", overrides)
 
 
 @hydra.main(config_path="../configs", config_name="train_rm", version_base=None)
 def main(cfg: DictConfig) -> None:
     quiet_driver()
-    from trainer.reward_model import train_rm
-
-    supervised_main(cfg, validate_rm, train_rm)
+    supervised_main(cfg, validate_rm, "trainer.reward_model:train_rm")
 
 
 if __name__ == "__main__":

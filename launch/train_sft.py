@@ -37,17 +37,13 @@ def compose_config(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
 def run(overrides: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Python entry: `run(["run.dir=/tmp/x", ...])` is the CLI without a subprocess (the built-in
     policy and data are built when missing)."""
-    from trainer.sft import train_sft
-
-    return run_supervised("train_sft", train_sft, overrides)
+    return run_supervised("train_sft", "trainer.sft:train_sft", overrides)
 
 
 @hydra.main(config_path="../configs", config_name="train_sft", version_base=None)
 def main(cfg: DictConfig) -> None:
     quiet_driver()
-    from trainer.sft import train_sft
-
-    supervised_main(cfg, validate_sft, train_sft)
+    supervised_main(cfg, validate_sft, "trainer.sft:train_sft")
 
 
 if __name__ == "__main__":

@@ -47,10 +47,10 @@ TEMPERATURE = 0.8
 # ---- fixtures: the real model behind the server ----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def model_path(request) -> str:
-    if os.path.exists(os.path.join(MODEL, "config.json")):
-        return MODEL
-    return request.getfixturevalue("smollm2")  # converted from the installed package when not prepared
+def model_path(smollm2) -> str:
+    """The prepared folder where there is one, else the session's (converted from the installed
+    package in the background once the session's tests are collected: tests/prebuild.py)."""
+    return MODEL if os.path.exists(os.path.join(MODEL, "config.json")) else smollm2
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ are collected, starts the builds they need here, one after another in the order 
 need them, each in a process of its own (no GIL shared with the tests). A build fixture waits for
 its own build and fails with the build's log when it failed; a build no collected test named (a
 fixture requested at run time) is made when asked. Same code, seed and thread count as in the test
-process, so the same files.
+process, so the same files. The builds run at the lowest priority (`nice -n 19`): they take the
+idle core, never a test's (a test of deadlines, starved by a build, once missed one).
 """
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ class Prebuilds:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
         try:
             with open(log, "w") as f:
-                proc = subprocess.run([sys.executable, "-c", f"OUT = {str(out)!r}; {code}"], cwd=out, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                      timeout=BUILD_TIMEOUT_S)
+                proc = subprocess.run(["nice", "-n", "19", sys.executable, "-c", f"OUT = {str(out)!r}; {code}"],
+                                      cwd=out, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=BUILD_TIMEOUT_S)
             if proc.returncode != 0:
                 self._errors[name] = f"exit {proc.returncode}; {log}:\n{log.read_text()[-4000:]}"
         except Exception as err:  # noqa: BLE001 - reported by the fixture that waits for it

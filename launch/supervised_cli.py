@@ -3,7 +3,6 @@ everything (launch/checks.py), then train; bad input ends with one `error:` line
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable
 
 from launch.checks import require_writable, supervised_inputs
@@ -14,8 +13,9 @@ from rl.run.run_log import refuse_existing_run
 def trainer_function(name: str) -> Callable[[Any], Any]:
     """The training function `name` ("module:function"), imported only once the input is
     checked: its module imports torch (2-5 s), which a refused command never waits for."""
-    module, function = name.split(":")
-    return getattr(importlib.import_module(module), function)
+    from reward.loader import load_object
+
+    return load_object(name, field="trainer")
 
 
 def run_supervised(app: str, train: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:

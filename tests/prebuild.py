@@ -26,8 +26,8 @@ SMOLLM2_PATH = "artifacts/smollm2-135m-instruct"  # configs/model/smollm2.yaml's
 BUILDS: dict[str, tuple[str, str, str]] = {
     "tiny_dir": ("tiny", "from examples.arith import build; build(OUT, seed=0)", "."),
     # the real model's folder made on first use of model=smollm2's path, as launch.train makes it
-    "smollm2": ("smollm2", f"from examples import ensure_builtin; assert ensure_builtin([{SMOLLM2_PATH!r}])",
-                SMOLLM2_PATH),
+    "smollm2": ("smollm2", f"from examples import ensure_builtin; "
+                           f"assert ensure_builtin([{SMOLLM2_PATH!r}]) == [{SMOLLM2_PATH!r}]", SMOLLM2_PATH),
     "tiny_calc": ("tiny_calc", "from examples.calculator import build; build(OUT, seed=0, log_every=0)", "."),
     "tiny_code_agent": ("tiny_code_agent", "from examples.code_agent import build; build(OUT, seed=0, log_every=0)",
                         "."),

@@ -34,6 +34,8 @@ def pytest_collection_finish(session) -> None:
         return
     session.config.prebuilds = Prebuilds(session.config._tmp_path_factory)
     needed = dict.fromkeys(name for item in session.items for name in item.fixturenames if name in BUILDS)
+    if any(item.get_closest_marker("slow") for item in session.items):
+        needed = {"deepspeed_ops": None, **needed}  # the first learner's start needs it
     session.config.prebuilds.start(list(needed))
     if any(item.nodeid.startswith("tests/test_sandbox_docker.py") for item in session.items):
         from tests.test_sandbox_docker import start_setup

@@ -24,6 +24,10 @@ SMOLLM2_PATH = "artifacts/smollm2-135m-instruct"  # configs/model/smollm2.yaml's
 
 # fixture -> (temp dir name, Python run in that dir (OUT: its path), the fixture's value relative to the dir)
 BUILDS: dict[str, tuple[str, str, str]] = {
+    # not a fixture: DeepSpeed compiles its CPU shared-memory collective op (g++, ~40 s of one core)
+    # the first time a learner starts on a machine (cached in ~/.cache/torch_extensions); compiled
+    # here first, the first end-to-end test does not wait for it (tests/conftest.py)
+    "deepspeed_ops": ("deepspeed_ops", "from deepspeed.comm.torch import build_shm_op; build_shm_op()", "."),
     "tiny_dir": ("tiny", "from examples.arith import build; build(OUT, seed=0)", "."),
     # the real model's folder made on first use of model=smollm2's path, as launch.train makes it
     "smollm2": ("smollm2", f"from examples import ensure_builtin; "

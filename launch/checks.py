@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from examples import builtin_dir, ensure_builtin
 from launch.components import load_agent, reward_specs
+from launch.hub import resolve_hub_ids
 from launch.model_files import position_limit, require_model
 from launch.plan import preflight  # the memory plan (rl/plan/memory_plan.py)
 from rl.config.schema import ConfigError, validate
@@ -67,7 +68,8 @@ def require_tensor_parallel(path: str, config: dict[str, Any], tp: int) -> None:
 
 def supervised_inputs(cfg: Any) -> None:
     """A supervised run's inputs: the built-in policy and data its default paths name are built
-    when missing (`examples.ensure_builtin`); the model folder must exist."""
+    when missing (`examples.ensure_builtin`); the model folder (or Hub id) must exist."""
+    resolve_hub_ids(cfg)
     ensure_builtin([cfg.model.path, *cfg.data.train_files, *cfg.data.test_files], cfg.run.seed)
     require_model(cfg.model.path)
 
@@ -138,9 +140,10 @@ def require_local_gpus(cfg: DictConfig) -> None:
 
 
 def ensure_inputs(cfg: DictConfig) -> None:
-    """Build the built-in tasks the config names and that are missing (the tiny policy and its
-    data, a built-in reward model named by a reward function's `path` or `algorithm.critic_init`),
-    then check the model folders, before Ray starts."""
+    """Resolve Hub ids to their cached snapshots, build the built-in tasks the config names and
+    that are missing (the tiny policy and its data, a built-in reward model named by a reward
+    function's `path` or `algorithm.critic_init`), then check the model folders, before Ray starts."""
+    resolve_hub_ids(cfg)
     critic = [cfg.algorithm.critic_init] if cfg.algorithm.critic_init else []
     for path, field in ((cfg.model.path, "model.path"), *((c, "algorithm.critic_init") for c in critic)):
         if builtin_dir(path) is None:  # the user's own folder: refused before a built-in task is built

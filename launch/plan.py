@@ -141,6 +141,7 @@ def preflight(cfg: Any) -> Plan | None:
 
 def main(argv: list[str] | None = None) -> None:
     from examples import ensure_builtin
+    from launch.hub import resolve_hub_ids
     from rl.config.compose import compose
 
     overrides = sys.argv[1:] if argv is None else argv
@@ -152,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             cfg = compose("train", overrides)  # the same configs/ tree and validation as launch.train
         except Exception as err:  # noqa: BLE001 - ours (ConfigError) or Hydra's (a bad override or group)
             raise ConfigError(" ".join(str(err).split())) from None
+        resolve_hub_ids(cfg)  # a Hub id: its snapshot in the Hugging Face cache
         ensure_builtin([cfg.model.path], cfg.run.seed)  # the built-in tiny model, when it is the one named
         plan, fix = plan_run(cfg)
     except INPUT_ERRORS as err:

@@ -245,10 +245,16 @@ def test_hf_backend_zero1_two_ranks_object_store_sync(make_config):
     assert 0 <= metrics[1]["reward/mean"] <= 1.1
 
 
-def test_any_local_hf_folder_works_as_model_path(make_config, tiny_dir, tmp_path):
-    """Not only the built-in model: a Qwen2-architecture folder (random init, its own config) trains
-    through vLLM and DeepSpeed the same way when named by model.path."""
+def test_a_hub_id_in_the_cache_works_as_model_path(tiny_dir, tmp_path, monkeypatch):
+    """Not only the built-in model: a Qwen2-architecture model (random init, its own config) put in
+    a Hugging Face cache as `tiny-org/qwen2-tiny` trains through vLLM and DeepSpeed when
+    model.path names its Hub id (offline; the run's checks resolve it to the cached snapshot, which
+    every actor loads), as `python -m launch.train` does it."""
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from launch.checks import check_inputs
+    from rl.config.compose import compose
+    from tests.hub_cache import add_snapshot, offline_cache
 
     tok = AutoTokenizer.from_pretrained(f"{tiny_dir}/model")
     folder = tmp_path / "qwen2-tiny"
@@ -259,8 +265,14 @@ def test_any_local_hf_folder_works_as_model_path(make_config, tiny_dir, tmp_path
                          pad_token_id=tok.pad_token_id)
     Qwen2ForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
-    cfg = make_config(f"model.path={folder}", "run.steps=2", "task.prompts_per_step=8")
-    summary = train(cfg)
+    snapshot = add_snapshot(tmp_path / "hub", "tiny-org/qwen2-tiny", folder, "c" * 40)
+    offline_cache(monkeypatch, tmp_path / "hub")
+    overrides = ["model.path=tiny-org/qwen2-tiny", f"task.train_files=[{tiny_dir}/data/train.jsonl]",
+                 f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=2", "task.prompts_per_step=8"]
+    cfg = compose("train", overrides)
+    inputs, _ = check_inputs(cfg, overrides)
+    assert cfg.model.path == str(snapshot)
+    summary = train(cfg, inputs)
     metrics = read_metrics(cfg.run.dir)
     assert metrics[1]["sync/logprob_abs_diff"] < 1e-3  # tied embeddings survive the sync too
     from transformers import AutoModelForCausalLM

@@ -95,7 +95,10 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = "artifacts/tiny/model"  # a local HF folder; this default one is built when missing
+    # a local HF folder (this default one is built when missing) or a Hub id such as Qwen/Qwen3-1.7B,
+    # resolved into the Hugging Face cache before Ray starts (launch/hub.py)
+    path: str = "artifacts/tiny/model"
+    revision: str = ""  # with a Hub id: its branch, tag or commit ("" = the default branch)
     dtype: str = "float32"  # float32 | bfloat16, for learner and rollout alike
     gradient_checkpointing: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)

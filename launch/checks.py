@@ -78,6 +78,13 @@ def _abs(path: str) -> str:
     return os.path.abspath(os.path.expanduser(path))
 
 
+def _abs_data(entry: str) -> str:
+    """A data entry made absolute, unless it names a Hub dataset (rl/data/dataset.py)."""
+    from rl.data.dataset import hub_dataset
+
+    return entry if hub_dataset(entry) else _abs(entry)
+
+
 def _reward_model_paths(cfg: DictConfig) -> list[str]:
     return [f.kwargs.path for f in cfg.reward.functions if f.kwargs and isinstance(f.kwargs.get("path"), str)]
 
@@ -187,8 +194,8 @@ def resolve_paths(cfg: DictConfig) -> None:
     for f in cfg.reward.functions:
         if f.kwargs and isinstance(f.kwargs.get("path"), str):
             f.kwargs.path = _abs(f.kwargs.path)
-    cfg.task.train_files = [_abs(f) for f in cfg.task.train_files]
-    cfg.eval.files = [_abs(f) for f in cfg.eval.files]
+    cfg.task.train_files = [_abs_data(f) for f in cfg.task.train_files]
+    cfg.eval.files = [_abs_data(f) for f in cfg.eval.files]
     if cfg.algorithm.critic_init:
         cfg.algorithm.critic_init = _abs(cfg.algorithm.critic_init)
     cfg.run.dir = _abs(cfg.run.dir)

@@ -108,7 +108,8 @@ def resolve_hub_ids(cfg: Any) -> None:
     elif cfg.model.revision:
         raise ConfigError(f"model.revision={cfg.model.revision!r} applies to a Hub id, but model.path="
                           f"{cfg.model.path!r} is the built-in model; drop model.revision")
-    if "algorithm" in cfg and cfg.algorithm.critic_init and builtin_dir(cfg.algorithm.critic_init) is None:
+    critic = cfg.algorithm.get("critic_init") if "algorithm" in cfg else None  # RL configs only
+    if critic and builtin_dir(critic) is None:
         cfg.algorithm.critic_init = resolve_model(cfg.algorithm.critic_init, field="algorithm.critic_init")
     for i, f in enumerate(cfg.reward.functions if "reward" in cfg else []):
         if f.kwargs and isinstance(f.kwargs.get("path"), str) and builtin_dir(f.kwargs.path) is None:

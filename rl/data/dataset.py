@@ -1,5 +1,13 @@
-"""Training data: `datasets` tables read from local files and checked for their columns, and the
-RL prompts visited in a seeded order.
+"""Training data: `datasets` tables read from local files, globs of shards, `save_to_disk` folders
+or Hub datasets, checked for their columns, and the RL prompts visited in a seeded order.
+
+An entry of a files list (`task.train_files`, `eval.files`, `data.train_files`...) is, in order:
+a local .jsonl/.json/.parquet/.csv file; a glob of them (`data/train-*.parquet`); a folder that
+`Dataset.save_to_disk` or `DatasetDict.save_to_disk` wrote; else a Hub dataset
+`org/name[@revision][:config][:split]` (the split defaults to "train", "test" for evaluation
+files), whose snapshot `huggingface_hub` finds in (or downloads into) the standard cache, read
+with `datasets` from that folder: offline (`HF_HUB_OFFLINE=1`) a cached one works. Every entry's
+table is concatenated in order.
 
 The prompts of step s are a pure function of (seed, s), so a resumed run sees exactly the
 prompts an uninterrupted run would have seen.
@@ -7,6 +15,7 @@ prompts an uninterrupted run would have seen.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -141,6 +150,101 @@ def check_json_file(path: str, field: str, texts: dict[str, str]) -> None:
             raise _bad_text(key, column, f"{path} {where}", problem)
 
 
+def default_split(field: str) -> str:
+    """The split a Hub dataset entry without one means: evaluation and test files read "test"."""
+    return "test" if field in ("eval.files", "data.test_files") else "train"
+
+
+def _globbed(entry: str) -> list[str] | None:
+    """The files a glob entry names (sorted), or None when `entry` is no glob."""
+    return sorted(glob.glob(os.path.expanduser(entry))) if glob.has_magic(entry) else None
+
+
+def is_saved_dataset(path: str) -> bool:
+    """A folder `Dataset.save_to_disk` (state.json) or `DatasetDict.save_to_disk` (dataset_dict.json) wrote."""
+    return os.path.isdir(path) and any(os.path.isfile(os.path.join(path, f)) for f in ("state.json", "dataset_dict.json"))
+
+
+def hub_dataset(entry: str) -> tuple[str, str, str | None, str | None] | None:
+    """`org/name[@revision][:config][:split]` -> (repo id, revision, config, split), or None when
+    `entry` is a local path, a glob or not shaped like a Hub dataset."""
+    if os.path.exists(entry) or glob.has_magic(entry) or entry.startswith((".", "/", "~")):
+        return None
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    repo, *rest = entry.split(":")
+    if len(rest) > 2:
+        return None
+    repo_id, _, revision = repo.partition("@")
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError:
+        return None
+    if os.path.splitext(repo_id)[1] in _FORMATS:  # data/train.jsonl that does not exist: a missing file
+        return None
+    config, split = (rest[0], rest[1]) if len(rest) == 2 else (None, rest[0] if rest else None)
+    return repo_id, revision, config or None, split or None
+
+
+def _load_hub_dataset(entry: str, field: str):
+    """One Hub dataset entry's split, read from its snapshot in the Hugging Face cache."""
+    import datasets
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    repo_id, revision, config, split = hub_dataset(entry)
+    split = split or default_split(field)
+    try:
+        folder = snapshot_download(repo_id, repo_type="dataset", revision=revision or None)
+    except RevisionNotFoundError:
+        raise DataError(f"{field}: the Hub dataset {repo_id} has no revision {revision!r}") from None
+    except (GatedRepoError, RepositoryNotFoundError):
+        raise DataError(f"{field}: {entry!r} is neither a local file nor a Hub dataset this machine can see (a "
+                        "private or gated one needs `hf auth login` or HF_TOKEN); give a .jsonl/.json/.parquet/.csv "
+                        "file, a glob of them, a save_to_disk folder or org/name[:config][:split]") from None
+    except LocalEntryNotFoundError:
+        why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the Hub cannot be reached from here"
+        raise DataError(f"{field}: {entry!r} is not a local file, and the Hub dataset {repo_id} is not in the Hugging "
+                        f"Face cache ({constants.HF_HUB_CACHE}) while {why}; download it where there is network "
+                        f"(`hf download {repo_id} --repo-type dataset`), or give local files") from None
+    try:
+        return datasets.load_dataset(folder, config, split=split)
+    except ValueError as err:  # an unknown split or config: datasets names the ones there are
+        detail = " ".join(str(err).split())
+        raise DataError(f"{field}: {entry!r}: {detail}; write it as {repo_id}[:config][:split]") from None
+
+
+def _load_saved(path: str, field: str):
+    """A save_to_disk folder: a Dataset, or the field's split of a DatasetDict."""
+    import datasets
+
+    table = datasets.load_from_disk(path)
+    if isinstance(table, datasets.DatasetDict):
+        split = default_split(field)
+        if split not in table:
+            raise DataError(f"{field}: {path} is a DatasetDict without a {split!r} split (it has {list(table)}); "
+                            f"save that split alone (table[name].save_to_disk) and name its folder")
+        table = table[split]
+    return table
+
+
+def is_local_entry(entry: str) -> bool:
+    """A local file (existing or not: a missing one is reported as such) or a glob of them."""
+    return glob.has_magic(entry) or (not is_saved_dataset(entry) and hub_dataset(entry) is None)
+
+
+def local_files(files: list[str], field: str) -> list[str]:
+    """The local entries' files, globs expanded in sorted order (a glob matching nothing is an error)."""
+    out = []
+    for entry in filter(is_local_entry, files):
+        matched = _globbed(entry)
+        if matched is not None and not matched:
+            raise MissingDataFile(f"{field}: {entry} matches no file (paths are relative to the launch directory)")
+        out += [entry] if matched is None else matched
+    return out
+
+
 def _root_cause(err: BaseException) -> BaseException:
     """The innermost exception of a chain (`datasets` wraps the reader's own error)."""
     for _ in range(20):
@@ -152,11 +256,35 @@ def _root_cause(err: BaseException) -> BaseException:
 
 
 def load_table(files: list[str], field_name: str = "task.train_files", texts: dict[str, str] | None = None):
-    """A `datasets` table of local jsonl/json/parquet/csv files. JSON files are read row by row
-    first (`check_json_file`), so a malformed line or an empty file is reported with its file and
-    line, never as a `datasets`/pyarrow traceback; any other problem reading the files is a
-    DataError naming them."""
-    files = list(files)
+    """A `datasets` table of the entries of `files` (the module's docstring says which kinds), in
+    order. JSON files are read row by row first (`check_json_file`), so a malformed line or an
+    empty file is reported with its file and line, never as a `datasets`/pyarrow traceback; any
+    other problem reading the files is a DataError naming them."""
+    if not files:
+        raise DataError(f"{field_name} is empty: give at least one .jsonl/.json/.parquet/.csv file")
+    import datasets
+
+    tables, pending = [], []  # runs of local files load together, each other entry on its own
+    for entry in list(files) + [None]:
+        if entry is not None and is_local_entry(entry):
+            pending += local_files([entry], field_name)
+            continue
+        if pending:
+            tables.append(_load_local(pending, field_name, texts))
+            pending = []
+        if entry is not None:
+            tables.append(_load_saved(entry, field_name) if is_saved_dataset(entry) else
+                          _load_hub_dataset(entry, field_name))
+    if len(tables) == 1:
+        return tables[0]
+    try:
+        return datasets.concatenate_datasets(tables)
+    except ValueError as err:
+        raise DataError(f"{field_name}: its entries do not have the same columns, so they cannot be read as one "
+                        f"table ({' '.join(str(err).split())[:200]}); give entries with the same columns") from None
+
+
+def _load_local(files: list[str], field_name: str, texts: dict[str, str] | None):
     kind = data_format(files, field_name)
     if kind == "json":
         for path in files:
@@ -193,7 +321,8 @@ def load_columns(files: list[str], columns: dict[str, str | None], field: str, *
                 f"{key}={column!r} is not a column of {field}={list(files)}; columns are "
                 f"{table.column_names}; set {key} to the right column"
             )
-    json_checked = _FORMATS[os.path.splitext(files[0])[1]] == "json"  # line by line, in load_table
+    json_checked = all(map(is_local_entry, files)) and all(  # line by line, in load_table
+        _FORMATS.get(os.path.splitext(f)[1]) == "json" for f in local_files(list(files), field))
     for key, column in {} if json_checked else wanted.items():
         for i, value in enumerate(table[column]):
             problem = text_problem(value)

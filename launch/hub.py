@@ -110,7 +110,7 @@ def resolve_hub_ids(cfg: Any) -> None:
                           f"{cfg.model.path!r} is the built-in model; drop model.revision")
     critic = cfg.algorithm.get("critic_init") if "algorithm" in cfg else None  # RL configs only
     if critic and builtin_dir(critic) is None:
-        cfg.algorithm.critic_init = resolve_model(cfg.algorithm.critic_init, field="algorithm.critic_init")
+        cfg.algorithm.critic_init = resolve_model(critic, field="algorithm.critic_init")
     for i, f in enumerate(cfg.reward.functions if "reward" in cfg else []):
         if f.kwargs and isinstance(f.kwargs.get("path"), str) and builtin_dir(f.kwargs.path) is None:
             f.kwargs.path = resolve_model(f.kwargs.path, field=f"reward.functions[{i}].kwargs.path")

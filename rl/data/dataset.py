@@ -16,6 +16,7 @@ prompts an uninterrupted run would have seen.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 from typing import Any, Callable, Iterator
@@ -264,17 +265,13 @@ def load_table(files: list[str], field_name: str = "task.train_files", texts: di
         raise DataError(f"{field_name} is empty: give at least one .jsonl/.json/.parquet/.csv file")
     import datasets
 
-    tables, pending = [], []  # runs of local files load together, each other entry on its own
-    for entry in list(files) + [None]:
-        if entry is not None and is_local_entry(entry):
-            pending += local_files([entry], field_name)
-            continue
-        if pending:
-            tables.append(_load_local(pending, field_name, texts))
-            pending = []
-        if entry is not None:
-            tables.append(_load_saved(entry, field_name) if is_saved_dataset(entry) else
-                          _load_hub_dataset(entry, field_name))
+    tables = []
+    for local, run in itertools.groupby(files, key=is_local_entry):  # a run of local files loads together
+        if local:
+            tables.append(_load_local(local_files(list(run), field_name), field_name, texts))
+        else:
+            tables += [_load_saved(entry, field_name) if is_saved_dataset(entry) else
+                       _load_hub_dataset(entry, field_name) for entry in run]
     if len(tables) == 1:
         return tables[0]
     try:

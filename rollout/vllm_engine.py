@@ -126,7 +126,7 @@ class VLLMEngine(BatchQueue):
         parallel = self.llm.llm_engine.vllm_config.parallel_config
         self.in_process = (isinstance(self.llm.llm_engine.engine_core, InprocClient)
                            and parallel.distributed_executor_backend == "uni")
-        self._has_tied = any(self.llm.collective_rpc("rlpost_record_tied"))
+        self._needs_fixup = any(self.llm.collective_rpc("rlpost_record_fixups"))
         self.version = 0
         self._sleep_mode = r.sleep_between_steps and spec.gpu and torch.cuda.is_available()
         self._sleep_level = 1 if spec.model.lora.rank > 0 else 2
@@ -155,8 +155,8 @@ class VLLMEngine(BatchQueue):
         # workers in subprocesses (tensor parallelism): the tensors cross whole, pickled to each
         weights = iter(named_tensors) if self.in_process else list(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        if self._has_tied:
-            self.llm.collective_rpc("rlpost_restore_tied")
+        if self._needs_fixup:
+            self.llm.collective_rpc("rlpost_after_reload")
         self._loaded(version)
 
     def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
@@ -213,6 +213,6 @@ class VLLMEngine(BatchQueue):
         if method in ("start_weight_update", "finish_weight_update"):
             self._transfer_open = method == "start_weight_update"
         if method == "finish_weight_update":
-            if self._has_tied:
-                self.llm.collective_rpc("rlpost_restore_tied")
+            if self._needs_fixup:
+                self.llm.collective_rpc("rlpost_after_reload")
             self._loaded(version if version is not None else self.version)

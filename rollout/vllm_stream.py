@@ -47,7 +47,7 @@ class AsyncVLLMEngine:
         threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True).start()
         self.llm = self._call(self._build(engine_kwargs(spec, seed)))
         self._call(self.llm.collective_rpc("rlpost_watch_parent", args=(os.getpid(),)))
-        self._call(self.llm.collective_rpc("rlpost_record_tied"))
+        self._call(self.llm.collective_rpc("rlpost_record_fixups"))
         self._call(self.llm.update_weight_version("0"))  # vLLM labels every sampled token with it
         self.version = 0
         self._ids = itertools.count()

@@ -122,7 +122,7 @@ def test_weight_transfer_rounds_cut_short_by_the_trainer_or_by_vllm_both_resume(
     from rollout.vllm_engine import VLLMEngine
 
     engine = object.__new__(VLLMEngine)  # the round bookkeeping only: no model loaded
-    engine.llm, engine._transfer_open, engine._has_tied, engine.version = _TransferRounds(), False, False, 0
+    engine.llm, engine._transfer_open, engine._needs_fixup, engine.version = _TransferRounds(), False, False, 0
     rounds = engine.llm
     engine.weight_transfer("start_weight_update")
     engine.weight_transfer("update_weights", {"chunk": 0})  # ...then the trainer's side is lost

@@ -25,7 +25,7 @@ from trainer.learner_setup import LearnerSpec, assigned_gpus, batch_geometry, bu
 from trainer.logprobs import token_logprobs
 from trainer import checkpoints
 from trainer.residency import Residency
-from trainer.weights import WeightExport
+from trainer.weights import WeightExport, checkpoint_layout
 
 
 def _add_mismatch(sums: dict[str, float], learner_lp: torch.Tensor, rollout_lp: torch.Tensor,
@@ -80,7 +80,8 @@ class LearnerWorker:
         t = spec.trainer
         self.residency = Residency([self.engine, self.critic], self.ref, not t.ref_offload and t.zero_stage != 3,
                                    self.device)
-        self.weights = WeightExport(named, rank, t.zero_stage, self.residency.resident)
+        self.weights = WeightExport(named, rank, t.zero_stage, self.residency.resident,
+                                    convert=None if self.lora else checkpoint_layout(self.engine.module))
         self._sender = None  # the weight sync's learner side (`attach_sender`)
         self._scored_sums: dict[str, float] = {}
         self._model_config = self.engine.module.config.to_dict()

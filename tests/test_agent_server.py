@@ -724,3 +724,35 @@ def _closed_after(socks: list[socket.socket], start: float, timeout_s: float) ->
                 sock.close()
     assert len(out) == len(socks), f"{len(socks) - len(out)} connections still open after {timeout_s} s"
     return [out[sock] for sock in socks]
+
+
+def test_a_thinking_template_s_conversation_continues_token_exactly(caplog):
+    """An agent on a Qwen3-style template (earlier reasoning dropped once a new user turn
+    follows) sends the conversation back, the model's `<think>` reply included. The next prompt
+    is the previous prompt + the sampled ids + the new turn's own tokens (the server does not
+    render the history again, which would drop the reasoning the model actually saw), so the
+    episode is one trajectory. Before, such a template left the server unable to extend any call:
+    every multi-call episode was flagged as rewritten and never trained."""
+    from tests.test_episodes import _thinking_tokenizer
+
+    tok = _thinking_tokenizer()
+    turn = tok("<think>\nr r\n</think>\n\n46", add_special_tokens=False).input_ids + [tok.eos_token_id]
+
+    def policy(request: GenerationRequest) -> Sample:
+        return Sample(request.prompt_ids, turn, [-0.5] * len(turn), "stop", 0, "", tok.decode(turn[:-1]), 0, 0)
+
+    with AgentServer(tok, policy, max_new_tokens=32, max_model_len=256, observation_role="user") as server:
+        key, url = server.open_episode(seed_base=1)
+        c = client(url)
+        messages: list = [{"role": "user", "content": "12+34"}]
+        for _ in range(2):
+            r = c.chat.completions.create(model="policy", messages=messages, max_tokens=32)
+            messages += [r.choices[0].message, {"role": "user", "content": "ok"}]
+        calls = server.close_episode(key)
+    sample = episode_sample(calls, prompt_text="12+34", group_id=0, sample_index=0, decode=tok.decode)
+    (observation,) = assert_chained(calls, sample)
+    think = tok.convert_tokens_to_ids("<think>")
+    assert calls[1].prompt_ids == calls[0].prompt_ids + turn + observation and calls[1].prompt_ids.count(think) == 1
+    assert tok.decode(observation) == tok.decode(tok("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n",
+                                                     add_special_tokens=False).input_ids)
+    assert "rendered afresh" not in caplog.text

@@ -288,3 +288,53 @@ def test_three_turn_episode_log_probs_of_every_model_token_match_the_learner_s(r
             if t.role == "observation":
                 assert s.completion_ids[t.start:t.end] == tok("+1=", add_special_tokens=False).input_ids
 
+
+
+def _thinking_tokenizer():
+    """A tokenizer with Qwen3's thinking template (tests/arch_zoo.py) and its end-of-turn EOS."""
+    from examples.tiny import build_tokenizer
+    from tests.arch_zoo import QWEN3_THINKING
+
+    tok = build_tokenizer(["12+34 ok r 46 \n tool_response user assistant"], chat=True, model_max_length=256)
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]})
+    tok.eos_token, tok.chat_template = "<|im_end|>", QWEN3_THINKING
+    return tok
+
+
+def test_a_thinking_template_that_drops_earlier_reasoning_keeps_the_episode_token_exact():
+    """Qwen3's template writes an earlier turn's `<think>` block out of the conversation once a
+    later turn follows. The episode is not re-rendered: each turn's prompt is the previous prompt
+    + the sampled ids (reasoning included) + the observation's own tokens, exactly what vLLM was
+    given; the learner trains on that sequence, which a re-rendering would not reproduce."""
+    from tests.episode_envs import KeepGoing
+
+    tok = _thinking_tokenizer()
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    turn = ids("<think>\nr r\n</think>\n\n46") + [tok.eos_token_id]  # what the model samples
+    # (both roles were refused before: the template renders the turn before them differently)
+    tool = ObservationEncoder(tok, chat=True, role="tool", cap=64)
+    assert tool("ok") == ids("\n<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>\n"
+                             "<|im_start|>assistant\n")
+    # a user turn starts a new query: from then on the template drops the earlier turn's reasoning
+    encode = ObservationEncoder(tok, chat=True, role="user", cap=64)
+    assert encode("ok") == ids("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n")
+
+    user = [{"role": "user", "content": "12+34"}]
+    prompt = list(tok.apply_chat_template(user, add_generation_prompt=True, tokenize=True)["input_ids"])
+    seen: list[list[int]] = []
+
+    def generate(requests):
+        seen.extend(list(r.prompt_ids) for r in requests)
+        return scripted(turn)(requests)
+
+    limits = Limits(max_turns=2, max_new_tokens=16, max_episode_tokens=200, max_model_len=256)
+    (s,) = run_episodes([request(prompt)], generate, InProcessEnvs(lambda: KeepGoing(obs="ok")), encode, limits)
+    obs = encode("ok")
+    assert s.error is None and s.completion_ids == turn + obs + turn
+    assert s.completion_mask == [1] * len(turn) + [0] * len(obs) + [1] * len(turn)
+    assert seen == [prompt, prompt + turn + obs]  # turn 2 was conditioned on turn 1's reasoning
+    # the template's own rendering of the same conversation drops that reasoning: not what was seen
+    history = user + [{"role": "assistant", "content": tok.decode(turn[:-1])}, {"role": "user", "content": "ok"}]
+    rendered = list(tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True)["input_ids"])
+    assert rendered != seen[1] and tok.convert_tokens_to_ids("<think>") not in rendered
+    assert seen[1].count(tok.convert_tokens_to_ids("<think>")) == 1

@@ -93,6 +93,39 @@ def test_no_tensor_of_the_full_vocabulary_logits_exists_in_forward_or_backward(h
     assert LargestTensor.largest >= full_logits
 
 
+@pytest.mark.parametrize("family", ["gemma2", "granite", "cohere"])
+def test_logits_the_model_reshapes_after_its_head_are_reshaped_the_same(family):
+    """Gemma 2 soft-caps its logits, Granite divides them, Cohere multiplies them: the head alone
+    would give other log-probs than the model (and than vLLM). A cap of 2 and scales of 4 and 0.25
+    move them far; values and gradients must still equal the model's own logits'."""
+    import transformers as t
+
+    shape = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config = {"gemma2": lambda: t.Gemma2Config(**shape, final_logit_softcapping=2.0),
+              "granite": lambda: t.GraniteConfig(**shape, logits_scaling=0.25),
+              "cohere": lambda: t.CohereConfig(**shape, logit_scale=4.0)}[family]()
+    torch.manual_seed(0)
+    ref_model = t.AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():  # logits large enough for the cap and the scales to matter
+        ref_model.get_output_embeddings().weight.mul_(20)
+    model = t.AutoModelForCausalLM.from_config(config).float()
+    model.load_state_dict(ref_model.state_dict())
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    lp0, _ = _full_vocab(ref_model, ids, am, 0.7)
+    lp0.sum().backward()
+    lp, _ = token_logprobs(model, ids, am, 0.7)
+    lp.sum().backward()
+    head_only = torch.log_softmax(model.get_output_embeddings()(
+        model(input_ids=ids, output_hidden_states=True).hidden_states[-1][:, :-1]).float() / 0.7, -1)
+    assert (head_only.gather(-1, ids[:, 1:, None]).squeeze(-1) - lp0).abs().mean() > 0.1  # it matters
+    assert torch.allclose(lp, lp0, atol=1e-5)
+    grads = {n: p.grad for n, p in ref_model.named_parameters()}
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.grad, grads[name], rtol=1e-4, atol=1e-4 * grads[name].abs().max()), name
+
+
 def test_a_metric_entropy_is_exact_and_adds_no_work_to_the_backward_pass(head_path):
     """The entropy as a metric (the default: no entropy bonus) equals the full-vocabulary one, and
     is computed once, in the forward: checkpointing runs each chunk again inside the backward

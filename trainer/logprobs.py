@@ -8,8 +8,8 @@ that are asked for (the completion tokens: prompts are never trained on), a chun
 time, each chunk under activation checkpointing, so its logits exist only while that chunk's
 log-probs are computed (and again, briefly, in the backward pass).
 
-A plain linear head (no bias, not partitioned by ZeRO-3, not wrapped by an adapter: every dense
-and ZeRO-1/2 run) goes through `_LinearHeadLogProbs`, whose backward is written out: it recomputes
+A plain linear head (no bias, not partitioned by ZeRO-3, not wrapped by an adapter, logits not
+reshaped after it (`logit_shaping`): every dense and ZeRO-1/2 run of most models) goes through `_LinearHeadLogProbs`, whose backward is written out: it recomputes
 the chunk's matmul from the saved rows and log-normaliser and forms d logp / d logits = onehot - p
 in place, where autograd through a recomputed `logsumexp`/`gather` made three more vocabulary-wide
 passes and temporaries. Any other head recomputes the chunk under activation checkpointing.
@@ -18,6 +18,7 @@ passes and temporaries. Any other head recomputes the chunk under activation che
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -30,6 +31,25 @@ def _head_of(model: torch.nn.Module) -> torch.nn.Module:
     """The LM head (output embeddings) of a model, a peft wrapper or a DeepSpeed engine."""
     inner = getattr(model, "module", model)  # DeepSpeedEngine.module
     return inner.get_output_embeddings()
+
+
+def logit_shaping(model: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the model's forward does to its LM head's output before returning logits, from its
+    config (None: nothing): Gemma 2/3 soft-cap them (`final_logit_softcapping`: c tanh(z / c)),
+    Granite divides them (`logits_scaling`), Cohere multiplies them (`logit_scale`). vLLM applies
+    the same before sampling, so log-probs computed from the head alone would be off-policy (for
+    a real Gemma, whose logits reach the cap, by far more than any tolerance)."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    cap = getattr(config, "final_logit_softcapping", None)
+    divide = getattr(config, "logits_scaling", None)
+    multiply = getattr(config, "logit_scale", None)
+    if cap:
+        return lambda z: torch.tanh(z / cap) * cap
+    if divide and divide != 1.0:
+        return lambda z: z / divide
+    if multiply and multiply != 1.0:
+        return lambda z: z * multiply
+    return None
 
 
 def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -104,12 +124,15 @@ def _scaled_logits(hidden: torch.Tensor, weight: torch.Tensor, scale: float) -> 
     return logits.mul_(scale) if scale != 1.0 else logits
 
 
-def _chunk_logprobs(head: torch.nn.Module, temperature: float, entropy_grad: bool, metric: _FirstPass | None,
-                    hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _chunk_logprobs(head: torch.nn.Module, shaping, temperature: float, entropy_grad: bool,
+                    metric: _FirstPass | None, hidden: torch.Tensor, targets: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(target) of `hidden` [N, H] rows in fp32, and their entropy: differentiable when
     `entropy_grad` (an entropy bonus), else zeros here and the value, on the first pass only, in
-    `metric` (None: not asked for)."""
+    `metric` (None: not asked for). `shaping`: `logit_shaping` of the model (None: none)."""
     logits = head(hidden).float()
+    if shaping is not None:
+        logits = shaping(logits)
     if temperature != 1.0:
         logits = logits / temperature
     lse = torch.logsumexp(logits, dim=-1)
@@ -163,9 +186,9 @@ def token_logprobs(
         where, index = packed.scored(positions)
         rows, targets = hidden[where], packed.input_ids[:, 1:][where]
     spread = partial(_spread, index, positions.shape, hidden)
-    head = _head_of(model)
+    head, shaping = _head_of(model), logit_shaping(model)
     entropy_grad = with_entropy and entropy_grad
-    weight = _plain_linear_weight(head)
+    weight = _plain_linear_weight(head) if shaping is None else None
     if weight is not None:
         mode = "grad" if entropy_grad else "metric" if with_entropy else "none"
         parts = [_LinearHeadLogProbs.apply(rows[start:start + chunk_tokens], weight,
@@ -183,7 +206,7 @@ def token_logprobs(
     for start in range(0, rows.shape[0], chunk_tokens):
         part = (rows[start:start + chunk_tokens], targets[start:start + chunk_tokens])
         metric = _FirstPass() if with_entropy and not entropy_grad else None
-        step = partial(_chunk_logprobs, head, temperature, entropy_grad, metric)
+        step = partial(_chunk_logprobs, head, shaping, temperature, entropy_grad, metric)
         lp, ent = checkpoint(step, *part, use_reentrant=reentrant) if recompute else step(*part)
         logps.append(lp)
         entropies.append(ent if metric is None else metric.entropy)

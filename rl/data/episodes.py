@@ -44,7 +44,13 @@ class ObservationEncoder:
     """An observation's token ids, tokenized once. With a chat template, text becomes a message
     of `role` and messages are rendered as the template renders them after an assistant turn
     (with the generation prompt of the next one); without, text is tokenized as it is. An
-    observation over `cap` tokens has its (last message's) content cut to fit."""
+    observation over `cap` tokens has its (last message's) content cut to fit.
+
+    The observation is what the template writes after the assistant turn's end-of-turn token.
+    Templates that rewrite earlier turns once a later one follows (Qwen3 drops an earlier turn's
+    `<think>` block, and writes an empty one into the last turn) render the turns before it
+    differently; only the tokens after that end-of-turn token are taken, so the episode keeps
+    the tokens the model saw (its own reasoning included) and is never re-rendered."""
 
     _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
@@ -57,8 +63,7 @@ class ObservationEncoder:
                 raise ValueError("task.chat_template=true but the tokenizer's chat template does not end an assistant "
                                  "turn with its EOS token; set task.chat_template=false or fix the template")
             # the model's turn ends at EOS: what the template puts after it belongs to the observation
-            self._cut = len(prefix) - prefix[::-1].index(eos)
-            self._prefix = prefix[: self._cut]
+            self._turn_ends = prefix.count(eos)  # EOS tokens up to and including the assistant turn's
             self._check_role()
 
     def _check_role(self) -> None:
@@ -81,10 +86,12 @@ class ObservationEncoder:
 
     def _ids(self, messages: list[dict[str, Any]]) -> list[int]:
         full = self._render(self._BASE + messages, generation_prompt=True)
-        if full[: self._cut] != self._prefix:
-            raise ValueError("the chat template renders earlier turns differently once an observation follows; "
-                             "token-exact episodes need a template that only appends")
-        return full[self._cut:]
+        ends = [i for i, t in enumerate(full) if t == self.tokenizer.eos_token_id]
+        if len(ends) < self._turn_ends:
+            raise ValueError("the chat template no longer ends the assistant turn with its EOS token once an "
+                             "observation follows, so the observation's tokens cannot be told apart; set "
+                             "task.chat_template=false or use a template that closes every assistant turn with EOS")
+        return full[ends[self._turn_ends - 1] + 1:]
 
     def __call__(self, obs: Observation) -> list[int]:
         if obs is None or obs == "" or obs == []:

@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from examples import builtin_dir, ensure_builtin
 from launch.components import load_agent, reward_specs
 from launch.hub import resolve_hub_ids
-from launch.model_files import position_limit, require_model
+from launch.model_files import embedding_rows, experts, position_limit, require_model, require_vllm_architecture
 from launch.plan import preflight  # the memory plan (rl/plan/memory_plan.py)
 from rl.config.schema import ConfigError, validate
 
@@ -162,6 +162,12 @@ def ensure_inputs(cfg: DictConfig) -> None:
     model_config = require_model(cfg.model.path)
     require_length(cfg.model.path, model_config, cfg.rollout.max_model_len)
     require_tensor_parallel(cfg.model.path, model_config, cfg.rollout.tensor_parallel_size)
+    if cfg.rollout.backend == "vllm":
+        require_vllm_architecture(cfg.model.path, model_config)
+    if cfg.algorithm.get("router_aux_loss_coef", 0) > 0 and not experts(model_config):
+        raise ConfigError(f"algorithm.router_aux_loss_coef={cfg.algorithm.router_aux_loss_coef}: model.path="
+                          f"{cfg.model.path!r} is not a mixture of experts (no router in its config.json); set "
+                          "algorithm.router_aux_loss_coef=0")
     for path in critic:
         require_model(path, "algorithm.critic_init")
     if cfg.model.lora.rank > 0:
@@ -235,7 +241,9 @@ def load_inputs(cfg: DictConfig):
     for part in (data, eval_data):
         if part is not None:
             part.tokenizer = data.tokenizer
-            part.check_lengths()  # every prompt tokenized: one too long for rollout.max_model_len fails now
+            # every prompt tokenized: one too long for rollout.max_model_len, or with a token the model's
+            # embedding lacks, fails now
+            part.check_lengths(embedding_rows=embedding_rows(require_model(cfg.model.path)))
             if scorer is not None:
                 require_reward_columns(cfg, scorer, part)
     if cfg.task.env:  # the chat template must render observations in task.observation_role

@@ -73,3 +73,73 @@ def position_limit(config: dict[str, Any]) -> tuple[int, str] | None:
             return int(limit * factor), f"{key} x rope factor {factor:g}"
         return limit, key
     return None
+
+
+def embedding_rows(config: dict[str, Any]) -> int | None:
+    """How many token ids the model embeds (`vocab_size`, or its text model's), None if unsaid."""
+    for node in (config, config.get("text_config")):
+        if isinstance(node, dict) and _count(node.get("vocab_size")):
+            return int(node["vocab_size"])
+    return None
+
+
+def experts(config: dict[str, Any]) -> int:
+    """How many routed experts a mixture-of-experts model has (0: a dense model), by the keys
+    transformers' MoE families use."""
+    for node in (config, config.get("text_config")):
+        if isinstance(node, dict):
+            for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+                if _count(node.get(key)):
+                    return int(node[key])
+    return 0
+
+
+def vllm_architectures() -> frozenset[str]:
+    """The architectures vLLM implements itself, read from its model registry's source: the keys
+    of its `_..._MODELS` tables (importing the registry costs ~5 s of the launch). Empty when vLLM
+    is not installed."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    registry = os.path.join(list(spec.submodule_search_locations)[0], "model_executor", "models", "registry.py")
+    with open(registry, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names: set[str] = set()
+    for node in tree.body:
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if any(isinstance(t, ast.Name) and t.id.endswith("_MODELS") for t in targets) and \
+                isinstance(node.value, ast.Dict):
+            names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return frozenset(names)
+
+
+def require_vllm_architecture(path: str, config: dict[str, Any]) -> None:
+    """vLLM must serve the model: its own implementation of the architecture, or, for a
+    transformers model class it lacks, its Transformers backend (which needs a class that takes
+    transformers' attention interface; vLLM's own rule, vllm/model_executor/models/registry.py).
+    A model with remote code (`auto_map`) is left to vLLM."""
+    archs = config.get("architectures")
+    where = os.path.join(path, "config.json")
+    if not archs or not isinstance(archs, list):
+        raise ConfigError(f"model.path={path!r}: {where} names no `architectures`, so vLLM cannot tell which model "
+                          "class to build; save the model with save_pretrained (which writes it)")
+    known = vllm_architectures()
+    if config.get("auto_map") or not known or any(a in known for a in archs):
+        return
+    import transformers
+
+    for arch in archs:
+        cls = getattr(transformers, arch, None)
+        if cls is not None and (cls.is_backend_compatible() or cls._can_set_attn_implementation()):
+            return  # vLLM's Transformers backend serves it
+    raise ConfigError(
+        f"model.path={path!r}: architecture {', '.join(archs)} (architectures in {where}) is not one vLLM serves: "
+        "vLLM has no implementation of it, and "
+        + ("transformers has no class of that name" if all(getattr(transformers, a, None) is None for a in archs)
+           else "its transformers class does not take transformers' attention interface, which vLLM's Transformers "
+                "backend needs")
+        + "; use rollout.backend=hf (the Hugging Face engine, slower) or a model vLLM supports")

@@ -98,9 +98,11 @@ class SyncExtension:
         return stats
 
     def rlpost_record_fixups(self) -> int:
-        """Remember what a reload leaves wrong, to be put right after each (`rlpost_after_reload`):
-        module attributes sharing one Parameter (lm_head.weight is embed_tokens.weight when word
-        embeddings are tied) and, on CPU, MoE layers. Returns how many there are."""
+        """Prepare for reloads (after the first load): remember the module attributes that share
+        one Parameter (lm_head.weight is embed_tokens.weight when word embeddings are tied), put
+        right after each reload (`rlpost_after_reload`), and on CPU have MoE layers prepack their
+        experts whenever a reload processes them (`_prepack_on_reload`). Returns how many tied
+        sets there are (none: nothing to do after a reload)."""
         model = self.model_runner.model
         by_id: dict[int, list[str]] = {}
         for name, param in model.named_parameters(remove_duplicate=False):
@@ -108,23 +110,18 @@ class SyncExtension:
         model._rlpost_tied = [names for names in by_id.values() if len(names) > 1]
         from vllm.platforms import current_platform
 
-        model._rlpost_moe = [] if not current_platform.is_cpu() else [
+        moe = [] if not current_platform.is_cpu() else [
             module for module in model.modules()
             if getattr(getattr(module, "quant_method", None), "moe_kernel", None) is not None]
-        for layer in model._rlpost_moe:  # note which ones a reload processes (a LoRA sync skips them)
-            _note_processing(layer)
-        return len(model._rlpost_tied) + len(model._rlpost_moe)
+        for layer in moe:
+            _prepack_on_reload(layer)
+        return len(model._rlpost_tied)
 
     def rlpost_after_reload(self) -> None:
-        """Put right what vLLM's layer-wise `reload_weights` leaves wrong:
-        - a tied twin (that received no checkpoint weight of its own) keeps the old tensor, since
-          the loaded layer gets a new one: point it at the new one again and redo the twin's
-          post-load processing (on CPU the LM head keeps a prepacked GEMM copy);
-        - on CPU a MoE layer's experts must be prepacked into the grouped-GEMM layout its kernel
-          reads; vLLM does that at the first load only (`_setup_kernel` skips it on a weight
-          update), so a reload leaves checkpoint-layout weights where packed ones belong and the
-          experts compute garbage (measured: 0.015 nats mean log-prob change from reloading the
-          very same weights). Prepack again."""
+        """A tied twin (that received no checkpoint weight of its own) keeps the old tensor after
+        vLLM's layer-wise `reload_weights`, since the loaded layer gets a new one: point it at the
+        new one again and redo the twin's post-load processing (on CPU the LM head keeps a
+        prepacked GEMM copy)."""
         model = self.model_runner.model
         for canonical, *twins in getattr(model, "_rlpost_tied", []):
             param = model.get_parameter(canonical)
@@ -135,21 +132,21 @@ class SyncExtension:
                 method = getattr(owner, "quant_method", None)
                 if method is not None and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(owner)
-        for layer in getattr(model, "_rlpost_moe", []):
-            if layer._rlpost_reloaded:
-                layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
-                layer._rlpost_reloaded = False
 
 
-def _note_processing(layer) -> None:
-    """Set `layer._rlpost_reloaded` whenever vLLM runs the layer's post-load processing, which a
-    reload does for exactly the layers it loaded."""
+def _prepack_on_reload(layer) -> None:
+    """On CPU a MoE layer's experts are padded and prepacked into the grouped-GEMM layout its
+    kernel reads. vLLM (0.32) does that at the first load only: on a weight update its
+    `_setup_kernel` skips the experts' own step, so a reload left checkpoint-layout weights
+    where packed ones belong (reloading the very same weights moved log-probs by 0.015 nats)
+    or, where the inner size is padded, failed copying them into the padded tensor. Installed
+    after the first load, this runs that step whenever a reload processes the layer, before
+    vLLM copies the result into the tensors the kernel holds."""
     method = layer.quant_method
     process = method.process_weights_after_loading
 
-    def noted(module) -> None:
+    def process_and_prepack(module) -> None:
         process(module)
-        module._rlpost_reloaded = True
+        module.quant_method.moe_kernel.fused_experts.process_weights_after_loading(module)
 
-    method.process_weights_after_loading = noted
-    layer._rlpost_reloaded = False
+    method.process_weights_after_loading = process_and_prepack

@@ -733,9 +733,9 @@ def test_a_thinking_template_s_conversation_continues_token_exactly(caplog):
     render the history again, which would drop the reasoning the model actually saw), so the
     episode is one trajectory. Before, such a template left the server unable to extend any call:
     every multi-call episode was flagged as rewritten and never trained."""
-    from tests.test_episodes import _thinking_tokenizer
+    from tests.arch_zoo import thinking_tokenizer
 
-    tok = _thinking_tokenizer()
+    tok = thinking_tokenizer()
     turn = tok("<think>\nr r\n</think>\n\n46", add_special_tokens=False).input_ids + [tok.eos_token_id]
 
     def policy(request: GenerationRequest) -> Sample:

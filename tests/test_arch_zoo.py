@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.arch_zoo import FAMILIES, build
+from tests.arch_zoo import EOS, FAMILIES, SHORT_EMBEDDING, build
 
 PARTS = {  # a weight name only that family's layout has
     "qwen2": "model.layers.0.self_attn.q_proj.bias", "qwen3": "model.layers.0.self_attn.q_norm.weight",
@@ -31,7 +31,13 @@ def test_each_family_builds_with_its_parts_and_chat_format(family, tiny_dir, tmp
     model, tok = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
     config = model.config
     assert config.model_type == family and config.hidden_size // config.num_attention_heads == 32
-    assert model.get_input_embeddings().weight.shape[0] > len(tok)  # padded, as Qwen's and Gemma's are
+    rows = model.get_input_embeddings().weight.shape[0]
+    if family in SHORT_EMBEDDING:  # tokens added past the embedding, never resized
+        assert rows < len(tok)
+    else:  # padded, as Qwen's and Gemma's are
+        assert rows > len(tok)
+    if EOS[family]:  # the end-of-turn token is EOS, as in the family's instruct models
+        assert tok.eos_token == EOS[family] and model.generation_config.eos_token_id == tok.eos_token_id
     assert PARTS[family] in dict(model.named_parameters()) or PARTS[family] in model.state_dict()
     if family == "gemma2":
         assert config.final_logit_softcapping and config.sliding_window and config.tie_word_embeddings

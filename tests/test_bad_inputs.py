@@ -97,6 +97,40 @@ def _two_role_chat_model(tiny: str, tmp: Path) -> list[str]:
             "reward.functions=[]", "task.observation_role=tool"]
 
 
+def _architecture(name: str) -> Callable[[str, Path], list[str]]:
+    """The tiny model with config.json naming architecture `name`."""
+
+    def setup(tiny: str, tmp: Path) -> list[str]:
+        import json
+
+        model = tmp / "model"
+        shutil.copytree(f"{tiny}/model", model)
+        config = json.loads((model / "config.json").read_text())
+        (model / "config.json").write_text(json.dumps({**config, "architectures": [name]}))
+        return [f"model.path={model}"]
+
+    return setup
+
+
+def _tokens_past_the_embedding(tiny: str, tmp: Path) -> list[str]:
+    """Tokens added to the tiny model's tokenizer beyond its embedding rows (never resized), and
+    a data row that uses the last of them."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    model = tmp / "model"
+    shutil.copytree(f"{tiny}/model", model)
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = json.loads((model / "config.json").read_text())["vocab_size"]
+    added = [f"<x{i}>" for i in range(rows - len(tok) + 2)]  # the last one's id is past the embedding
+    tok.add_special_tokens({"additional_special_tokens": added})
+    tok.save_pretrained(model)
+    lines = _lines(tiny)
+    lines[2] = json.dumps({"prompt": f"1+2{added[-1]}=", "answer": "3"})
+    return [f"model.path={model}", _data(tmp, "\n".join(lines) + "\n")]
+
+
 # id -> (what the case sets up: overrides, given the tiny task dir and a temp dir; text the error names)
 CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
     "prompt_empty_in_row_4": (_line(4, '{"prompt": "", "answer": "3"}'),
@@ -117,6 +151,12 @@ CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
                           ["task.train_files", "nope.jsonl does not exist"]),
     "model_without_config_json": (_model_without("config.json"), ["model.path=", "has no config.json"]),
     "model_without_tokenizer": (_model_without("tokenizer*"), ["model.path=", "tokenizer does not load"]),
+    "architecture_vllm_does_not_serve": (_architecture("XGLMForCausalLM"),
+                                         ["model.path=", "XGLMForCausalLM", "architectures in", "rollout.backend=hf"]),
+    "architecture_nobody_knows": (_architecture("NoSuchForCausalLM"),
+                                  ["model.path=", "NoSuchForCausalLM", "transformers has no class"]),
+    "prompt_token_past_the_embedding": (_tokens_past_the_embedding,
+                                        ["task.train_files", "row 2", "embedding has", "resize_token_embeddings"]),
     "max_model_len_above_position_limit": (_overrides("rollout.max_model_len=128"),
                                            ["rollout.max_model_len=128", "max_position_embeddings", "=64 or less"]),
     "prompt_longer_than_the_budget": (_overrides("rollout.max_new_tokens=60"),

@@ -246,10 +246,14 @@ def test_hf_backend_zero1_two_ranks_object_store_sync(make_config):
 
 
 def test_a_hub_id_in_the_cache_works_as_model_path(tiny_dir, tmp_path, monkeypatch):
-    """Not only the built-in model: a Qwen2-architecture model (random init, its own config) put in
-    a Hugging Face cache as `tiny-org/qwen2-tiny` trains through vLLM and DeepSpeed when
-    model.path names its Hub id (offline; the run's checks resolve it to the cached snapshot, which
-    every actor loads), as `python -m launch.train` does it."""
+    """The README's recipe (Bring your own model and data): a Qwen2-architecture model (random
+    init, its own config) put in a Hugging Face cache as `tiny-org/qwen2-tiny`, and the task's
+    prompts as the Hub dataset `tiny-org/arith` (config `main`, parquet shards as the Hub keeps
+    them), train through vLLM and DeepSpeed when model.path and task.train_files name their ids
+    (offline; the run's checks resolve them to the cached snapshots, which every actor loads), as
+    `python -m launch.train` does it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from launch.checks import check_inputs
@@ -266,8 +270,16 @@ def test_a_hub_id_in_the_cache_works_as_model_path(tiny_dir, tmp_path, monkeypat
     Qwen2ForCausalLM(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     snapshot = add_snapshot(tmp_path / "hub", "tiny-org/qwen2-tiny", folder, "c" * 40)
+    rows = [json.loads(line) for line in open(f"{tiny_dir}/data/train.jsonl")][:64]
+    data = tmp_path / "arith"
+    (data / "main").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist(rows), data / "main" / "train-00000-of-00001.parquet")
+    (data / "README.md").write_text("---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n"
+                                    "    path: main/train-*\n---\n")
+    add_snapshot(tmp_path / "hub", "tiny-org/arith", data, "d" * 40, kind="datasets")
     offline_cache(monkeypatch, tmp_path / "hub")
-    overrides = ["model.path=tiny-org/qwen2-tiny", f"task.train_files=[{tiny_dir}/data/train.jsonl]",
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets_cache"))
+    overrides = ["model.path=tiny-org/qwen2-tiny", "task.train_files=[tiny-org/arith:main:train]",
                  f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=2", "task.prompts_per_step=8"]
     cfg = compose("train", overrides)
     inputs, _ = check_inputs(cfg, overrides)

@@ -290,17 +290,6 @@ def test_three_turn_episode_log_probs_of_every_model_token_match_the_learner_s(r
 
 
 
-def _thinking_tokenizer():
-    """A tokenizer with Qwen3's thinking template (tests/arch_zoo.py) and its end-of-turn EOS."""
-    from examples.tiny import build_tokenizer
-    from tests.arch_zoo import QWEN3_THINKING
-
-    tok = build_tokenizer(["12+34 ok r 46 \n tool_response user assistant"], chat=True, model_max_length=256)
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]})
-    tok.eos_token, tok.chat_template = "<|im_end|>", QWEN3_THINKING
-    return tok
-
-
 def test_a_thinking_template_that_drops_earlier_reasoning_keeps_the_episode_token_exact():
     """Qwen3's template writes an earlier turn's `<think>` block out of the conversation once a
     later turn follows. The episode is not re-rendered: each turn's prompt is the previous prompt
@@ -308,7 +297,9 @@ def test_a_thinking_template_that_drops_earlier_reasoning_keeps_the_episode_toke
     given; the learner trains on that sequence, which a re-rendering would not reproduce."""
     from tests.episode_envs import KeepGoing
 
-    tok = _thinking_tokenizer()
+    from tests.arch_zoo import thinking_tokenizer
+
+    tok = thinking_tokenizer()
     ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
     turn = ids("<think>\nr r\n</think>\n\n46") + [tok.eos_token_id]  # what the model samples
     # (both roles were refused before: the template renders the turn before them differently)

@@ -124,6 +124,19 @@ def test_empty_error_still_has_a_first_line():
     assert out.died == {0: "its process died (Died)"}
 
 
+def test_an_actor_s_error_is_told_by_its_cause_not_the_call_s_name():
+    """Ray's error for a call that raised in an actor starts with the call (`ray::Worker.f() (pid=..)`);
+    what a report needs is the remote exception's own message."""
+    from ray.exceptions import RayTaskError
+
+    remote = RuntimeError("The size of tensor a (64) must match the size of tensor b (32)\nat dimension 1")
+    exc = RayTaskError("RolloutWorker.receive_weights", "Traceback (most recent call last):\n  ...", remote)
+    assert "pid=" in str(exc).splitlines()[0]  # (the call's name, as Ray prints it, and where it ran)
+    calls = Calls(wait=Fake().wait, get=Fake().get, died=(Died,), raised=(RayTaskError,))
+    out = fan_out({0: Ref(error=exc)}, 1.0, calls)
+    assert out.raised == {0: "RuntimeError: The size of tensor a (64) must match the size of tensor b (32)"}
+
+
 def test_the_ray_adapter_waits_for_all_with_the_deadline():
     """`Calls.ray(ray)` over a stand-in for the module: `ray.wait(refs, num_returns=len(refs),
     timeout=...)`, `ray.get`, RayActorError as dead and RayTaskError as raised."""

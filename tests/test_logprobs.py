@@ -287,3 +287,28 @@ def test_a_model_that_ignores_packed_positions_is_caught():
             return self.inner(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kw)
 
     assert packing_matches(_model(), 300) and not packing_matches(Unpacked(_model()), 300)
+
+
+def test_a_moe_forward_gives_its_routers_load_balancing_loss_when_asked():
+    """`router_aux` (algorithm.router_aux_loss_coef > 0): the same forward that gives the log-probs
+    gives transformers' load-balancing loss of the routers, with a gradient into them; not asked,
+    the routers' logits are not even computed."""
+    import transformers as t
+
+    config = t.Qwen3MoeConfig(vocab_size=300, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                              num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5)
+    torch.manual_seed(0)
+    model = t.AutoModelForCausalLM.from_config(config).float()
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(1))
+    am = torch.ones_like(ids)
+    am[1, 6:] = 0
+    aux: list[torch.Tensor] = []
+    lp, _ = token_logprobs(model, ids, am, router_aux=aux)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=am, output_router_logits=True).aux_loss
+    (value,) = aux
+    assert value.item() > 0 and torch.allclose(value, expected)
+    value.backward()
+    assert model.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    assert torch.allclose(token_logprobs(model, ids, am)[0], lp)  # the log-probs are the same either way

@@ -232,9 +232,11 @@ class LearnerWorker:
         ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
         mask, adv, behaviour = (self._to_device(t) for t in (mb.loss_mask, mb.advantages, mb.rollout_logprobs))
         fused = mb.old_logprobs is None
+        routers: list[torch.Tensor] | None = [] if a.router_aux_loss_coef > 0 else None
         logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature,
                                        with_entropy=a.entropy_coef > 0 or (fused and first_pass),
-                                       entropy_grad=a.entropy_coef > 0, positions=mask > 0, pack=self.pack)
+                                       entropy_grad=a.entropy_coef > 0, positions=mask > 0, pack=self.pack,
+                                       router_aux=routers)
         old = logp.detach() if fused else self._to_device(mb.old_logprobs)
         if fused and first_pass:
             _add_mismatch(sums, old.cpu(), mb.rollout_logprobs, mb.loss_mask)
@@ -249,9 +251,14 @@ class LearnerWorker:
             sums["_flops"] += train_flops(self._model_config, lengths) * a.ppo_epochs
         if out.kl_sum is not None:
             sums["actor/kl_nats"] += out.kl_sum
+        loss = out.loss
+        if routers:  # MoE load balancing: the micro-batch's mean, weighted by its share of the loss tokens
+            aux = routers[0] * (float(mask.sum()) / max(norm.tokens, 1.0))
+            loss = loss + a.router_aux_loss_coef * aux
+            sums["actor/router_aux_loss"] += float(aux.detach())
         # DeepSpeed averages gradients over data-parallel ranks; the normalizer is already global,
         # so undo that average, and do not let it divide by the accumulation steps again.
-        self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
         sums["actor/loss_nats"] += float(out.loss.detach())
         sums["actor/pg_loss_nats"] += out.pg_loss_sum
         sums["actor/clip_frac"] += out.clipped_sum

@@ -155,6 +155,7 @@ def token_logprobs(
     positions: torch.Tensor | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
     pack: bool = False,
+    router_aux: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t in 0..T-2, shape [B, T-1] (fp32).
 
@@ -168,23 +169,28 @@ def token_logprobs(
     states (`output_hidden_states`, with the logits of one position only); the LM head then runs
     on `chunk_tokens` selected tokens at a time. `pack`: the right-padded rows run packed into
     fewer rows (trainer/packing.py; only for a model `packing_matches` has checked), same values.
+    `router_aux` (a MoE model): the forward also computes the routers' load-balancing loss
+    (transformers' `aux_loss`, from `output_router_logits`), appended to this list.
     """
     if positions is None:
         positions = attention_mask[:, 1:].bool()
     positions = positions.bool()
     packed = pack_rows(input_ids, attention_mask) if pack else None
+    routers = {} if router_aux is None else {"output_router_logits": True}
     if packed is None:
         out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
-                    logits_to_keep=1)
+                    logits_to_keep=1, **routers)
         hidden = out.hidden_states[-1][:, :-1]
         rows, targets = hidden[positions], input_ids[:, 1:][positions]
         index = positions.flatten().nonzero().squeeze(1)  # boolean indexing's order: row-major
     else:  # no attention mask: the restarting position ids make the model's mask block-causal
         out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                    output_hidden_states=True, logits_to_keep=1)
+                    output_hidden_states=True, logits_to_keep=1, **routers)
         hidden = out.hidden_states[-1][:, :-1]
         where, index = packed.scored(positions)
         rows, targets = hidden[where], packed.input_ids[:, 1:][where]
+    if router_aux is not None:
+        router_aux.append(out.aux_loss)
     spread = partial(_spread, index, positions.shape, hidden)
     head, shaping = _head_of(model), logit_shaping(model)
     entropy_grad = with_entropy and entropy_grad

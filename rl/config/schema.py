@@ -45,6 +45,9 @@ class AlgorithmConfig:
     clip_eps_high: float = 0.2  # > clip_eps_low: DAPO's clip-higher
     clip_ratio_c: float = 3.0  # ppo_dual_clip: lower bound on the loss of negative advantages
     entropy_coef: float = 0.0  # entropy bonus weight
+    # MoE only: weight of the routers' load-balancing loss (transformers' aux_loss over the learner's
+    # forward) added to the policy loss; 0 = off, as RL fine-tuning of a trained router usually is
+    router_aux_loss_coef: float = 0.0
     kl_coef: float = 0.001  # weight of KL(policy || reference); 0 disables the reference model
     kl_estimator: str = "k3"  # k1 | k2 | k3 | k3_clamped
     kl_in_reward: bool = False  # True: per-token reward penalty (PPO-RLHF style); False: a loss term
@@ -596,6 +599,9 @@ def validate(cfg: Any) -> None:
         errors.append(f"algorithm.lr={cfg.algorithm.lr}: must be > 0, e.g. algorithm.lr=1e-5")
     if cfg.algorithm.kl_coef < 0:
         errors.append(f"algorithm.kl_coef={cfg.algorithm.kl_coef}: must be >= 0 (0 disables the reference model)")
+    if cfg.algorithm.router_aux_loss_coef < 0:
+        errors.append(f"algorithm.router_aux_loss_coef={cfg.algorithm.router_aux_loss_coef}: must be >= 0 (0 = no "
+                      "load-balancing loss), e.g. 0.001")
     batch = cfg.task.prompts_per_step * cfg.rollout.n
     per_update = cfg.algorithm.mini_batches * cfg.trainer.num_workers
     if cfg.algorithm.mini_batches > 0 and cfg.trainer.num_workers > 0 and batch % per_update:

@@ -406,17 +406,27 @@ class PromptDataset:
             f"{self.max_prompt_tokens}; raise rollout.max_model_len or shorten the prompts"
         )
 
-    def check_lengths(self, chunk: int = 1024) -> int:
+    def check_lengths(self, chunk: int = 1024, embedding_rows: int | None = None) -> int:
         """Tokenize every prompt once (before anything starts): one longer than the prompt budget
-        is a DataError naming its row. Returns the longest prompt's length in tokens."""
+        is a DataError naming its row, and so is one with a token id past `embedding_rows` (a
+        tokenizer with tokens added after the model was saved, its embedding never resized).
+        Returns the longest prompt's length in tokens."""
         longest = 0
         for start in range(0, len(self), chunk):
             texts = self.table[start:start + chunk][self.prompt_key]
             for i, ids in enumerate(self.encode(texts)):
+                shown = texts[i] if len(texts[i]) <= 60 else texts[i][:57] + "..."
+                where = f"the prompt of row {start + i} (from 0) of {self.field}, {shown!r},"
                 if len(ids) > self.max_prompt_tokens:
-                    shown = texts[i] if len(texts[i]) <= 60 else texts[i][:57] + "..."
-                    raise self._too_long(len(ids), f"the prompt of row {start + i} (from 0) of {self.field}, "
-                                                   f"{shown!r},")
+                    raise self._too_long(len(ids), where)
+                if embedding_rows is not None and ids and max(ids) >= embedding_rows:
+                    token = max(ids)
+                    raise DataError(
+                        f"{where} has token id {token} ({self.tokenizer.convert_ids_to_tokens(token)!r}) but the "
+                        f"model's embedding has {embedding_rows} rows (vocab_size in model.path's config.json): the "
+                        "tokenizer holds tokens the model was never given; resize the model's embeddings "
+                        "(model.resize_token_embeddings(len(tokenizer)), then save_pretrained) or use the "
+                        "tokenizer it was trained with")
                 longest = max(longest, len(ids))
         return longest
 

@@ -86,7 +86,12 @@ class Deadlines:
 
 
 def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an error (Ray's carry a traceback after it)."""
+    """The first non-empty line of an error (Ray's carry a traceback after it). An error raised
+    in an actor (Ray's RayTaskError) starts with the call's name: its `cause`, the remote
+    exception itself, says what went wrong."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException) and cause is not exc:
+        return f"{type(cause).__name__}: {first_line(cause)}"
     lines = [line for line in str(exc).strip().splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
 

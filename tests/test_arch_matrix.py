@@ -1,0 +1,85 @@
+"""The architecture matrix: each family users bring (tests/arch_zoo.py: Llama, Qwen2, Qwen3,
+Qwen3-MoE, Mistral, Gemma 2, Phi-3, OLMo 2), built once per session with random weights, goes
+through the whole stack: vLLM (CPU) loads it, GRPO runs 2 steps with full weights and with LoRA,
+and after the weight sync the learner's log-probs of the sampled tokens equal vLLM's (mean |diff|
+< 1e-3 in fp32, and at most a tenth of how far the update moved the policy, so a sync that did
+nothing would fail). Llama and the MoE run their full-weight case with
+`rollout.tensor_parallel_size=2`, the MoE with its routers' load-balancing loss on. Mistral's
+tokenizer has tokens past its embedding (the run must not mind). The padding-free check's verdict
+is compared with the truth on rows longer than the sliding windows.
+
+Time: ~25 s per run, 16 runs, ~7 min in all on 2 cores (the stated figure is in the README). The
+bf16 figures: `python -m bench.arch_matrix`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.arch_zoo import FAMILIES, LORA_TARGETS, MOE, build, run_grpo
+from tests.conftest import shared_ray
+
+TP2 = ("llama", "qwen3_moe")  # a dense model and the MoE: their full-weight runs shard over 2 vLLM workers
+
+
+@pytest.fixture(scope="module")
+def zoo(tiny_dir, tmp_path_factory) -> dict[str, str]:
+    """Every family's model folder, built once (about a second each)."""
+    root = tmp_path_factory.mktemp("zoo")
+    return {name: str(build(name, root / name, f"{tiny_dir}/model")) for name in FAMILIES}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["full", "lora"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grpo_runs_and_the_learner_agrees_with_vllm_after_the_sync(family, sync, zoo, tiny_dir, tmp_path):
+    shared_ray()
+    full = sync == "full"
+    tp = 2 if full and family in TP2 else 1
+    # the MoE's full-weight run trains its routers with the load-balancing loss on
+    aux = ("algorithm.router_aux_loss_coef=0.01",) if full and family in MOE else ()
+    metrics = run_grpo(zoo[family], f"{tiny_dir}/data/train.jsonl", tmp_path / "run",
+                       lora=None if full else LORA_TARGETS[family], tensor_parallel=tp, extra=aux)
+    assert len(metrics) == 2
+    first, second = metrics
+    assert first["actor/grad_norm"] > 0 and first["actor/updates_count"] == 1
+    # step 1 samples from the weights vLLM read from disk; step 2 from the ones the sync sent
+    diff, moved = second["sync/logprob_abs_diff"], math.sqrt(2 * second["actor/kl_nats"])
+    print(f"{family} {sync} tp={tp}: |diff| before the sync {first['sync/logprob_abs_diff']:.2e}, after {diff:.2e} "
+          f"(max {second['sync/logprob_max_abs_diff']:.2e}); the update moved the policy {moved:.2e}")
+    assert first["sync/logprob_abs_diff"] < 1e-3, first["sync/logprob_abs_diff"]
+    assert diff < 1e-3 and diff < moved / 10, (family, sync, diff, moved)
+    assert ("actor/router_aux_loss" in first) == bool(aux)
+    if aux:
+        assert first["actor/router_aux_loss"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_padding_free_verdict_matches_what_packing_does_to_the_values(family, zoo):
+    """`packing_matches` decides whether the learner packs rows. Its verdict must be the truth on
+    other rows than its own probe: rows longer than Mistral's and Gemma's sliding window (32), of
+    real token ids, where packed and padded log-probs are compared."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.logprobs import packing_matches, token_logprobs
+    from trainer.packing import pack_rows
+
+    model = AutoModelForCausalLM.from_pretrained(zoo[family], dtype=torch.float32).eval()
+    vocab = model.get_input_embeddings().num_embeddings
+    verdict = packing_matches(model, vocab)
+    g = torch.Generator().manual_seed(3)
+    lengths = [60, 36, 22, 12]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(5, vocab - 64, (n,), generator=g)
+        am[row, :n] = 1
+    assert pack_rows(ids, am) is not None  # the rows do pack (36 + 22 share a bin, 12 fills another)
+    with torch.no_grad():
+        padded, _ = token_logprobs(model, ids, am)
+        packed, _ = token_logprobs(model, ids, am, pack=True)
+    truth = torch.allclose(packed, padded, atol=1e-5)
+    assert verdict == truth, (family, verdict, (packed - padded).abs().max().item())

@@ -312,3 +312,39 @@ def test_sync_into_vllm_holds_two_buckets_not_a_second_model(tmp_path, monkeypat
     # the measurement does see a second copy: the list holds the weights (those of the last two
     # buckets in the receiver's kept buffers, which the first sync allocated)
     assert peaks["materialised"] > peaks["streamed"] + (model_bytes - 2 * BUCKET_BYTES) / 2
+
+
+def test_the_export_is_the_checkpoint_layout_vllm_loads(tmp_path) -> None:
+    """transformers 5 holds a MoE's experts fused in memory (`mlp.experts.gate_up_proj`
+    [experts, 2 x inner, hidden]); its checkpoint, and so vLLM's loader, has them per expert. The
+    export sends exactly what `save_pretrained` writes: names, shapes and values, metas included;
+    a dense model's layout needs no conversion at all."""
+    import transformers as t
+    from safetensors.torch import load_file
+
+    from trainer.weights import WeightExport, checkpoint_layout
+
+    config = t.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                              num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = t.AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(tmp_path)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    export = WeightExport(list(model.named_parameters()), rank=0, zero_stage=0, convert=checkpoint_layout(model))
+    sent = dict(pair for bucket in export.buckets() for pair in bucket)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())
+    assert sent.keys() == saved.keys() and "model.layers.0.mlp.experts.3.up_proj.weight" in sent
+    assert all(torch.equal(sent[k], saved[k]) for k in saved)
+    assert [(m.name, m.shape) for m in export.metas()] == [(k, tuple(v.shape)) for k, v in sent.items()]
+    assert checkpoint_layout(t.AutoModelForCausalLM.from_config(t.Qwen3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32))) is None
+
+    def joins(tensors):  # a layout that joins the two norms of a layer into one tensor
+        names = sorted(tensors)
+        return {"joined": torch.cat([tensors[n] for n in names])} if len(names) > 1 else dict(tensors)
+
+    norms = [(n, p) for n, p in model.named_parameters() if "layers.0" in n and "layernorm" in n]
+    with pytest.raises(ValueError, match="joins several in-memory parameters"):
+        WeightExport(norms, rank=0, zero_stage=0, convert=joins)

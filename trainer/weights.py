@@ -9,7 +9,8 @@ ignore them). With LoRA only the adapters travel, under their wire names (`rl/wi
 Tensors travel in the model's checkpoint layout, the one vLLM loads from disk. For most models
 that is the layout in memory; transformers 5 fuses some on load (a MoE's experts become one
 `experts.gate_up_proj` tensor [experts, 2 x inner, hidden]) and `checkpoint_layout` undoes it
-with transformers' own reverse conversion, one parameter at a time, as views.
+with transformers' own reverse conversion, one parameter at a time (so a bucket's sources are
+copied once, never the whole model).
 """
 
 from __future__ import annotations

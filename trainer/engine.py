@@ -36,6 +36,35 @@ def import_deepspeed():
     return deepspeed
 
 
+# torch's JIT build of an extension (DeepSpeed's CPU shm op: ~40 s of g++ on 2 cores) holds a
+# `lock` file in the op's build folder; one older than this was left by a build that was killed.
+STALE_BUILD_LOCK_S = 600.0
+
+
+def clear_stale_build_locks(now: float | None = None) -> list[str]:
+    """Remove build locks older than STALE_BUILD_LOCK_S from torch's extension build folders;
+    returns them. torch's lock (`torch.utils.file_baton.FileBaton`) has no owner and no
+    staleness check: a learner killed while DeepSpeed compiled its op (Ctrl-C during a first
+    run) leaves it, and every later learner on the machine waits on it until its start-up
+    deadline, with no word of why."""
+    import glob
+    import time
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    root = os.path.dirname(_get_build_directory("deepspeed_shm_comm", verbose=False))
+    now = time.time() if now is None else now
+    removed = []
+    for lock in glob.glob(os.path.join(root, "*", "lock")):
+        try:
+            if now - os.path.getmtime(lock) > STALE_BUILD_LOCK_S:
+                os.remove(lock)
+                removed.append(lock)
+        except FileNotFoundError:  # another rank removed it, or its build just finished
+            pass
+    return removed
+
+
 def ds_config(
     *,
     micro_batch_size: int,

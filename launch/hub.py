@@ -18,6 +18,7 @@ import os
 from typing import Any
 
 from rl.config.schema import ConfigError
+from rl.data.hub import bounded_waits, hub_failure, transport_errors
 
 # Files a training run never reads: other frameworks' weights and the originals some repos keep
 # next to the Hugging Face ones (safetensors or PyTorch .bin weights, config and tokenizer are kept).
@@ -67,6 +68,7 @@ def resolve_model(path: str, revision: str = "", field: str = "model.path",
     revision = at or revision
     rev_field = revision_field if revision and not at else field
     shown = f"{repo_id}@{revision}" if revision else repo_id
+    bounded_waits()
     try:
         return snapshot_download(repo_id, revision=revision or None, ignore_patterns=IGNORED)
     except RevisionNotFoundError:
@@ -92,6 +94,8 @@ def resolve_model(path: str, revision: str = "", field: str = "model.path",
     except HFValidationError as err:
         raise ConfigError(f"{field}={path!r}: not a Hub id the Hub accepts ({err}); give a local folder or "
                           "an id like org/name") from None
+    except transport_errors() as err:
+        raise ConfigError(f"{field}={path!r}: {hub_failure(err)}") from None
 
 
 def resolve_hub_ids(cfg: Any) -> None:

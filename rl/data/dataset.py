@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from rl.data.hub import bounded_waits, hub_failure, transport_errors
 from rl.data.types import GenerationRequest
 
 _FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -196,6 +197,7 @@ def _load_hub_dataset(entry: str, field: str):
 
     repo_id, revision, config, split = hub_dataset(entry)
     split = split or default_split(field)
+    bounded_waits()
     try:
         folder = snapshot_download(repo_id, repo_type="dataset", revision=revision or None)
     except RevisionNotFoundError:
@@ -209,6 +211,8 @@ def _load_hub_dataset(entry: str, field: str):
         raise DataError(f"{field}: {entry!r} is not a local file, and the Hub dataset {repo_id} is not in the Hugging "
                         f"Face cache ({constants.HF_HUB_CACHE}) while {why}; download it where there is network "
                         f"(`hf download {repo_id} --repo-type dataset`), or give local files") from None
+    except transport_errors() as err:
+        raise DataError(f"{field}: {entry!r}: {hub_failure(err)}") from None
     try:
         return datasets.load_dataset(folder, config, split=split)
     except ValueError as err:  # an unknown split or config: datasets names the ones there are

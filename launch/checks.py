@@ -238,12 +238,13 @@ def load_inputs(cfg: DictConfig):
     if cfg.task.chat_template and not data.tokenizer.chat_template:
         raise ConfigError(f"task.chat_template=true but the tokenizer of model.path={cfg.model.path!r} has no chat "
                           "template; set task.chat_template=false or use a chat model")
+    rows = embedding_rows(require_model(cfg.model.path))
     for part in (data, eval_data):
         if part is not None:
             part.tokenizer = data.tokenizer
             # every prompt tokenized: one too long for rollout.max_model_len, or with a token the model's
             # embedding lacks, fails now
-            part.check_lengths(embedding_rows=embedding_rows(require_model(cfg.model.path)))
+            part.check_lengths(embedding_rows=rows)
             if scorer is not None:
                 require_reward_columns(cfg, scorer, part)
     if cfg.task.env:  # the chat template must render observations in task.observation_role

@@ -7,7 +7,8 @@ itself, at rank `first_rank + its rank in the engine`, takes every bucket of ran
 and loads it with its own `reload_weights`, which keeps this rank's shard of each tensor: the
 weights do not pass through the Ray actor, and no process holds a second copy of the model.
 Without tensor parallelism the worker runs in the actor's process and only the fix-ups after a
-reload (`rlpost_record_fixups`, `rlpost_after_reload`) are used. Names start with `rlpost_`: vLLM refuses an extension attribute its Worker has.
+reload (`rlpost_record_fixups`, `rlpost_after_reload`) are used. Names start with `rlpost_`:
+vLLM refuses an extension attribute its Worker has.
 """
 
 from __future__ import annotations

@@ -281,3 +281,23 @@ def test_value_objective_unclipped_when_value_clip_is_zero():
     out = value_objective(values, old, returns, mask, AlgorithmConfig(value_clip=0.0), LossNormalizer(4, 3))
     assert out.loss.item() == pytest.approx(0.5 * (1.0 + 1.0) / 4)
     assert out.clipped_sum == 0.0
+
+
+def test_the_routers_load_balancing_loss_joins_by_the_micro_batch_s_token_share():
+    """algorithm.router_aux_loss_coef (MoE): the micro-batch's mean load-balancing loss, weighted by
+    its share of the mini-batch's tokens (2 of 4 here) and the coefficient, adds to the loss; its
+    gradient flows; without the coefficient it is not asked for, with it it must be given."""
+    logp = _leaf(_lp([0.75, 0.25]))
+    old = behaviour = _lp([0.5, 0.5])
+    adv, mask, norm = torch.tensor([[1.0, 1.0]]), torch.tensor([[1.0, 1.0]]), LossNormalizer(tokens=4, sequences=2)
+    plain = policy_objective(logp, old, behaviour, adv, mask, ON_POLICY, norm, 0.0)
+    assert plain.router_aux is None
+    aux = torch.tensor(0.8, requires_grad=True)
+    algo = replace(ON_POLICY, router_aux_loss_coef=0.5)
+    out = policy_objective(logp, old, behaviour, adv, mask, algo, norm, 0.0, router_aux=aux)
+    assert out.router_aux == pytest.approx(0.8 * 2 / 4)
+    assert out.loss.item() == pytest.approx(plain.loss.item() + 0.5 * 0.8 * 2 / 4)
+    out.loss.backward()
+    assert aux.grad.item() == pytest.approx(0.5 * 2 / 4)
+    with pytest.raises(ValueError, match="router_aux_loss_coef"):
+        policy_objective(logp, old, behaviour, adv, mask, algo, norm, 0.0)

@@ -41,7 +41,7 @@ def import_deepspeed():
 STALE_BUILD_LOCK_S = 600.0
 
 
-def clear_stale_build_locks(now: float | None = None) -> list[str]:
+def clear_stale_build_locks() -> list[str]:
     """Remove build locks older than STALE_BUILD_LOCK_S from torch's extension build folders;
     returns them. torch's lock (`torch.utils.file_baton.FileBaton`) has no owner and no
     staleness check: a learner killed while DeepSpeed compiled its op (Ctrl-C during a first
@@ -53,7 +53,7 @@ def clear_stale_build_locks(now: float | None = None) -> list[str]:
     from torch.utils.cpp_extension import _get_build_directory
 
     root = os.path.dirname(_get_build_directory("deepspeed_shm_comm", verbose=False))
-    now = time.time() if now is None else now
+    now = time.time()
     removed = []
     for lock in glob.glob(os.path.join(root, "*", "lock")):
         try:

@@ -242,7 +242,8 @@ class LearnerWorker:
             _add_mismatch(sums, old.cpu(), mb.rollout_logprobs, mb.loss_mask)
             sums["actor/entropy_nats"] += float((entropy.detach() * mask).sum())
         ref = None if mb.ref_logprobs is None else self._to_device(mb.ref_logprobs)
-        out = policy_objective(logp, old, behaviour, adv, mask, a, norm, kl_coef, entropy=entropy, ref_logprobs=ref)
+        out = policy_objective(logp, old, behaviour, adv, mask, a, norm, kl_coef, entropy=entropy, ref_logprobs=ref,
+                               router_aux=routers[0] if routers else None)
         if first_pass:
             for k, v in out.importance_sums.items():
                 sums[k] += v
@@ -251,14 +252,11 @@ class LearnerWorker:
             sums["_flops"] += train_flops(self._model_config, lengths) * a.ppo_epochs
         if out.kl_sum is not None:
             sums["actor/kl_nats"] += out.kl_sum
-        loss = out.loss
-        if routers:  # MoE load balancing: the micro-batch's mean, weighted by its share of the loss tokens
-            aux = routers[0] * (float(mask.sum()) / max(norm.tokens, 1.0))
-            loss = loss + a.router_aux_loss_coef * aux
-            sums["actor/router_aux_loss"] += float(aux.detach())
+        if out.router_aux is not None:
+            sums["actor/router_aux_loss"] += out.router_aux
         # DeepSpeed averages gradients over data-parallel ranks; the normalizer is already global,
         # so undo that average, and do not let it divide by the accumulation steps again.
-        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+        self.engine.backward(out.loss * self.world_size, scale_wrt_gas=False)
         sums["actor/loss_nats"] += float(out.loss.detach())
         sums["actor/pg_loss_nats"] += out.pg_loss_sum
         sums["actor/clip_frac"] += out.clipped_sum

@@ -9,10 +9,10 @@ time, each chunk under activation checkpointing, so its logits exist only while 
 log-probs are computed (and again, briefly, in the backward pass).
 
 A plain linear head (no bias, not partitioned by ZeRO-3, not wrapped by an adapter, logits not
-reshaped after it (`logit_shaping`): every dense and ZeRO-1/2 run of most models) goes through `_LinearHeadLogProbs`, whose backward is written out: it recomputes
-the chunk's matmul from the saved rows and log-normaliser and forms d logp / d logits = onehot - p
-in place, where autograd through a recomputed `logsumexp`/`gather` made three more vocabulary-wide
-passes and temporaries. Any other head recomputes the chunk under activation checkpointing.
+reshaped after it (`logit_shaping`): every dense and ZeRO-1/2 run of most models) goes through
+`_LinearHeadLogProbs`, whose backward is written out: it recomputes the chunk's matmul from the
+saved rows and log-normaliser and forms d logp / d logits = onehot - p in place, where autograd
+through a recomputed `logsumexp`/`gather` made three more vocabulary-wide passes and temporaries. Any other head recomputes the chunk under activation checkpointing.
 """
 
 from __future__ import annotations

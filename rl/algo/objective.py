@@ -29,6 +29,7 @@ class PolicyObjective:
     clipped_sum: float  # tokens whose gradient the policy loss's clip removed
     kl_sum: float | None  # sum of the per-token KL estimate; None when the loss has no KL term
     importance_sums: dict[str, float] = field(default_factory=dict)  # importance_weights' metric sums
+    router_aux: float | None = None  # this micro-batch's share of the routers' load-balancing loss (MoE)
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ def policy_objective(
     kl_coef: float,
     entropy: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    router_aux: torch.Tensor | None = None,
 ) -> PolicyObjective:
     """The policy loss of a micro-batch; every tensor is [B, T] with `mask` 1 on the tokens that count.
 
@@ -69,6 +71,9 @@ def policy_objective(
     algo.kl_in_reward (then the penalty is already in the rewards). `norm` counts the whole
     mini-batch on all ranks, so micro-batch losses add up to the mini-batch's. Only `logp` and
     `entropy` get a gradient: the other tensors are targets, detached here whatever the caller did.
+    `router_aux` (a scalar, needed only when algo.router_aux_loss_coef > 0): the micro-batch's mean
+    MoE load-balancing loss, weighted by its share of the mini-batch's tokens (so the shares add up
+    to the mini-batch's token-weighted mean) and by the coefficient; its gradient reaches the routers.
     """
     old, behaviour, advantages = old.detach(), behaviour.detach(), advantages.detach()
     ref_logprobs = None if ref_logprobs is None else ref_logprobs.detach()
@@ -88,12 +93,21 @@ def policy_objective(
                              "per-token entropy (token_logprobs(..., with_entropy=True, entropy_grad=True))")
         per_token = with_entropy_bonus(per_token, entropy, algo.entropy_coef)
     loss = aggregate(per_token, mask, algo.loss_agg, norm)
+    router_share = None
+    if algo.router_aux_loss_coef > 0:
+        if router_aux is None:
+            raise ValueError(f"algorithm.router_aux_loss_coef={algo.router_aux_loss_coef} adds the routers' "
+                             "load-balancing loss: pass it (token_logprobs(..., router_aux=[]))")
+        share = router_aux * (float(mask.sum()) / max(norm.tokens, 1.0))
+        loss = loss + algo.router_aux_loss_coef * share
+        router_share = float(share.detach())
     return PolicyObjective(
         loss=loss,
         pg_loss_sum=float((pg_loss.detach() * mask).sum()),
         clipped_sum=float((clipped * mask).sum()),
         kl_sum=kl_sum,
         importance_sums=is_sums,
+        router_aux=router_share,
     )
 
 

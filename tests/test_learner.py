@@ -93,7 +93,8 @@ def _varied_batch(tok, model):
 def test_one_update_is_the_same_however_the_work_is_cut(ray_local, tiny_dir, tmp_path):
     """The step's update does not depend on how it is computed: the training forward's own
     log-probs as the old policy's (no scoring pass) or a scored old policy; micro-batches of rows
-    or of a token budget (rows sorted by length, a different number per rank)."""
+    or of a token budget (rows sorted by length, a different number per rank); each group's rows
+    computed separately or as one shared-prefix tree."""
     import dataclasses
 
     from safetensors.torch import load_file
@@ -105,9 +106,14 @@ def test_one_update_is_the_same_however_the_work_is_cut(ray_local, tiny_dir, tmp
     with torch.no_grad():
         scored_old, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
     runs = {  # name: (trainer overrides, world size, old log-probs given)
-        "fused, rows": ({"micro_batch_size": 2}, 1, False),
-        "scored old, one micro-batch": ({"micro_batch_size": 8}, 1, True),
-        "fused, token budget, 2 ranks": ({"micro_batch_size": 8, "max_tokens_per_micro_batch": 24}, 2, False),
+        "fused, rows": ({"micro_batch_size": 2, "shared_prefix": "off"}, 1, False),
+        "scored old, one micro-batch": ({"micro_batch_size": 8, "shared_prefix": "off"}, 1, True),
+        "fused, token budget, 2 ranks": ({"micro_batch_size": 8, "max_tokens_per_micro_batch": 24,
+                                          "shared_prefix": "off"}, 2, False),
+        # each pair of rows shares its prompt (trainer/prefix_tree.py)
+        "shared prefix, scored old": ({"micro_batch_size": 8, "shared_prefix": "on"}, 1, True),
+        "shared prefix, token budget, 2 ranks": ({"micro_batch_size": 8, "max_tokens_per_micro_batch": 24,
+                                                  "shared_prefix": "on"}, 2, False),
     }
     metrics, weights = {}, {}
     for name, (trainer, world, given) in runs.items():
@@ -129,11 +135,14 @@ def test_one_update_is_the_same_however_the_work_is_cut(ray_local, tiny_dir, tmp
         assert m["actor/pg_loss_nats"] == pytest.approx(metrics[base]["actor/pg_loss_nats"], abs=1e-6), name
         assert m["sync/logprob_abs_diff"] < 1e-4 and m["is/ess_frac"] == pytest.approx(1.0, abs=1e-4), name
         assert m["perf/trained_tokens"] == float(batch.attention_mask.sum()), name
+
         # Adam's first step is about lr * sign(gradient): equal gradients give equal weights,
         # except where a gradient element is within float noise of zero
         differ = sum(int(((weights[name][k] - weights[base][k]).abs() > 1e-4).sum()) for k in weights[base])
         total = sum(t.numel() for t in weights[base].values())
         assert differ <= total * 1e-3, (name, differ, total)
+    computed = {name: m["perf/computed_per_trained_token"] for name, m in metrics.items()}
+    assert computed["shared prefix, scored old"] < min(computed[k] for k in computed if "shared" not in k), computed
 
 
 @pytest.mark.parametrize("stage,world", [(0, 1), (3, 2)])

@@ -180,8 +180,9 @@ ENGINE_CASE = textwrap.dedent('''
     from tests.test_logprobs import CONFIG, _full_vocab
     from transformers import LlamaConfig, LlamaForCausalLM
     from trainer.engine import build_engine, ds_config, init_single_process
+    from trainer.layouts import plan_layout
     from trainer.logprobs import token_logprobs
-    stage, lora = int(sys.argv[1]), sys.argv[2] == "lora"
+    stage, lora, shared = int(sys.argv[1]), sys.argv[2] == "lora", sys.argv[3] == "shared"
 
     def load():
         torch.manual_seed(0)
@@ -195,9 +196,12 @@ ENGINE_CASE = textwrap.dedent('''
         return m
 
     ids = torch.randint(0, 300, (3, 10), generator=torch.Generator().manual_seed(1))
+    ids[1:, :5] = ids[0, :5]  # one group sharing a 5-token prompt
     am = torch.ones_like(ids)
     where = torch.ones(3, 9, dtype=torch.bool)
     where[:, :3] = False
+    layout = plan_layout(ids, am, group_ids=torch.zeros(3), share="on") if shared else None
+    assert not shared or layout.name == "shared"
     weights = torch.randn(3, 9, generator=torch.Generator().manual_seed(2)) * where
     # the reference: plain torch, full-vocabulary log-softmax
     ref = load()
@@ -206,7 +210,7 @@ ENGINE_CASE = textwrap.dedent('''
     init_single_process()
     engine = build_engine(load, ds_config(micro_batch_size=3, gradient_accumulation_steps=1, zero_stage=stage,
                                           dtype="float32"), lr=1e-2, weight_decay=0.0, lr_lambda=lambda s: 1.0)
-    lp, _ = token_logprobs(engine, ids, am, positions=where, chunk_tokens=4)
+    lp, _ = token_logprobs(engine, ids, am, positions=where, chunk_tokens=4, layout=layout)
     assert torch.allclose(lp, lp0.detach() * where, atol=1e-5)
     engine.backward((lp * weights).sum())
     from deepspeed.utils import safe_get_full_grad
@@ -225,14 +229,17 @@ ENGINE_CASE = textwrap.dedent('''
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,lora", [(2, "full"), (3, "full"), (2, "lora"), (3, "lora")])
-def test_deepspeed_update_through_chunked_logprobs_equals_torch(stage, lora):
+@pytest.mark.parametrize("stage,lora,layout", [(2, "full", "padded"), (3, "full", "padded"), (2, "lora", "padded"),
+                                               (3, "lora", "padded"), (2, "full", "shared"), (3, "full", "shared"),
+                                               (3, "lora", "shared")])
+def test_deepspeed_update_through_chunked_logprobs_equals_torch(stage, lora, layout):
     """The tied embedding gets one gradient (ZeRO-1/2 refuse a second reduction), ZeRO-3 gathers
     the head when it recomputes, a frozen head (LoRA) works under both: the gradients DeepSpeed
-    holds after a backward through the chunked log-probs are plain torch's with full logits."""
+    holds after a backward through the chunked log-probs are plain torch's with full logits, with
+    the rows padded or as one shared-prefix tree (trainer/prefix_tree.py)."""
     from tests.conftest import ROOT
 
-    proc = subprocess.run([sys.executable, "-c", ENGINE_CASE, str(stage), lora], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", ENGINE_CASE, str(stage), lora, layout], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

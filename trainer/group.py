@@ -143,6 +143,8 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     if "_flops" in total:
         out["perf/model_tflop"] = total.pop("_flops") / 1e12
         out["perf/trained_tokens"] = total.pop("_trained_tokens")
+        # positions the layers computed per trained token: < 1 where prefixes are shared, > 1 with padding
+        out["perf/computed_per_trained_token"] = total.pop("_computed_tokens", 0.0) / max(out["perf/trained_tokens"], 1.0)
     for k, v in total.items():
         if k.startswith("_max/"):
             out[k.removeprefix("_max/")] = v

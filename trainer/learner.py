@@ -14,7 +14,7 @@ from collections import defaultdict
 
 import torch
 
-from rl.data.batch import plan_micro_batches, split_to_count
+from rl.data.batch import group_order, plan_micro_batches, split_to_count
 from rl.plan.devices import actor_device
 from rl.plan.flops import measure_matmul_tflops, train_flops
 from rl.algo.losses import LossNormalizer
@@ -22,6 +22,7 @@ from rl.algo.objective import policy_objective, value_objective
 from rl.data.types import TrainBatch
 from rl.wire import lora, weight_sync
 from trainer.learner_setup import LearnerSpec, assigned_gpus, batch_geometry, build_models, join_data_parallel
+from trainer.layouts import Layout, plan_layout
 from trainer.logprobs import token_logprobs
 from trainer import checkpoints
 from trainer.residency import Residency
@@ -73,6 +74,7 @@ class LearnerWorker:
         self.device = join_data_parallel(spec, rank, self.world_size, self.device_kind, master_addr, master_port)
         m = build_models(spec, rank, self.world_size, self.device)
         self.engine, self.ref, self.critic, self.pack, self.lora = m.engine, m.ref, m.critic, m.pack, m.lora
+        self.share = m.share  # trainer.shared_prefix as run (trainer/layouts.py)
         self.uses_ref = spec.algorithm.kl_coef > 0  # (with LoRA the reference is the engine, adapters off)
         # What a weight sync sends: every parameter, or with LoRA only the adapters (by wire name).
         named = ([(lora.wire_name(n), p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
@@ -112,7 +114,8 @@ class LearnerWorker:
         if budget <= 0:
             return list(torch.split(rows, geometry.micro_batch_sizes(len(rows))))
         lengths = batch.attention_mask[rows].sum(dim=1).tolist()
-        plan = plan_micro_batches(lengths, geometry.examples_cap, budget)
+        groups = batch.group_ids[rows].tolist() if self.share != "off" else None
+        plan = plan_micro_batches(lengths, geometry.examples_cap, budget, groups)
         plan = split_to_count(plan, self._max_over_ranks(len(plan)))
         return [rows[torch.tensor(mb, dtype=torch.long)] for mb in plan]
 
@@ -134,19 +137,20 @@ class LearnerWorker:
 
         self.engine.eval()
         if recompute or ref is not None or values is not None:
-            for rows in self._micro_batches(batch, torch.arange(len(batch)), forward_only=True):
+            for rows in self._micro_batches(batch, self._order(batch), forward_only=True):
                 mb = batch.select(rows)
                 ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
                 where = self._to_device(mb.loss_mask) > 0  # only the trained tokens' log-probs are used
+                layout = self._layout(mb, ids, am)
                 if recompute:
                     lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True,
-                                           positions=where, pack=self.pack)
+                                           positions=where, layout=layout)
                     put(old, rows, lp)
                     put(entropy, rows, e)
                 if ref is not None:
-                    put(ref, rows, self._ref_logprobs(ids, am, where))
+                    put(ref, rows, self._ref_logprobs(ids, am, where, layout))
                 if values is not None:
-                    put(values, rows, self._values(self.critic, ids, am))
+                    put(values, rows, self._values(self.critic, layout))
         self.engine.train()
         batch.old_logprobs = old if recompute else None
         batch.ref_logprobs, batch.values = ref, values
@@ -156,17 +160,30 @@ class LearnerWorker:
             self._scored_sums["critic/values_mean"] = float((batch.values * mask).sum())
         return batch
 
-    def _ref_logprobs(self, ids: torch.Tensor, am: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    def _order(self, batch: TrainBatch, generator: torch.Generator | None = None) -> torch.Tensor:
+        """The rows in a random order (`generator`; None: as they are), each group's rows kept
+        together when prefixes are shared (they share only within a micro-batch)."""
+        if self.share != "off":
+            return group_order(batch.group_ids, generator)
+        return torch.randperm(len(batch), generator=generator) if generator is not None else torch.arange(len(batch))
+
+    def _layout(self, mb: TrainBatch, ids: torch.Tensor, am: torch.Tensor) -> Layout:
+        """How this micro-batch's rows enter the models (trainer/layouts.py): packed end to end
+        and, with `trainer.shared_prefix`, each group's rows as one prefix tree."""
+        return plan_layout(ids, am, pack=self.pack, group_ids=mb.group_ids, share=self.share,
+                           config=self._model_config)
+
+    def _ref_logprobs(self, ids: torch.Tensor, am: torch.Tensor, where: torch.Tensor, layout: Layout) -> torch.Tensor:
         """The reference policy's log-probs: its own engine, or (LoRA) the policy with adapters off."""
         if self.ref is not None:
-            return token_logprobs(self.ref, ids, am, self.spec.temperature, positions=where, pack=self.pack)[0]
+            return token_logprobs(self.ref, ids, am, self.spec.temperature, positions=where, layout=layout)[0]
         with self.engine.module.disable_adapter():
-            return token_logprobs(self.engine, ids, am, self.spec.temperature, positions=where, pack=self.pack)[0]
+            return token_logprobs(self.engine, ids, am, self.spec.temperature, positions=where, layout=layout)[0]
 
-    @staticmethod
-    def _values(critic, ids: torch.Tensor, am: torch.Tensor) -> torch.Tensor:
-        """V(prefix up to t) at position t, aligned with the log-prob of token t+1: [B, T-1]."""
-        return critic(input_ids=ids, attention_mask=am).logits[:, :-1, 0].float()
+    def _values(self, critic, layout: Layout) -> torch.Tensor:
+        """V(prefix up to t) at position t, aligned with the log-prob of token t+1: [B, T-1]
+        (0 where the row has ended, in a layout without padding)."""
+        return layout.per_token(critic(**layout.model_inputs(self._dtype)).logits[..., 0].float())
 
     def _global_normalizer(self, mask: torch.Tensor) -> LossNormalizer:
         local = LossNormalizer.of(mask)
@@ -205,7 +222,7 @@ class LearnerWorker:
         train_policy = step >= spec.algorithm.critic_warmup_steps or self.critic is None
         generator = torch.Generator().manual_seed((spec.seed * 1_000_003 + step * 7919 + self.rank) % 2**31)
         for epoch in range(spec.algorithm.ppo_epochs):
-            order = torch.randperm(len(batch), generator=generator)
+            order = self._order(batch, generator)
             for mb_rows in torch.tensor_split(order, spec.algorithm.mini_batches):
                 norm = self._global_normalizer(mask[mb_rows])
                 plan = self._micro_batches(batch, mb_rows)
@@ -233,10 +250,11 @@ class LearnerWorker:
         mask, adv, behaviour = (self._to_device(t) for t in (mb.loss_mask, mb.advantages, mb.rollout_logprobs))
         fused = mb.old_logprobs is None
         routers: list[torch.Tensor] | None = [] if a.router_aux_loss_coef > 0 else None
+        layout = self._layout(mb, ids, am)
         logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature,
                                        with_entropy=a.entropy_coef > 0 or (fused and first_pass),
-                                       entropy_grad=a.entropy_coef > 0, positions=mask > 0, pack=self.pack,
-                                       router_aux=routers)
+                                       entropy_grad=a.entropy_coef > 0, positions=mask > 0, router_aux=routers,
+                                       layout=layout)
         old = logp.detach() if fused else self._to_device(mb.old_logprobs)
         if fused and first_pass:
             _add_mismatch(sums, old.cpu(), mb.rollout_logprobs, mb.loss_mask)
@@ -250,6 +268,7 @@ class LearnerWorker:
             lengths = mb.attention_mask.sum(dim=1).tolist()
             sums["_trained_tokens"] += float(sum(lengths) * a.ppo_epochs)
             sums["_flops"] += train_flops(self._model_config, lengths) * a.ppo_epochs
+            sums["_computed_tokens"] += float(layout.slots) * a.ppo_epochs
         if out.kl_sum is not None:
             sums["actor/kl_nats"] += out.kl_sum
         if out.router_aux is not None:
@@ -265,7 +284,7 @@ class LearnerWorker:
     def _critic_backward(self, mb: TrainBatch, norm: LossNormalizer, sums: dict[str, float]) -> None:
         ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
         mask, old, returns = (self._to_device(t) for t in (mb.loss_mask, mb.values, mb.returns))
-        values = self._values(self.critic, ids, am)
+        values = self._values(self.critic, self._layout(mb, ids, am))
         out = value_objective(values, old, returns, mask, self.spec.algorithm, norm)
         self.critic.backward(out.loss * self.world_size, scale_wrt_gas=False)
         sums["critic/value_loss"] += float(out.loss.detach())

@@ -15,7 +15,7 @@ from rl.plan.devices import collective_backend, local_device_index
 from rl.plan.geometry import BatchGeometry
 from trainer.engine import (STALE_BUILD_LOCK_S, build_engine, clear_stale_build_locks, ds_config, import_deepspeed,
                             zero3_load_config)
-from trainer.logprobs import packing_matches
+from trainer.logprobs import packing_matches, prefix_sharing_matches
 
 
 def assigned_gpus() -> list:
@@ -82,6 +82,7 @@ class LearnerModels:
     ref: Any  # the reference policy's engine (None: no KL, or LoRA, where it is the policy with adapters off)
     critic: Any  # the value model's engine (None without algorithm.critic)
     pack: bool  # padding-free micro-batches hold for this model
+    share: str  # trainer.shared_prefix as run: "off" where the model cannot (trainer/layouts.py)
     lora: bool
     dtype: torch.dtype
 
@@ -122,6 +123,7 @@ def build_models(spec: LearnerSpec, rank: int, world_size: int, device: torch.de
                                                      spec.model.lora),
                         deepspeed_config(spec, world_size), spec.algorithm.lr)
     pack = spec.trainer.padding_free and _packing_holds(engine, rank, world_size, device)
+    share = _sharing_mode(spec, engine, rank, world_size, device)
     # With LoRA the reference policy is the same engine with its adapters off: no second copy.
     ref = _reference(spec, world_size, device, dtype) if spec.algorithm.kl_coef > 0 and not use_lora else None
     critic = None
@@ -135,28 +137,55 @@ def build_models(spec: LearnerSpec, rank: int, world_size: int, device: torch.de
                 spec.algorithm.critic_init or spec.model.path, num_labels=1, dtype=dtype)
 
         critic = _trainable(spec, value_model, deepspeed_config(spec, world_size), spec.algorithm.critic_lr)
-    return LearnerModels(engine, ref, critic, pack, use_lora, dtype)
+    return LearnerModels(engine, ref, critic, pack, share, use_lora, dtype)
+
+
+def _layout_holds(check, engine, rank: int, world_size: int, device: torch.device) -> bool:
+    """Whether the model gives a layout's rows their padded values (`check`: a
+    `trainer.logprobs` *_matches function), agreed by every rank (one layout everywhere)."""
+    engine.eval()
+    try:
+        holds = check(engine, engine.module.get_input_embeddings().num_embeddings, device)
+    except (TypeError, ValueError, RuntimeError) as err:  # e.g. a forward that takes no position_ids
+        print(f"learner rank {rank}: {check.__name__} failed ({type(err).__name__}: {err})", flush=True)
+        holds = False
+    engine.train()
+    if world_size > 1:
+        agreed = torch.tensor([int(holds)], device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        holds = bool(agreed.item())
+    return holds
 
 
 def _packing_holds(engine, rank: int, world_size: int, device: torch.device) -> bool:
     """Padding-free micro-batches only for a model that gives packed rows their padded values
     (`trainer.logprobs.packing_matches`); said once either way."""
-    engine.eval()
-    try:
-        holds = packing_matches(engine, engine.module.get_input_embeddings().num_embeddings, device)
-    except (TypeError, ValueError, RuntimeError) as err:  # e.g. a forward that takes no position_ids
-        print(f"learner rank {rank}: the packing check failed ({type(err).__name__}: {err})", flush=True)
-        holds = False
-    engine.train()
-    if world_size > 1:  # one layout on every rank: pack only where all ranks found it holds
-        agreed = torch.tensor([int(holds)], device=device)
-        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-        holds = bool(agreed.item())
+    holds = _layout_holds(packing_matches, engine, rank, world_size, device)
     if rank == 0:
         print("learner: padding-free micro-batches (rows packed end to end)" if holds else
               "learner: trainer.padding_free=true but this model mixes packed rows (its attention ignores "
               "position ids); micro-batches stay padded", flush=True)
     return holds
+
+
+def _sharing_mode(spec: LearnerSpec, engine, rank: int, world_size: int, device: torch.device) -> str:
+    """`trainer.shared_prefix` as the learner runs it: "off" for a model that does not compute
+    prefix trees as separate rows (`trainer.logprobs.prefix_sharing_matches`: a 4D mask it
+    ignores) and for a MoE router loss (transformers computes it from a 2D mask); said once."""
+    mode = spec.trainer.shared_prefix
+    if mode == "off":
+        return mode
+    if spec.algorithm.router_aux_loss_coef > 0:
+        if rank == 0:
+            print("learner: shared-prefix micro-batches are off with algorithm.router_aux_loss_coef > 0 (the "
+                  "router loss needs the rows' own masks)", flush=True)
+        return "off"
+    holds = _layout_holds(prefix_sharing_matches, engine, rank, world_size, device)
+    if rank == 0:
+        print(f"learner: shared-prefix micro-batches ({mode}: each group's prompt computed once)" if holds else
+              f"learner: trainer.shared_prefix={mode} but this model does not keep prefix-tree rows apart (its "
+              "attention ignores a 4D mask); rows are computed separately", flush=True)
+    return mode if holds else "off"
 
 
 def _with_adapters(model: torch.nn.Module, cfg) -> torch.nn.Module:

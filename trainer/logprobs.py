@@ -24,7 +24,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rl.plan.memory_plan import LOGPROB_CHUNK_TOKENS as CHUNK_TOKENS  # 1024 x 49,152 x 4 bytes = 200 MB in fp32
-from trainer.packing import pack_rows
+from trainer.layouts import Layout, plan_layout
 
 
 def _head_of(model: torch.nn.Module) -> torch.nn.Module:
@@ -156,6 +156,7 @@ def token_logprobs(
     chunk_tokens: int = CHUNK_TOKENS,
     pack: bool = False,
     router_aux: list[torch.Tensor] | None = None,
+    layout: Layout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(input_ids[:, t+1] | input_ids[:, :t+1]) for t in 0..T-2, shape [B, T-1] (fp32).
 
@@ -169,26 +170,24 @@ def token_logprobs(
     states (`output_hidden_states`, with the logits of one position only); the LM head then runs
     on `chunk_tokens` selected tokens at a time. `pack`: the right-padded rows run packed into
     fewer rows (trainer/packing.py; only for a model `packing_matches` has checked), same values.
+    `layout`: how the rows enter the model, planned by the caller (trainer/layouts.py; shared-
+    prefix trees need the rows' groups); it overrides `pack`.
     `router_aux` (a MoE model): the forward also computes the routers' load-balancing loss
     (transformers' `aux_loss`, from `output_router_logits`), appended to this list.
     """
     if positions is None:
         positions = attention_mask[:, 1:].bool()
     positions = positions.bool()
-    packed = pack_rows(input_ids, attention_mask) if pack else None
+    if layout is None:
+        layout = plan_layout(input_ids, attention_mask, pack=pack)
+    if layout.name != "padded":  # a padded position has no place in the other layouts
+        positions = positions & attention_mask[:, 1:].bool()
     routers = {} if router_aux is None else {"output_router_logits": True}
-    if packed is None:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, output_hidden_states=True,
-                    logits_to_keep=1, **routers)
-        hidden = out.hidden_states[-1][:, :-1]
-        rows, targets = hidden[positions], input_ids[:, 1:][positions]
-        index = positions.flatten().nonzero().squeeze(1)  # boolean indexing's order: row-major
-    else:  # no attention mask: the restarting position ids make the model's mask block-causal
-        out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False,
-                    output_hidden_states=True, logits_to_keep=1, **routers)
-        hidden = out.hidden_states[-1][:, :-1]
-        where, index = packed.scored(positions)
-        rows, targets = hidden[where], packed.input_ids[:, 1:][where]
+    out = model(**layout.model_inputs(next(_head_of(model).parameters()).dtype), use_cache=False, output_hidden_states=True,
+                logits_to_keep=1, **routers)
+    hidden = out.hidden_states[-1]
+    rows, targets = layout.gather(hidden, positions), input_ids[:, 1:][positions]
+    index = positions.flatten().nonzero().squeeze(1)  # boolean indexing's order: row-major
     if router_aux is not None:
         router_aux.append(out.aux_loss)
     spread = partial(_spread, index, positions.shape, hidden)
@@ -246,4 +245,29 @@ def packing_matches(model: torch.nn.Module, vocab_size: int, device: torch.devic
     exact = next(_head_of(model).parameters()).dtype == torch.float32
     isolated = torch.allclose(packed[2], packed_other[2], rtol=0, atol=1e-4)
     positioned = torch.allclose(padded, packed, rtol=0, atol=1e-3 if exact else 0.1)
+    return bool(isolated and positioned)
+
+
+def prefix_sharing_matches(model: torch.nn.Module, vocab_size: int, device: torch.device | str = "cpu") -> bool:
+    """Whether `model` computes shared-prefix trees (trainer/prefix_tree.py) as the rows alone:
+    a group of three rows sharing 6 tokens (one row ending inside another's completion) and a
+    group of one. Tree log-probs equal padded ones (loosely in low precision), and changing one
+    row's completion leaves its siblings' values as they were (a model that ignored the 4D mask
+    would let siblings see each other)."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, vocab_size, (4, 10), generator=g)
+    ids[1:3, :6] = ids[0, :6]
+    ids[2, 6:8] = ids[1, 6:8]
+    other = ids.clone()
+    other[0, 6:] = torch.randint(1, vocab_size, (4,), generator=g)
+    mask = (torch.arange(10)[None, :] < torch.tensor([10, 9, 8, 7])[:, None]).long()
+    groups = torch.tensor([0, 0, 0, 1])
+    ids, other, mask, groups = ids.to(device), other.to(device), mask.to(device), groups.to(device)
+    with torch.no_grad():
+        padded, _ = token_logprobs(model, ids, mask)
+        shared, _ = token_logprobs(model, ids, mask, layout=plan_layout(ids, mask, group_ids=groups, share="on"))
+        changed, _ = token_logprobs(model, other, mask, layout=plan_layout(other, mask, group_ids=groups, share="on"))
+    exact = next(_head_of(model).parameters()).dtype == torch.float32
+    isolated = torch.allclose(shared[1:], changed[1:], rtol=0, atol=1e-4)
+    positioned = torch.allclose(padded * mask[:, 1:], shared, rtol=0, atol=1e-3 if exact else 0.1)
     return bool(isolated and positioned)

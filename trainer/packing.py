@@ -31,17 +31,14 @@ class PackedRows:
     source: torch.Tensor  # [bins, capacity]
     width: int  # of the padded batch
 
-    def scored(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Where the padded batch's `positions` ([rows, width-1] bool: log p of the next token is
-        wanted) lie in the bins: a [bins, capacity-1] mask, and for each selected bin position (in
-        the mask's row-major order) its flat index in [rows, width-1]. A row's tokens are
-        consecutive in its bin, so the next token is the next column; a row's last token (whose
-        next one, padded, is a pad) is never selected."""
-        src = self.source[:, :-1]
-        row, col = src.clamp(min=0) // self.width, src.clamp(min=0) % self.width
-        inside = (src >= 0) & (self.source[:, 1:] == src + 1)  # the next bin column holds this row's next token
-        wanted = inside & positions[row, col.clamp(max=self.width - 2)]
-        return wanted, (row * (self.width - 1) + col)[wanted]
+    def index(self, rows: int) -> torch.Tensor:
+        """[rows, width]: the flat index `bin * capacity + column` of each token of the padded
+        batch in the bins, -1 where the padded batch holds padding."""
+        flat = self.source.flatten()
+        held = flat >= 0
+        out = torch.full((rows * self.width,), -1, dtype=torch.long, device=flat.device)
+        out[flat[held]] = held.nonzero().squeeze(1)
+        return out.view(rows, self.width)
 
 
 def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows | None:

@@ -219,6 +219,10 @@ class TrainerConfig:
     # each micro-batch's rows packed end to end into rows of its longest one (trainer/packing.py):
     # the layers see no padding; used only if the model gives packed rows their padded values
     padding_free: bool = True
+    # the rows of a group (one prompt, n completions; episodes with common first turns) computed
+    # as one prefix tree, each shared token once (trainer/prefix_tree.py). auto: where the
+    # model's FLOPs say the tree costs less than separate rows; on: wherever possible; off
+    shared_prefix: str = "auto"
     offload_optimizer: bool = False
     ref_offload: bool = False  # keep the frozen reference model's weights on CPU (ZeRO-3 param offload)
     zero3_persistence_threshold: int = 0  # DeepSpeed's 1e5 keeps small tensors whole; 0 shards all
@@ -319,6 +323,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "trainer.weight_sync": ("collective", "object_store", "ipc"),
     "sandbox.backend": ("process", "docker", "unsafe_local"),
     "cluster.placement": ("pack", "spread", "strict_pack", "strict_spread"),
+    "trainer.shared_prefix": ("auto", "on", "off"),
     "cluster.placement_mode": ("disaggregated", "hybrid"),
 }
 

@@ -59,23 +59,49 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
     )
 
 
-def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int,
+                       groups: list[int] | None = None) -> list[list[int]]:
     """Row indices of each micro-batch cut by a token budget (`trainer.max_tokens_per_micro_batch`):
     rows sorted longest first, each micro-batch filled while its padded size (rows x its longest
     row) stays within `max_tokens` and its rows within `max_rows` (`trainer.micro_batch_size`); a
-    row longer than the budget gets a micro-batch of its own. Every row lands in exactly one
-    micro-batch. (Cuts by rows alone are `rl.plan.geometry.BatchGeometry`'s.)"""
+    row longer than the budget gets a micro-batch of its own. With `groups` (each row's group,
+    for shared-prefix micro-batches) a group's rows go in together where they fit, groups sorted
+    by their longest row; a group too large for one micro-batch is cut by the row rule. Every row
+    lands in exactly one micro-batch. (Cuts by rows alone are `rl.plan.geometry.BatchGeometry`'s.)"""
     if max_tokens <= 0:
         raise ValueError(f"max_tokens={max_tokens}: a token budget must be > 0 (row cuts: rl.plan.geometry)")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    units: dict[int, list[int]] = {}
+    for i in order:  # each unit longest row first, units in the order of their longest rows
+        units.setdefault(i if groups is None else groups[i], []).append(i)
     plan: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        current = plan[-1] if plan else None
-        # sorted longest first: the micro-batch's first row is its longest
-        if current and len(current) < max_rows and (len(current) + 1) * lengths[current[0]] <= max_tokens:
-            current.append(i)
-        else:
-            plan.append([i])
+
+    def fits(current: list[int], more: int) -> bool:  # a micro-batch's first row is its longest
+        return len(current) + more <= max_rows and (len(current) + more) * lengths[current[0]] <= max_tokens
+
+    for unit in units.values():
+        if plan and fits(plan[-1], len(unit)):
+            plan[-1].extend(unit)
+            continue
+        plan.append([unit[0]])
+        for i in unit[1:]:
+            if fits(plan[-1], 1):
+                plan[-1].append(i)
+            else:
+                plan.append([i])
     return plan
+
+
+def group_order(group_ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Row indices with each group's rows together (shared-prefix micro-batches compute a group's
+    prompt once only where its rows meet): groups in a random order (`generator`; None: as they
+    first appear), rows within a group as they are."""
+    groups = list(dict.fromkeys(group_ids.tolist()))
+    if generator is not None:
+        groups = [groups[i] for i in torch.randperm(len(groups), generator=generator).tolist()]
+    rank = {g: k for k, g in enumerate(groups)}
+    keys = torch.tensor([rank[g] for g in group_ids.tolist()], dtype=torch.long)
+    return torch.sort(keys, stable=True).indices
 
 
 def split_to_count(plan: list[list[int]], count: int) -> list[list[int]]:

@@ -1,0 +1,107 @@
+"""How a micro-batch's right-padded rows enter the model: padded, packed end to end
+(trainer/packing.py) or as shared-prefix trees (trainer/prefix_tree.py), and where each token's
+hidden state comes out. Every forward of the learner (policy, reference, critic) goes through
+one `Layout`, so the three give the same values in every layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Mapping
+
+import torch
+
+from trainer.packing import pack_rows
+from trainer.prefix_tree import build_forest, layout_cost, longest_sliding_window
+
+SHARE_MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The model's inputs for a micro-batch and, per token (r, c) of the padded [rows, width]
+    batch, its flat position in the model's [batch, slots] output (`index`; -1: padding)."""
+
+    name: str  # "padded" | "packed" | "shared"
+    input_ids: torch.Tensor  # [batch, slots]
+    index: torch.Tensor  # [rows, width]
+    attention_mask: torch.Tensor | None = None  # 2D (padded) or None
+    position_ids: torch.Tensor | None = None  # packed and shared: restarting / depth
+    visible: torch.Tensor | None = None  # shared: [batch, slots, slots] bool
+    tokens: int = 0  # real tokens of the rows
+    slots: int = 0  # positions the layers compute (batch x slots)
+
+    def model_inputs(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Keyword arguments of the model's forward. The tree's mask is 4D and additive in the
+        model's dtype, which transformers hands to the attention unchanged."""
+        inputs = {"input_ids": self.input_ids}
+        if self.position_ids is not None:
+            inputs["position_ids"] = self.position_ids
+        if self.visible is not None:
+            blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=self.visible.device)
+            inputs["attention_mask"] = torch.where(self.visible, torch.zeros_like(blocked), blocked)[:, None]
+        elif self.attention_mask is not None:
+            inputs["attention_mask"] = self.attention_mask
+        return inputs
+
+    def gather(self, output: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """`output` [batch, slots, ...] at the padded batch's tokens `at` ([rows, width'] bool,
+        width' <= width, True only on real tokens outside the padded layout), in `at`'s
+        row-major order: [N, ...]."""
+        flat = output.flatten(0, 1)
+        return flat[self.index[:, : at.shape[1]][at]]
+
+    def per_token(self, output: torch.Tensor) -> torch.Tensor:
+        """A per-position model output ([batch, slots], e.g. a value head's) at the padded
+        batch's positions 0..width-2: [rows, width-1], 0 past a row's end outside the padded layout."""
+        at = self.index[:, :-1]
+        flat = output.flatten()
+        return torch.where(at >= 0, flat[at.clamp(min=0)], torch.zeros((), dtype=flat.dtype, device=flat.device))
+
+    @property
+    def saving(self) -> float:
+        """The share of the rows' tokens the layers do not compute (shared prefixes)."""
+        return 1.0 - self.slots / self.tokens if self.name == "shared" and self.tokens else 0.0
+
+
+def padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Layout:
+    rows, width = input_ids.shape
+    index = torch.arange(rows * width, device=input_ids.device).view(rows, width)
+    return Layout("padded", input_ids, index, attention_mask=attention_mask, tokens=int(attention_mask.sum()),
+                  slots=rows * width)
+
+
+def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: bool = False,
+                group_ids: torch.Tensor | None = None, share: str = "off",
+                config: Mapping[str, Any] | None = None) -> Layout:
+    """The layout of one micro-batch. `pack`: rows packed end to end where that saves a row.
+    `share` ("auto", "on", "off", `trainer.shared_prefix`) with the rows' `group_ids`: each
+    group's rows as a prefix tree (bins sized by `layout_cost` of the model's `config`); "auto"
+    keeps the trees only where they share something and (given the config) cost less than the
+    other layout. Rows longer than a sliding window, and
+    rows that are not right-padded, are never shared (a tree's mask is a full-attention one)."""
+    base = padded(input_ids, attention_mask)
+    packed = pack_rows(input_ids, attention_mask) if pack else None
+    if packed is not None:
+        base = Layout("packed", packed.input_ids, packed.index(len(input_ids)), position_ids=packed.position_ids,
+                      tokens=base.tokens, slots=packed.input_ids.numel())
+    if share == "off" or group_ids is None or len(input_ids) < 2:
+        return base
+    if share not in SHARE_MODES:
+        raise ValueError(f"trainer.shared_prefix={share!r}: expected one of {', '.join(SHARE_MODES)}")
+    config = config or {}
+    window = longest_sliding_window(config)
+    if window is not None and int(attention_mask.sum(dim=1).max()) > window:
+        return base
+    cost = partial(layout_cost, config) if config else None
+    forest = build_forest(input_ids, attention_mask, group_ids, cost)
+    if forest is None:
+        return base
+    if share == "auto":
+        if forest.nodes == forest.tokens:
+            return base
+        if cost is not None and cost(*forest.input_ids.shape) >= cost(*base.input_ids.shape):
+            return base
+    return Layout("shared", forest.input_ids, forest.node, position_ids=forest.position_ids, visible=forest.visible,
+                  tokens=forest.tokens, slots=forest.input_ids.numel())

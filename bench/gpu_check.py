@@ -13,7 +13,13 @@
 2. objective: `rl.algo.objective.policy_objective` for every policy_loss x loss_agg (importance
    corrections in turn, entropy bonus and KL term on): loss and the gradients to logp and entropy
    on the device vs the CPU, fp32, relative error < 1e-5 (fp32 sums over ~10^3 tokens reduced in another order on the GPU differ by ~10 ulp: 1.7e-6 was seen on an H100).
-3. weight_wire: `rl.wire.weight_sync` over a gloo group between two spawned processes: the sender
+3. shared_prefix: `trainer.layouts.plan_layout` with shared prefixes (trainer/prefix_tree.py) on
+   the device: a group's rows as one tree against packed rows, fp32 values < 1e-5 and gradients
+   relative < 1e-4, bf16 figures, `prefix_sharing_matches`; then forward + backward seconds of a
+   30-layer toy in bf16, packed against shared, at a math_chat shape and a long-completion one.
+4. peak: the in-process matmul probe the planner uses (`rl.plan.flops.measure_matmul_tflops`)
+   beside the card's datasheet peak, bf16 and fp32.
+5. weight_wire: `rl.wire.weight_sync` over a gloo group between two spawned processes: the sender
    holds the toy model's parameters on the device and sends `trainer.weights.WeightExport`
    (ZeRO-0) buckets as host copies, as trainer/sync/collective.py's CollectiveSender does when
    `on_host`; the CPU receiver checks every tensor is equal; MB/s (1e6 bytes) in fp32 and bf16.
@@ -50,7 +56,9 @@ from rl.algo.objective import policy_objective  # noqa: E402
 from rl.config.schema import AlgorithmConfig  # noqa: E402
 from rl.plan.memory_plan import LOGPROB_CHUNK_TOKENS  # noqa: E402
 from rl.wire import weight_sync  # noqa: E402
-from trainer.logprobs import packing_matches, token_logprobs  # noqa: E402
+from rl.plan.flops import datasheet_tflops, measure_matmul_tflops  # noqa: E402
+from trainer.layouts import plan_layout  # noqa: E402
+from trainer.logprobs import packing_matches, prefix_sharing_matches, token_logprobs  # noqa: E402
 from trainer.packing import pack_rows  # noqa: E402
 from trainer.weights import WeightExport  # noqa: E402
 
@@ -76,10 +84,10 @@ class ToyLM(nn.Module):
     """What token_logprobs needs of a HF causal LM: hidden_states[-1] is the final-normed state;
     position ids restarting at 0 without an attention mask mean packed rows (block-causal)."""
 
-    def __init__(self) -> None:
+    def __init__(self, layers: int = LAYERS) -> None:
         super().__init__()
         self.embed, self.pos = nn.Embedding(VOCAB, HIDDEN), nn.Embedding(MAX_POS, HIDDEN)
-        self.layers, self.norm = nn.ModuleList(Layer() for _ in range(LAYERS)), nn.RMSNorm(HIDDEN, eps=1e-5)
+        self.layers, self.norm = nn.ModuleList(Layer() for _ in range(layers)), nn.RMSNorm(HIDDEN, eps=1e-5)
         self.lm_head = nn.Linear(HIDDEN, VOCAB, bias=False)
         for p in self.parameters():
             if p.dim() == 2:
@@ -96,16 +104,18 @@ class ToyLM(nn.Module):
                 logits_to_keep=0, **_):
         t = input_ids.shape[1]
         causal = torch.ones(t, t, dtype=torch.bool, device=input_ids.device).tril()
-        if position_ids is None:
+        if attention_mask is not None and attention_mask.dim() == 4:  # a prepared (tree) mask, as HF takes one
+            mask = attention_mask
+        elif position_ids is None:
             am = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-            position_ids, mask = (am.long().cumsum(-1) - 1).clamp(min=0), causal & am.bool()[:, None, :]
+            position_ids, mask = (am.long().cumsum(-1) - 1).clamp(min=0), (causal & am.bool()[:, None, :])[:, None]
         else:
             seq = (position_ids == 0).long().cumsum(-1)
-            mask = causal & (seq[:, :, None] == seq[:, None, :])
+            mask = (causal & (seq[:, :, None] == seq[:, None, :]))[:, None]
         x = self.embed(input_ids) + self.pos(position_ids)
         hidden = [x]
         for layer in self.layers:
-            x = layer(x, mask[:, None])
+            x = layer(x, mask)
             hidden.append(x)
         hidden[-1] = x = self.norm(x)
         logits = self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
@@ -116,9 +126,9 @@ class OtherHead(nn.Linear):
     """Not exactly nn.Linear: token_logprobs takes its checkpointed-chunk path."""
 
 
-def toy_model(seed: int = 0) -> ToyLM:
+def toy_model(seed: int = 0, layers: int = LAYERS) -> ToyLM:
     torch.manual_seed(seed)
-    return ToyLM()
+    return ToyLM(layers)
 
 
 def item(out: dict, name: str, ok: bool, **nums) -> None:
@@ -282,6 +292,106 @@ def check_objective(device: torch.device) -> dict:
     return out
 
 
+def toy_config(layers: int) -> dict:
+    """The toy's shape as the HF config keys `trainer.prefix_tree.layout_cost` reads (its MLP has
+    two matrices, not three: the cost model overstates it a little, alike for every layout)."""
+    return {"hidden_size": HIDDEN, "num_hidden_layers": layers, "num_attention_heads": HEADS,
+            "intermediate_size": FFN, "vocab_size": VOCAB}
+
+
+def grouped_batch(groups: int, n: int, prompt: tuple[int, int], completion: tuple[int, int], seed: int = 3):
+    """GRPO-shaped rows: `groups` prompts of a length in `prompt`, each with `n` completions of a
+    length in `completion`; right-padded, with the completion positions and group ids."""
+    g = torch.Generator().manual_seed(seed)
+    rows, spans = [], []
+    for _ in range(groups):
+        p = torch.randint(1, VOCAB, (int(torch.randint(prompt[0], prompt[1] + 1, (1,), generator=g)),), generator=g)
+        for _ in range(n):
+            c = int(torch.randint(completion[0], completion[1] + 1, (1,), generator=g))
+            rows.append(torch.cat([p, torch.randint(1, VOCAB, (c,), generator=g)]))
+            spans.append(len(p))
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = r, 1
+    positions = mask[:, 1:].bool() & (torch.arange(width - 1)[None] >= torch.tensor(spans)[:, None] - 1)
+    return ids, mask, positions, torch.arange(len(rows)) // n
+
+
+def check_shared_prefix(device: torch.device) -> dict:
+    """trainer/prefix_tree.py on the device: a group's rows as one prefix tree give the padded
+    log-probs and gradients (fp32: values < 1e-5, gradients relative < 1e-4; bf16: figures), the
+    model passes `prefix_sharing_matches`; then the time of a forward + backward through
+    `token_logprobs` on a 30-layer toy (SmolLM2's depth and widths) in bf16, rows packed end to
+    end against shared prefixes (each layout planned on the host beforehand, its time given
+    apart), at GRPO shapes: 8 and 32 prompts of 45-60 tokens x 8 completions of 16-48
+    (math_chat), and 8 x 8 completions of 64-256."""
+    out: dict = {}
+    ids, mask, positions, groups = grouped_batch(4, 4, (100, 200), (20, 300))
+    ids, mask, positions, groups = ids.to(device), mask.to(device), positions.to(device), groups.to(device)
+    weights = torch.randn(positions.shape, generator=torch.Generator().manual_seed(4)).to(device) * positions
+    for dtype in (torch.float32, torch.bfloat16):
+        results = []
+        for share in ("off", "on"):
+            model = toy_model().to(device, dtype)
+            layout = plan_layout(ids, mask, pack=True, group_ids=groups, share=share, config=toy_config(LAYERS))
+            lp, ent = token_logprobs(model, ids, mask, 0.7, with_entropy=True, positions=positions, layout=layout)
+            ((lp * weights).sum() + 0.5 * (ent * weights).sum()).backward()
+            results.append((layout, lp.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
+        (base, lp0, g0), (tree, lp1, g1) = results
+        value = float((lp0 - lp1).abs().max())
+        grad = max(rel(g1[k], g0[k]) for k in g0)
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        ok = (value < 1e-5 and grad < 1e-4) if dtype == torch.float32 else True
+        item(out, f"shared_vs_{base.name}_{name}", ok and tree.name == "shared", max_abs_logprob=value,
+             max_rel_grad=grad, computed_tokens=tree.slots, unshared_tokens=base.slots)
+    item(out, "prefix_sharing_matches", prefix_sharing_matches(toy_model().to(device), VOCAB, device))
+    layers = 30
+    model = toy_model(layers=layers).to(device, torch.bfloat16)
+    for shape, args in {"math_chat 8x8 (45-60 + 16-48)": (8, 8, (45, 60), (16, 48)),
+                        "math_chat 32x8 (45-60 + 16-48)": (32, 8, (45, 60), (16, 48)),
+                        "long 8x8 (45-60 + 64-256)": (8, 8, (45, 60), (64, 256))}.items():
+        ids, mask, positions, groups = (t.to(device) for t in grouped_batch(*args))
+        layouts, plan_s = {}, {}
+        for share in ("off", "on"):  # planned on the host, as the learner plans each micro-batch
+            t0 = time.perf_counter()
+            layouts[share] = plan_layout(ids, mask, pack=True, group_ids=groups, share=share, config=toy_config(layers))
+            sync(device)
+            plan_s[share] = time.perf_counter() - t0
+        seconds = {}
+        for share in ("off", "on") * 4:  # interleaved; the first pair warms up
+            sync(device)
+            t0 = time.perf_counter()
+            lp, _ = token_logprobs(model, ids, mask, positions=positions, layout=layouts[share])
+            lp.sum().backward()
+            sync(device)
+            seconds.setdefault(share, []).append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+        off, on = (sorted(seconds[k][1:])[len(seconds[k][1:]) // 2] for k in ("off", "on"))
+        tokens = int(mask.sum())
+        auto = plan_layout(ids, mask, pack=True, group_ids=groups, share="auto", config=toy_config(layers)).name
+        item(out, f"speed {shape}", True, tokens=tokens, packed_s=off, shared_s=on, speedup=off / on,
+             packed_plan_s=plan_s["off"], shared_plan_s=plan_s["on"],
+             speedup_with_plan=(off + plan_s["off"]) / (on + plan_s["on"]), auto_picks=auto)
+    return out
+
+
+def check_peak(device: torch.device) -> dict:
+    """The matmul peak the planner measures in process (rl.plan.flops.measure_matmul_tflops)
+    beside the card's datasheet figure, bf16 and fp32 (TF32 off)."""
+    out: dict = {}
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    for dtype in (torch.bfloat16, torch.float32):
+        t0 = time.perf_counter()
+        measured = max(measure_matmul_tflops(dtype, device, seconds=0.3) for _ in range(3))
+        sheet = datasheet_tflops(name, dtype) if name else None
+        item(out, f"peak {str(dtype).removeprefix('torch.')}", True, measured_tflops=measured,
+             datasheet_tflops=sheet or 0.0, ratio=measured / sheet if sheet else 0.0,
+             probe_s=time.perf_counter() - t0)
+    return out
+
+
 def _wire_process(rank: int, port: int, device: str, reps: int, threads: int, results) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback (the box may have no network)
@@ -344,7 +454,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
-    ap.add_argument("--only", default="", help="comma-separated checks: logprobs,objective,weight_wire")
+    ap.add_argument("--only", default="", help="comma-separated checks: logprobs,objective,shared_prefix,peak,"
+                                               "weight_wire")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -354,7 +465,8 @@ def main() -> int:
               "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
               "cpu_threads": torch.get_num_threads(), "checks": {}}
     print(f"gpu_check on {device} ({report['gpu'] or 'cpu'}), torch {torch.__version__}", flush=True)
-    checks = {"logprobs": check_logprobs, "objective": check_objective,
+    checks = {"logprobs": check_logprobs, "objective": check_objective, "shared_prefix": check_shared_prefix,
+              "peak": check_peak,
               "weight_wire": lambda d: check_weight_wire(d, threads=max(1, min(4, torch.get_num_threads())))}
     for name, fn in checks.items():
         if args.only and name not in args.only.split(","):

@@ -37,24 +37,6 @@ def machine_info() -> dict[str, Any]:
             "versions": versions, "git_commit": commit, "git_dirty": dirty}
 
 
-def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
-    """Host memory bandwidth as this process sees it (its torch threads): the best of `repeats`
-    copies of a `mib` MiB tensor, bytes read + written per second, in GB/s. What bounds decoding:
-    every token step reads all the weights once."""
-    import time
-
-    import torch
-
-    src = torch.ones(mib * 2**20 // 4)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - started)
-    return 2 * src.numel() * 4 / best / 1e9
-
-
 def gpu_info() -> dict[str, Any] | None:
     """The CUDA devices this process sees, or None where torch has no CUDA (a CPU build, no GPU)."""
     import torch

@@ -34,7 +34,7 @@ room for the other; same engine arguments on both sides as on CPU.
 
 `--shape smollm2`: the real SmolLM2-135M-Instruct (`bench.models.REAL_MODELS`). Each row also gives
 the memory-bandwidth bound of decoding (the weights' bytes x the batch's token steps / the
-bandwidth measured in this process, `machine.memory_bandwidth_gbs`) and the share of it reached.
+bandwidth measured in this process, `rl.plan.flops.memory_bandwidth_gbs`) and the share of it reached.
 
 `--quick`: the 8x4 batch only, 3 timed repeats (about 1-2 minutes on 2 cores, half of it start-up).
 """
@@ -53,7 +53,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.machine import add_device_arg, machine_info, memory_bandwidth_gbs, resolve_device, write_result
+from bench.machine import add_device_arg, machine_info, resolve_device, write_result
+from rl.plan.flops import memory_bandwidth_gbs
 
 NEW_TOKENS = 128
 SAMPLES_PER_PROMPT = 4

@@ -21,6 +21,7 @@ from launch.cli import INPUT_ERRORS, fail
 from launch.model_files import require_model
 from rl.config.schema import ConfigError
 from rl.plan.memory_plan import GIB, ModelShape, Plan, Settings, find_fix, make_plan, refusal
+from rl.plan.step_time import Host, Lengths, predict_step
 
 
 def host_memory_bytes() -> float:
@@ -53,13 +54,114 @@ def capacities(cfg: Any, s: Settings) -> tuple[float, float]:
     return host, gpu
 
 
+def gpu_name() -> str:
+    """The first GPU's name by nvidia-smi (no torch import), "" when there is none."""
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=10).stdout.splitlines()
+        return out[0].strip() if out else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
+    """The speeds the step prediction uses: GPU roles, the card's datasheet peak and bandwidth
+    (`cluster.peak_tflops` overrides the peak); CPU roles, measured in this process (a ~0.5 s
+    probe of matmuls in the run's dtype and of memory copies). Also says why there is none."""
+    from rl.plan.flops import DATASHEET_GBPS, datasheet_card, memory_bandwidth_gbs
+
+    if s.on_gpu:
+        name = gpu_name()
+        card = datasheet_card(name) if name else None
+        if card is None:
+            return None, (f"no step prediction: the GPU ({name or 'not on this machine'}) is not in the datasheet "
+                          "table (rl/plan/flops.py)")
+        from rl.plan.flops import DATASHEET_TFLOPS
+
+        bf16, _, fp32 = DATASHEET_TFLOPS[card]
+        peak = s.peak_tflops or (bf16 if s.dtype == "bfloat16" else fp32)
+        return Host(peak, DATASHEET_GBPS[card], f"{card} datasheet"
+                    + (", cluster.peak_tflops" if s.peak_tflops else "")), ""
+    import torch
+
+    from rl.plan.flops import measure_matmul_tflops
+
+    peak = s.peak_tflops or measure_matmul_tflops(getattr(torch, s.dtype), seconds=0.3)
+    where = "on this machine, not the cluster's nodes, " if cfg.cluster.address else ""
+    return Host(peak, memory_bandwidth_gbs(repeats=3), f"measured {where}in this process"
+                + (" (peak: cluster.peak_tflops)" if s.peak_tflops else "")), ""
+
+
+def last_run_lengths(run_dir: str) -> Lengths | None:
+    """The lengths a run in `run_dir` logged (metrics.jsonl, medians over its steps), if any."""
+    import json
+    import statistics
+
+    path = os.path.join(run_dir, "metrics.jsonl")
+    rows = []
+    try:
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                if "rollout/prompt_len_tokens" in row:
+                    rows.append(row)
+    except (OSError, ValueError):
+        return None
+    if not rows:
+        return None
+    med = lambda k: float(statistics.median(r[k] for r in rows))  # noqa: E731
+    return Lengths(med("rollout/prompt_len_tokens"), med("rollout/completion_len_tokens"),
+                   med("rollout/completion_len_max_tokens"), f"the {len(rows)} steps logged in {path}")
+
+
+def prompt_tokens_mean(cfg: Any, rows: int = 256) -> float | None:
+    """The mean length in tokens of the first `rows` prompts of task.train_files, as the run
+    renders them (chat template), or None when they cannot be read here."""
+    try:
+        from transformers import AutoTokenizer
+
+        from rl.data.dataset import PromptDataset
+
+        budget = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
+        data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, AutoTokenizer.from_pretrained(cfg.model.path),
+                             cfg.run.seed, budget, chat_template=cfg.task.chat_template)
+        ids = data.encode(data.table[:rows][cfg.task.prompt_key])
+        return sum(map(len, ids)) / max(len(ids), 1)
+    except Exception:  # noqa: BLE001 - a prediction is a hint; load_inputs reports bad data properly
+        return None
+
+
+def run_lengths(cfg: Any, s: Settings) -> Lengths:
+    """The last run's lengths (run.dir), else the data's prompts and a prior on completions:
+    half of rollout.max_new_tokens per model turn on average, the longest at the cap."""
+    last = last_run_lengths(cfg.run.dir)
+    if last is not None:
+        return last
+    cap = float(s.max_new_tokens * s.max_turns)
+    prompt = prompt_tokens_mean(cfg)
+    source = "completions: half of rollout.max_new_tokens on average, the longest at it (no earlier run in run.dir)"
+    if prompt is None:
+        return Lengths((s.max_model_len - cap) / 2, cap / 2, cap, "prompts: half their budget (data not read); " + source)
+    return Lengths(prompt, cap / 2, cap, "prompts: task.train_files; " + source)
+
+
 def plan_run(cfg: Any) -> tuple[Plan, tuple[list[str], Plan] | None]:
-    """The plan of a validated config whose model folder exists, and a fix when it does not fit."""
-    shape = ModelShape.from_config(require_model(cfg.model.path))
+    """The plan of a validated config whose model folder exists, and a fix when it does not fit;
+    a run that fits gets its step time predicted (`rl.plan.step_time.predict_step`)."""
+    config = require_model(cfg.model.path)
+    shape = ModelShape.from_config(config)
     s = Settings.from_config(cfg)
     host, gpu = capacities(cfg, s)
     plan = make_plan(shape, s, host, gpu)
-    return plan, (None if plan.fits else find_fix(shape, s, host, gpu))
+    if not plan.fits:
+        return plan, find_fix(shape, s, host, gpu)
+    speeds, plan.step_note = host_speeds(cfg, s)
+    if speeds is not None:
+        plan.host, plan.lengths = speeds, run_lengths(cfg, s)
+        plan.step = predict_step(shape.flops_config(), shape.params() * s.dtype_bytes, s, plan.lengths, speeds)
+    return plan, None
 
 
 def _g(x: float) -> str:
@@ -103,12 +205,8 @@ def render(plan: Plan, fix: tuple[list[str], Plan] | None = None, width: int = 1
         console.print(f"{c.what}: needs {_g(c.need)} of {have}: {mark}")
     for problem in plan.problems:
         console.print(f"problem: {problem}")
-    if plan.step_s is not None:
-        cost = f", ${plan.step_usd:.4f} per step" if plan.step_usd is not None else ""
-        console.print(f"Step time: ~{plan.step_s:,.1f} s with every sequence {plan.seq_len} tokens, at "
-                      f"{plan.peak_tflops:g} TFLOP/s peak ({plan.peak_source}){cost}")
-    else:
-        console.print(f"Step time: {plan.peak_source}")
+    for line in step_lines(plan):
+        console.print(line)
     if plan.fits:
         console.print("Verdict: fits.")
     else:
@@ -117,12 +215,33 @@ def render(plan: Plan, fix: tuple[list[str], Plan] | None = None, width: int = 1
     return out.getvalue()
 
 
+def step_lines(plan: Plan) -> list[str]:
+    """The predicted step and run: phases, the lengths and speeds behind them, device-hours and
+    (with cluster.price_per_device_hour) money."""
+    if plan.step is None:
+        return [f"Step time: {plan.step_note or 'not predicted'}"]
+    t, n, h, s = plan.step, plan.lengths, plan.host, plan.settings
+    lines = [f"Step time: ~{t.step_s:,.1f} s (rollout {t.rollout_s:,.1f}, learner {t.learner_s:,.1f}, sync "
+             f"{t.sync_s:,.1f}, other {t.other_s:,.1f}{', rollout and learner overlapped' if s.off_policy_steps else ''})",
+             f"  for prompts of {n.prompt:,.0f} tokens and completions of {n.completion:,.0f} on average, the longest "
+             f"{n.longest:,.0f} ({n.source})",
+             f"  at {h.peak_tflops:,.3g} TFLOP/s ({s.dtype} matmuls) and {h.memory_gbps:,.0f} GB/s ({h.source})"]
+    hours = plan.device_hours()
+    money = f", ${hours * s.price_per_device_hour:,.2f} at cluster.price_per_device_hour=" \
+        f"{s.price_per_device_hour:g}" if s.price_per_device_hour else " (set cluster.price_per_device_hour for money)"
+    unit = "GPU" if s.on_gpu else "machine"
+    lines.append(f"Run: {s.steps} steps ~{t.step_s * s.steps / 3600:,.2f} h on {plan.devices} {unit}(s): "
+                 f"{hours:,.3g} {unit}-hours{money}")
+    return lines
+
+
 def summary_line(plan: Plan) -> str:
     """One line for launch.train's log when the run fits."""
     parts = [f"{r.name} {_g(r.per_process + r.host_per_process)} GiB" + (f" x{r.count}" if r.count > 1 else "")
              for r in plan.roles]
     budget = "; ".join(f"{c.what} {_g(c.need)}/{_g(c.capacity) if c.capacity else '?'} GiB" for c in plan.checks)
-    step = f"; step ~{plan.step_s:,.1f} s" if plan.step_s is not None else ""
+    step = f"; step ~{plan.step.step_s:,.1f} s, {plan.device_hours():,.3g} device-hours for run.steps" \
+        if plan.step is not None else ""
     return f"Plan: {', '.join(parts)} ({budget}){step} (python -m launch.plan for the table)"
 
 

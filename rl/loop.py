@@ -320,6 +320,9 @@ def _step(cfg: TrainConfig, pad_id: int, learner: Learner, weights: Weights, log
         **train_metrics,
         "rollout/tokens_per_s": gen_tokens / max(collect_metrics["time/rollout_s"], 1e-9),
         "rollout/completion_len_tokens": gen_tokens / len(samples),
+        # the planner's lengths for the next run (rl/plan/step_time.py): prompts, and the decode steps
+        "rollout/prompt_len_tokens": statistics.fmean(len(s.prompt_ids) for s in samples),
+        "rollout/completion_len_max_tokens": float(max(len(s.completion_ids) for s in samples)),
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "sync/weights_mb": sent / 2**20,
         "time/wait_rollout_s": (t_rew - t0) + (t_hold - t_train),  # the learner idle, waiting for rollouts

@@ -55,10 +55,30 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu"
     done, started = 0, time.perf_counter()
     while time.perf_counter() - started < seconds:
         a @ b
+        sync()  # else a GPU queues far more than `seconds` of matmuls before the clock is read
         done += 1
-    sync()
     return 2.0 * size**3 * done / (time.perf_counter() - started) / 1e12
 
+
+def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
+    """Host memory bandwidth as this process sees it (its torch threads): the best of `repeats`
+    copies of a `mib` MiB tensor, bytes read + written per second, in GB/s. What bounds decoding:
+    every token step reads all the weights once."""
+    import torch
+
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+# Memory bandwidth from NVIDIA's datasheets, GB/s per GPU (A100: the 80 GB SXM figure).
+DATASHEET_GBPS: dict[str, float] = {"H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0, "A100": 2039.0,
+                                    "L40S": 864.0, "L4": 300.0, "RTX 4090": 1008.0}
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s at boost clock, per
 # GPU: (bf16, tf32, fp32 without tensor cores). fp32 matmuls run at the tf32 figure only where torch

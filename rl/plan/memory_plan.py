@@ -30,11 +30,11 @@ Sequences are taken max_model_len long (the worst case: prompts are not tokenize
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from rl.plan.geometry import BatchGeometry
+from rl.plan.step_time import Host, Lengths, StepTime
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -60,17 +60,6 @@ LOGPROB_CHUNK_TOKENS = 1024
 # While one chunk is recomputed in backward: its fp32 logits (temperature-scaled) and their
 # gradient, logsumexp's temporary, plus the lm_head's output (or its gradient) in the model dtype.
 LOGIT_FP32_COPIES = 3
-
-# Efficiency assumed for the step-time estimate, as a fraction of the matmul peak, measured here on
-# a 56.7M-parameter fp32 Llama (tests/test_plan.py's model, 32 sequences per step): the learner's
-# logged perf/mfu was 13-16% (its scoring pass counted at the same rate), generation (vLLM-CPU)
-# reached ~25% (decoding is memory-bound: a 2.9M model gets ~9%).
-LEARNER_MFU = 0.15
-ROLLOUT_MFU = 0.25
-# Matmul peaks of this machine kind (2 AMD EPYC cores) for CPU roles when cluster.peak_tflops is 0:
-# bench/README.md (`bench.learner`, measured in the process: fp32 0.319, bf16 0.162 TFLOP/s; oneDNN
-# runs bf16 matmuls at half the fp32 rate here; a host with AMX runs them ~10x faster).
-CPU_PEAK_TFLOPS = {"float32": 0.32, "bfloat16": 0.16}
 
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size
@@ -184,6 +173,7 @@ class Settings:
     zero_stage: int = 2
     micro_batch_size: int = 64  # trainer.micro_batch_size: the most sequences per forward(-backward) on a rank
     max_tokens_per_micro_batch: int = 0
+    shared_prefix: bool = False  # trainer.shared_prefix not off: a group's rows may be one tree
     offload_optimizer: bool = False
     ref_offload: bool = False
     kl_coef: float = 0.001
@@ -212,6 +202,7 @@ class Settings:
     gpu_memory_gib: float = 0.0  # per device; 0 = unknown
     peak_tflops: float = 0.0
     price_per_device_hour: float = 0.0
+    steps: int = 0  # run.steps
 
     OVERRIDES = {
         "dtype": "model.dtype", "gradient_checkpointing": "model.gradient_checkpointing",
@@ -231,7 +222,8 @@ class Settings:
             dtype=m.dtype, gradient_checkpointing=bool(m.gradient_checkpointing),
             lora_rank=int(m.lora.rank), lora_targets=tuple(m.lora.target_modules),
             learners=t.num_workers, zero_stage=t.zero_stage, micro_batch_size=t.micro_batch_size,
-            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, offload_optimizer=bool(t.offload_optimizer),
+            max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, shared_prefix=t.shared_prefix != "off",
+            offload_optimizer=bool(t.offload_optimizer),
             ref_offload=bool(t.ref_offload), kl_coef=float(a.kl_coef), critic=bool(a.critic),
             entropy=a.entropy_coef > 0 or fused_old, mini_batches=a.mini_batches, ppo_epochs=a.ppo_epochs,
             recompute_old_logprobs=not fused_old, off_policy_steps=a.off_policy_steps, backend=r.backend,
@@ -243,7 +235,8 @@ class Settings:
             reward_workers=cfg.reward.num_workers if cfg.reward.functions else 0,
             gpus_per_learner=float(c.gpus_per_learner), gpus_per_rollout_worker=float(c.gpus_per_rollout_worker),
             hybrid=c.placement_mode == "hybrid", memory_gib=float(c.memory_gib), gpu_memory_gib=float(c.gpu_memory_gib),
-            peak_tflops=float(c.peak_tflops), price_per_device_hour=float(c.price_per_device_hour))
+            peak_tflops=float(c.peak_tflops), price_per_device_hour=float(c.price_per_device_hour),
+            steps=int(cfg.run.steps))
 
     @property
     def dtype_bytes(self) -> int:
@@ -320,11 +313,25 @@ class Plan:
     checks: list[Check]
     seq_len: int
     micro_batch_rows: int
-    step_s: float | None = None
-    step_usd: float | None = None
-    peak_tflops: float | None = None
-    peak_source: str = ""
+    step: StepTime | None = None  # predicted by launch/plan.py from this host's speeds and the run's lengths
+    lengths: Lengths | None = None
+    host: Host | None = None
+    step_note: str = ""  # why there is no prediction
     problems: list[str] = field(default_factory=list)  # not about capacity: e.g. vLLM cannot start
+
+    @property
+    def devices(self) -> int:
+        """Devices a run holds for the price of its time: GPUs (a hybrid run's roles share them),
+        or one machine for CPU roles."""
+        s = self.settings
+        if not s.on_gpu:
+            return 1
+        rollout = s.rollout_workers * s.tensor_parallel_size
+        return max(s.learners, rollout) if s.hybrid else s.learners + rollout
+
+    def device_hours(self) -> float | None:
+        """The whole run's device-hours (`run.steps` predicted steps), None without a prediction."""
+        return None if self.step is None else self.step.step_s * self.settings.steps * self.devices / 3600.0
 
     @property
     def fits(self) -> bool:
@@ -383,7 +390,12 @@ def learner_role(shape: ModelShape, s: Settings) -> Role:
     notes = []
     rows, seq = s.micro_batch_rows(), s.max_model_len
     tokens = rows * seq
-    layer = shape.activation_elements(tokens, seq) * w
+    # a shared-prefix tree (trainer/prefix_tree.py) is one row of up to a group's tokens, its
+    # mask that long per token (the tree never holds more tokens than the rows it replaces)
+    mask_len = min(rows, s.n) * seq if s.shared_prefix else seq
+    layer = shape.activation_elements(tokens, mask_len) * w
+    if s.shared_prefix:
+        device["shared-prefix masks (bool + additive)"] = tokens * mask_len * (1 + w)
     final_norm = 3 * shape.hidden * tokens * w
     if s.gradient_checkpointing:  # each layer's input kept, one layer's activations while it recomputes
         act = tokens * shape.hidden * shape.layers * w + layer + final_norm
@@ -477,39 +489,6 @@ def rollout_role(shape: ModelShape, s: Settings, device_bytes: float = 0.0) -> t
     return Role("rollout", s.rollout_workers * tp, "gpu" if on_gpu else "cpu", parts, host, notes, cache), problems
 
 
-def step_estimate(shape: ModelShape, s: Settings) -> tuple[float, float, str]:
-    """(seconds, peak TFLOP/s per device, where the peak comes from) of one step with every
-    sequence max_model_len long (the upper bound), at LEARNER_MFU / ROLLOUT_MFU of the peak."""
-    from rl.plan.flops import forward_flops_per_token, train_flops
-
-    config = shape.flops_config()
-    if s.peak_tflops > 0:
-        peak, source = s.peak_tflops, "cluster.peak_tflops"
-    elif not s.on_gpu:
-        peak, source = CPU_PEAK_TFLOPS[s.dtype], f"this machine kind's measured {s.dtype} peak"
-    else:
-        return math.nan, 0.0, "unknown: set cluster.peak_tflops"
-    seq, samples = s.max_model_len, s.samples_per_step
-    generate = forward_flops_per_token(config, seq) * seq * samples  # prompt + completion, once each
-    trained = train_flops(config, [seq] * samples) * s.ppo_epochs
-    scoring = 0.0
-    per_forward = forward_flops_per_token(config, seq) * seq * samples
-    if s.kl_coef > 0:
-        scoring += per_forward
-    if s.recompute_old_logprobs:
-        scoring += per_forward
-    if s.critic:
-        scoring += per_forward  # values
-        trained += train_flops(config, [seq] * samples) * s.ppo_epochs
-    if s.gradient_checkpointing:
-        trained += trained / 3  # the forward again in backward
-    flops_per_s = peak * 1e12
-    rollout_s = generate / (flops_per_s * ROLLOUT_MFU * s.rollout_workers)
-    learner_s = (trained + scoring) / (flops_per_s * LEARNER_MFU * s.learners)
-    seconds = max(rollout_s, learner_s) if s.off_policy_steps > 0 else rollout_s + learner_s
-    return seconds, peak, source
-
-
 def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
 
@@ -549,12 +528,6 @@ def make_plan(shape: ModelShape, s: Settings, host_bytes: float, gpu_bytes: floa
         checks.append(Check("host RAM, every role colocated", sum(r.per_process * r.count for r in roles), host_bytes))
     trainable = shape.lora_params(s.lora_rank, s.lora_targets) if s.lora_rank > 0 else shape.params()
     plan = Plan(s, shape.params(), trainable, roles, checks, s.max_model_len, s.micro_batch_rows(), problems=problems)
-    seconds, peak, source = step_estimate(shape, s)
-    if not math.isnan(seconds):
-        plan.step_s, plan.peak_tflops = seconds, peak
-        devices = s.learners + s.rollout_workers * s.tensor_parallel_size
-        plan.step_usd = seconds / 3600.0 * devices * s.price_per_device_hour if s.price_per_device_hour else None
-    plan.peak_source = source
     return plan
 
 

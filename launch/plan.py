@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import statistics
 import shutil
 import subprocess
 import sys
@@ -88,7 +89,10 @@ def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
 
     from rl.plan.flops import measure_matmul_tflops
 
-    peak = s.peak_tflops or measure_matmul_tflops(getattr(torch, s.dtype), seconds=0.3)
+    # the median of five short probes of 1024-square matmuls: on a shared host (oneDNN bf16 most of
+    # all) the speed varies by second and by size, and this size varies least (bench/README.md)
+    peak = s.peak_tflops or statistics.median(
+        measure_matmul_tflops(getattr(torch, s.dtype), size=1024, seconds=0.1) for _ in range(5))
     where = "on this machine, not the cluster's nodes, " if cfg.cluster.address else ""
     return Host(peak, memory_bandwidth_gbs(repeats=3), f"measured {where}in this process"
                 + (" (peak: cluster.peak_tflops)" if s.peak_tflops else "")), ""
@@ -160,7 +164,8 @@ def plan_run(cfg: Any) -> tuple[Plan, tuple[list[str], Plan] | None]:
     speeds, plan.step_note = host_speeds(cfg, s)
     if speeds is not None:
         plan.host, plan.lengths = speeds, run_lengths(cfg, s)
-        plan.step = predict_step(shape.flops_config(), shape.params() * s.dtype_bytes, s, plan.lengths, speeds)
+        plan.step = predict_step(shape.flops_config(), shape.params() * s.dtype_bytes, s, plan.lengths, speeds,
+                                 trainable=plan.trainable)
     return plan, None
 
 
@@ -245,16 +250,33 @@ def summary_line(plan: Plan) -> str:
     return f"Plan: {', '.join(parts)} ({budget}){step} (python -m launch.plan for the table)"
 
 
+def resolve_enforce_eager(cfg: Any, plan: Plan | None) -> str | None:
+    """`rollout.enforce_eager=auto` made true or false by the run's predicted generation time
+    (`rl.plan.engine_mode.choose_eager`); returns the line saying which and why (None: not auto)."""
+    from rl.plan.engine_mode import choose_eager
+
+    if cfg.rollout.enforce_eager != "auto":
+        return None
+    rollout_s = plan.step.rollout_s if plan is not None and plan.step is not None else None
+    eager, why = choose_eager(rollout_s, int(cfg.run.steps), Settings.from_config(cfg).on_gpu)
+    cfg.rollout.enforce_eager = eager
+    return f"rollout.enforce_eager=auto -> {str(eager).lower()}: {why}"
+
+
 def preflight(cfg: Any) -> Plan | None:
     """launch.train's check before Ray starts: print the table and raise a ConfigError naming the
-    numbers and the fix when the run cannot fit (nothing when `cluster.preflight=false`)."""
-    if not cfg.cluster.preflight:
-        return None
-    plan, fix = plan_run(cfg)
-    if not plan.fits:
-        print(render(plan, fix), flush=True)
-        raise ConfigError(refusal(plan, fix))
-    print(summary_line(plan), flush=True)
+    numbers and the fix when the run cannot fit (no plan when `cluster.preflight=false`); then
+    `rollout.enforce_eager=auto` is decided from the plan's step prediction."""
+    plan = None
+    if cfg.cluster.preflight:
+        plan, fix = plan_run(cfg)
+        if not plan.fits:
+            print(render(plan, fix), flush=True)
+            raise ConfigError(refusal(plan, fix))
+        print(summary_line(plan), flush=True)
+    note = resolve_enforce_eager(cfg, plan)
+    if note:
+        print(note, flush=True)
     return plan
 
 
@@ -280,6 +302,9 @@ def main(argv: list[str] | None = None) -> None:
     print(render(plan, fix), flush=True)
     if not plan.fits:
         fail(ConfigError(refusal(plan, fix)))
+    note = resolve_enforce_eager(cfg, plan)
+    if note:
+        print(note, flush=True)
 
 
 if __name__ == "__main__":

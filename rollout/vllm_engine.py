@@ -27,7 +27,7 @@ def vllm_env(kv_cache_gib: int, threads: int, eager: bool = True) -> dict[str, s
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # fastest measured on small shared CPU boxes
         "TOKENIZERS_PARALLELISM": "false",
     }
-    if eager:
+    if eager is not False:  # "auto" not decided by launch (a config built by hand): eager
         env["TORCHDYNAMO_DISABLE"] = "1"
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -53,7 +53,7 @@ def engine_kwargs(spec: RolloutSpec, seed: int) -> dict[str, Any]:
         dtype=spec.model.dtype,
         max_model_len=r.max_model_len,
         seed=seed,
-        enforce_eager=r.enforce_eager,
+        enforce_eager=r.enforce_eager is not False,  # "auto" is decided by launch; undecided: eager
         gpu_memory_utilization=r.gpu_memory_utilization,
         # Log-probs after temperature, i.e. of the distribution the tokens were drawn from;
         # the learner divides its logits by the same temperature.

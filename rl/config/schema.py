@@ -116,7 +116,9 @@ class RolloutConfig:
     top_p: float = 1.0
     max_new_tokens: int = 8
     max_model_len: int = 128
-    enforce_eager: bool = True
+    # true: no torch.compile / CUDA graphs (fast start); false: compiled (faster decoding, slow
+    # start); auto: launch picks by the run's predicted generation time (rl/plan/engine_mode.py)
+    enforce_eager: Any = True
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: int = 1  # CPU KV cache size (VLLM_CPU_KVCACHE_SPACE)
     sleep_between_steps: bool = False  # free rollout memory while the learner trains (GPU colocate)
@@ -324,6 +326,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "sandbox.backend": ("process", "docker", "unsafe_local"),
     "cluster.placement": ("pack", "spread", "strict_pack", "strict_spread"),
     "trainer.shared_prefix": ("auto", "on", "off"),
+    "rollout.enforce_eager": (True, False, "auto"),
     "cluster.placement_mode": ("disaggregated", "hybrid"),
 }
 

@@ -165,3 +165,19 @@ def test_groups_stay_together_in_the_order_and_the_token_budget():
     assert plan_micro_batches([9, 1, 8, 1], 4, 20, [0, 1, 0, 1]) == [[0, 2], [1, 3]]
     assert plan_micro_batches([9, 1, 8, 1], 4, 20) == [[0, 2], [1, 3]]
     assert plan_micro_batches([9, 9, 9], 4, 20, [0, 0, 0]) == [[0, 1], [2]]  # a group too big: cut by rows
+
+
+def test_a_tree_too_long_or_not_worth_it_is_decided_before_any_mask(monkeypatch):
+    """`auto` compares costs from the trie's sizes alone, and no layout makes a bin longer than
+    `MAX_TREE_SLOTS` (its masks grow with its length squared): such rows stay packed, even `on`."""
+    import trainer.prefix_tree as prefix_tree
+
+    ids, am, groups = _group_batch()
+    made = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(prefix_tree.torch, "zeros", lambda *a, **k: made.append(a) or real_zeros(*a, **k))
+    assert prefix_tree.build_forest(ids, am, groups, keep=lambda bins, length, nodes: False) is None
+    assert made == []  # refused from the sizes: no tensor was made
+    assert prefix_tree.build_forest(ids, am, groups) is not None
+    monkeypatch.setattr(prefix_tree, "MAX_TREE_SLOTS", 8)
+    assert plan_layout(ids, am, pack=True, group_ids=groups, share="on", config=CONFIG).name == "packed"

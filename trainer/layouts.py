@@ -79,8 +79,9 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: boo
     `share` ("auto", "on", "off", `trainer.shared_prefix`) with the rows' `group_ids`: each
     group's rows as a prefix tree (bins sized by `layout_cost` of the model's `config`); "auto"
     keeps the trees only where they share something and (given the config) cost less than the
-    other layout. Rows longer than a sliding window, and
-    rows that are not right-padded, are never shared (a tree's mask is a full-attention one)."""
+    other layout (decided before a mask is made). Rows longer than a sliding window, rows that are
+    not right-padded and trees longer than `MAX_TREE_SLOTS` are never shared (a tree's mask is a
+    full-attention one, dense over its bin)."""
     base = padded(input_ids, attention_mask)
     packed = pack_rows(input_ids, attention_mask) if pack else None
     if packed is not None:
@@ -95,13 +96,12 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: boo
     if window is not None and int(attention_mask.sum(dim=1).max()) > window:
         return base
     cost = partial(layout_cost, config) if config else None
-    forest = build_forest(input_ids, attention_mask, group_ids, cost)
+
+    def cheaper(bins: int, length: int, nodes: int) -> bool:  # auto: something shared, at less cost
+        return nodes < base.tokens and (cost is None or cost(bins, length) < cost(*base.input_ids.shape))
+
+    forest = build_forest(input_ids, attention_mask, group_ids, cost, keep=cheaper if share == "auto" else None)
     if forest is None:
         return base
-    if share == "auto":
-        if forest.nodes == forest.tokens:
-            return base
-        if cost is not None and cost(*forest.input_ids.shape) >= cost(*base.input_ids.shape):
-            return base
     return Layout("shared", forest.input_ids, forest.node, position_ids=forest.position_ids, visible=forest.visible,
                   tokens=forest.tokens, slots=forest.input_ids.numel())

@@ -92,12 +92,20 @@ def _first_fit(sizes: list[int], capacity: int) -> tuple[int, list[list[int]]]:
     return capacity, bins
 
 
+# The longest bin a tree layout makes: its masks hold bins x length^2 elements (a bool one and an
+# additive one in the model's dtype: 8192 slots are 200 MB in bf16), so longer trees stay rows.
+MAX_TREE_SLOTS = 8192
+
+
 def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, group_ids: torch.Tensor,
-                 cost: Callable[[int, int], float] | None = None) -> PrefixForest | None:
+                 cost: Callable[[int, int], float] | None = None,
+                 keep: Callable[[int, int, int], bool] | None = None) -> PrefixForest | None:
     """The rows of each group (`group_ids`) as a prefix tree, trees packed into bins of the
     largest tree's size, or (`cost(bins, length)`, e.g. `layout_cost`'s) of the multiple of it
-    that costs least, trimmed to its fullest bin; None when the rows are not right-padded.
-    Planned on the host from the token lists; the tensors are made on the batch's device."""
+    that costs least, trimmed to its fullest bin. None when the rows are not right-padded, when a
+    bin would pass `MAX_TREE_SLOTS`, or when `keep(bins, length, nodes)` says no: both decided
+    from the trie's sizes, before any mask exists. Planned on the host from the token lists; the
+    tensors are made on the batch's device."""
     lengths = _right_padded_lengths(attention_mask)
     if lengths is None:
         return None
@@ -118,6 +126,8 @@ def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, group_id
             fullest = max(sum(sizes[t] for t in b) for b in packed)
             if cost(len(packed), fullest) < cost(len(bins), capacity):
                 capacity, bins = fullest, packed
+    if capacity > MAX_TREE_SLOTS or (keep is not None and not keep(len(bins), capacity, sum(sizes))):
+        return None
     ids = torch.zeros((len(bins), capacity), dtype=input_ids.dtype)
     pos = torch.zeros((len(bins), capacity), dtype=torch.long)
     visible = torch.zeros((len(bins), capacity, capacity), dtype=torch.bool)

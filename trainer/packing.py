@@ -41,21 +41,19 @@ class PackedRows:
         return out.view(rows, self.width)
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows | None:
-    """First-fit-decreasing packing of right-padded rows into bins of the longest row's length;
-    None when it would not save a bin (or the rows are not right-padded: a mask that is not a
-    prefix of ones is left to the padded layout). The layout is planned on the host from the row
-    lengths (one transfer), then the tokens are gathered on the batch's device in one op."""
-    width = input_ids.shape[1]
+def right_padded_lengths(attention_mask: torch.Tensor) -> list[int] | None:
+    """Each row's length, or None when a row's mask is not a prefix of ones (not right-padded)."""
     lengths = attention_mask.sum(dim=1)
-    prefix = torch.arange(width, device=attention_mask.device)[None, :] < lengths[:, None]
-    if not torch.equal(prefix, attention_mask.bool()):
-        return None
-    sizes = lengths.tolist()
-    capacity = max(sizes, default=0)
+    prefix = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None, :] < lengths[:, None]
+    return lengths.tolist() if torch.equal(prefix, attention_mask.bool()) else None
+
+
+def first_fit(sizes: list[int], capacity: int) -> list[list[int]]:
+    """First fit decreasing: the indices of `sizes` in bins of `capacity`, largest first, each
+    into the first bin with room (a size past the capacity gets a bin of its own)."""
     bins: list[list[int]] = []
     room: list[int] = []
-    for i in sorted((i for i, n in enumerate(sizes) if n > 0), key=lambda i: -sizes[i]):
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
         slot = next((b for b, free in enumerate(room) if free >= sizes[i]), None)
         if slot is None:
             bins.append([i])
@@ -63,7 +61,22 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRo
         else:
             bins[slot].append(i)
             room[slot] -= sizes[i]
-    if len(bins) >= sum(n > 0 for n in sizes):
+    return bins
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows | None:
+    """First-fit-decreasing packing of right-padded rows into bins of the longest row's length;
+    None when it would not save a bin (or the rows are not right-padded: a mask that is not a
+    prefix of ones is left to the padded layout). The layout is planned on the host from the row
+    lengths (one transfer), then the tokens are gathered on the batch's device in one op."""
+    width = input_ids.shape[1]
+    sizes = right_padded_lengths(attention_mask)
+    if sizes is None:
+        return None
+    capacity = max(sizes, default=0)
+    real = [i for i, n in enumerate(sizes) if n > 0]
+    bins = [[real[k] for k in b] for b in first_fit([sizes[i] for i in real], capacity)]
+    if len(bins) >= len(real):
         return None
     source = torch.full((len(bins), capacity), -1, dtype=torch.long)
     pos = torch.zeros((len(bins), capacity), dtype=torch.long)

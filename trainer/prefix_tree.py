@@ -22,6 +22,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from trainer.packing import first_fit, right_padded_lengths
+
 
 @dataclass(frozen=True)
 class PrefixForest:
@@ -39,12 +41,6 @@ class PrefixForest:
     @property
     def capacity(self) -> int:
         return int(self.input_ids.shape[1])
-
-
-def _right_padded_lengths(attention_mask: torch.Tensor) -> list[int] | None:
-    lengths = attention_mask.sum(dim=1)
-    prefix = torch.arange(attention_mask.shape[1], device=attention_mask.device)[None, :] < lengths[:, None]
-    return lengths.tolist() if torch.equal(prefix, attention_mask.bool()) else None
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
@@ -77,21 +73,6 @@ def _group_tree(seqs: dict[int, list[int]]) -> tuple[list[int], list[int], dict[
     return tokens, depth, paths, shared
 
 
-def _first_fit(sizes: list[int], capacity: int) -> tuple[int, list[list[int]]]:
-    """Trees (by size) into bins of `capacity`, largest first, each into the first with room."""
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for t in sorted(range(len(sizes)), key=lambda t: -sizes[t]):
-        slot = next((b for b, free in enumerate(room) if free >= sizes[t]), None)
-        if slot is None:
-            bins.append([t])
-            room.append(capacity - sizes[t])
-        else:
-            bins[slot].append(t)
-            room[slot] -= sizes[t]
-    return capacity, bins
-
-
 # The longest bin a tree layout makes: its masks hold bins x length^2 elements (a bool one and an
 # additive one in the model's dtype: 8192 slots are 200 MB in bf16), so longer trees stay rows.
 MAX_TREE_SLOTS = 8192
@@ -106,7 +87,7 @@ def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, group_id
     bin would pass `MAX_TREE_SLOTS`, or when `keep(bins, length, nodes)` says no: both decided
     from the trie's sizes, before any mask exists. Planned on the host from the token lists; the
     tensors are made on the batch's device."""
-    lengths = _right_padded_lengths(attention_mask)
+    lengths = right_padded_lengths(attention_mask)
     if lengths is None:
         return None
     rows, width = input_ids.shape
@@ -119,10 +100,11 @@ def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, group_id
     if not trees:
         return None
     sizes = [len(t[0]) for t in trees]
-    capacity, bins = _first_fit(sizes, max(sizes))
+    capacity = max(sizes)
+    bins = first_fit(sizes, capacity)
     if cost is not None:  # longer bins hold small trees with less filler, at a quadratic attention cost
         for longer in range(2 * max(sizes), sum(sizes) + max(sizes), max(sizes)):
-            _, packed = _first_fit(sizes, longer)
+            packed = first_fit(sizes, longer)
             fullest = max(sum(sizes[t] for t in b) for b in packed)
             if cost(len(packed), fullest) < cost(len(bins), capacity):
                 capacity, bins = fullest, packed

@@ -42,7 +42,7 @@ group on NCCL (`rl.wire.weight_sync` synchronizes the stream after each bucket);
 from the GPU buffers. Ours also reports the rollout worker's peak extra GPU memory during a sync
 (`torch.cuda.max_memory_allocated` in its process).
 
-    python -m bench.weight_sync [--quick] [--shapes 27m,100m] [--repeats 5] [--device cpu|cuda]
+    python -m bench.weight_sync [--quick] [--shapes 27m,100m,smollm2] [--repeats 5] [--device cpu|cuda]
                                 [--out bench/results/weight_sync.json]
 
 `--quick`: `27m` only, 3 repeats (about 2-3 minutes on 2 cores, mostly Ray/DeepSpeed/vLLM start-up).
@@ -68,9 +68,12 @@ SHAPE_100M = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
 # ---- models -----------------------------------------------------------------------------------
 
 def model_path(shape: str) -> str:
-    """`27m`/`tiny` from bench/models.py; `100m` built here once (the shared 8k tokenizer, random init)."""
-    from bench.models import build
+    """`27m`/`tiny` from bench/models.py; `smollm2`, the real model (`bench.models.REAL_MODELS`);
+    `100m` built here once (the shared 8k tokenizer, random init)."""
+    from bench.models import REAL_MODELS, build, real_model
 
+    if shape in REAL_MODELS:
+        return str(real_model(shape).resolve())
     if shape != "100m":
         return str(build(shape).resolve())
     out = Path(EXTRA_ROOT) / "100m"

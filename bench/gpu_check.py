@@ -219,7 +219,8 @@ def check_logprobs(device: torch.device) -> dict:
         item(out, "fp32_entropy_t0.7", max(w1, w2) < 1e-4, logp_mean=m1, logp_max=w1, entropy_mean=m2, entropy_max=w2)
         one, _ = token_logprobs(model, ids, mask, positions=pos, chunk_tokens=selected)
         item(out, "chunked_vs_one_chunk", float((lp - one).abs().max()) < 1e-5, max_abs=float((lp - one).abs().max()))
-        lpp, entp = token_logprobs(model, ids, mask, temperature=0.7, with_entropy=True, positions=pos, pack=True)
+        lpp, entp = token_logprobs(model, ids, mask, temperature=0.7, with_entropy=True, positions=pos,
+                                   layout=plan_layout(ids, mask, pack=True))
         worst = max(float((lpp - lp7).abs().max()), float((entp - ent7).abs().max()))
         matches = packing_matches(model, VOCAB, device)
         item(out, "packed_vs_padded_fp32", packed is not None and matches and worst < 1e-5, max_abs=worst,

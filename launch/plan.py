@@ -71,7 +71,8 @@ def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
     """The speeds the step prediction uses: GPU roles, the card's datasheet peak and bandwidth
     (`cluster.peak_tflops` overrides the peak); CPU roles, measured in this process (a ~0.5 s
     probe of matmuls in the run's dtype and of memory copies). Also says why there is none."""
-    from rl.plan.flops import DATASHEET_GBPS, datasheet_card, memory_bandwidth_gbs
+    from rl.plan.flops import (DATASHEET_GBPS, DATASHEET_TFLOPS, datasheet_card, measure_matmul_tflops,
+                               memory_bandwidth_gbs)
 
     if s.on_gpu:
         name = gpu_name()
@@ -79,15 +80,11 @@ def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
         if card is None:
             return None, (f"no step prediction: the GPU ({name or 'not on this machine'}) is not in the datasheet "
                           "table (rl/plan/flops.py)")
-        from rl.plan.flops import DATASHEET_TFLOPS
-
         bf16, _, fp32 = DATASHEET_TFLOPS[card]
         peak = s.peak_tflops or (bf16 if s.dtype == "bfloat16" else fp32)
         return Host(peak, DATASHEET_GBPS[card], f"{card} datasheet"
                     + (", cluster.peak_tflops" if s.peak_tflops else "")), ""
     import torch
-
-    from rl.plan.flops import measure_matmul_tflops
 
     # the median of five short probes of 1024-square matmuls: on a shared host (oneDNN bf16 most of
     # all) the speed varies by second and by size, and this size varies least (bench/README.md)
@@ -101,7 +98,6 @@ def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
 def last_run_lengths(run_dir: str) -> Lengths | None:
     """The lengths a run in `run_dir` logged (metrics.jsonl, medians over its steps), if any."""
     import json
-    import statistics
 
     path = os.path.join(run_dir, "metrics.jsonl")
     rows = []
@@ -154,8 +150,7 @@ def run_lengths(cfg: Any, s: Settings) -> Lengths:
 def plan_run(cfg: Any) -> tuple[Plan, tuple[list[str], Plan] | None]:
     """The plan of a validated config whose model folder exists, and a fix when it does not fit;
     a run that fits gets its step time predicted (`rl.plan.step_time.predict_step`)."""
-    config = require_model(cfg.model.path)
-    shape = ModelShape.from_config(config)
+    shape = ModelShape.from_config(require_model(cfg.model.path))
     s = Settings.from_config(cfg)
     host, gpu = capacities(cfg, s)
     plan = make_plan(shape, s, host, gpu)

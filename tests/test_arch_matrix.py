@@ -64,6 +64,7 @@ def test_the_padding_free_verdict_matches_what_packing_does_to_the_values(family
     real token ids, where packed and padded log-probs are compared."""
     from transformers import AutoModelForCausalLM
 
+    from trainer.layouts import plan_layout
     from trainer.logprobs import packing_matches, token_logprobs
     from trainer.packing import pack_rows
 
@@ -80,6 +81,6 @@ def test_the_padding_free_verdict_matches_what_packing_does_to_the_values(family
     assert pack_rows(ids, am) is not None  # the rows do pack (36 + 22 share a bin, 12 fills another)
     with torch.no_grad():
         padded, _ = token_logprobs(model, ids, am)
-        packed, _ = token_logprobs(model, ids, am, pack=True)
+        packed, _ = token_logprobs(model, ids, am, layout=plan_layout(ids, am, pack=True))
     truth = torch.allclose(packed, padded, atol=1e-5)
     assert verdict == truth, (family, verdict, (packed - padded).abs().max().item())

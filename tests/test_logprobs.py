@@ -244,10 +244,28 @@ def test_deepspeed_update_through_chunked_logprobs_equals_torch(stage, lora, lay
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def assert_layouts_agree(ids, am, where, weights, layout) -> None:
+    """Log-probs and entropies at temperature 0.7 (chunks of 4 tokens) and every parameter's
+    gradient of their weighted sum, through `layout` (trainer/layouts.py) and padded: within
+    1e-5, 0 off `where` and nonzero on it."""
+    results = []
+    for chosen in (None, layout):
+        model = _model()
+        lp, ent = token_logprobs(model, ids, am, 0.7, with_entropy=True, positions=where, chunk_tokens=4, layout=chosen)
+        ((lp * weights).sum() + (ent * weights).sum()).backward()
+        results.append((lp.detach(), ent.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (lp0, ent0, g0), (lp1, ent1, g1) = results
+    assert torch.allclose(lp0, lp1, atol=1e-5) and torch.allclose(ent0, ent1, atol=1e-5)
+    assert (lp1[~where] == 0).all() and (lp1[where] != 0).all()
+    for name, grad in g0.items():
+        assert torch.allclose(grad, g1[name], atol=1e-5), name
+
+
 def test_packed_rows_give_the_padded_values_and_gradients(head_path):
     """Right-padded rows of 9, 4, 3, 1 and 1 tokens packed into bins of 9 (trainer/packing.py):
     two rows instead of five, each token once, and the log-probs, entropies and every parameter's
     gradient are those of the padded batch; the model passes `packing_matches`."""
+    from trainer.layouts import plan_layout
     from trainer.logprobs import packing_matches
     from trainer.packing import pack_rows
 
@@ -261,20 +279,28 @@ def test_packed_rows_give_the_padded_values_and_gradients(head_path):
     where = am[:, 1:].bool().clone()
     where[0, :2] = False  # a prompt not asked for
     weights = torch.randn(5, 8, generator=torch.Generator().manual_seed(6)) * where
-    results = []
-    for pack in (False, True):
-        model = _model()
-        lp, ent = token_logprobs(model, ids, am, 0.7, with_entropy=True, positions=where, chunk_tokens=4, pack=pack)
-        ((lp * weights).sum() + (ent * weights).sum()).backward()
-        results.append((lp.detach(), ent.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (lp0, ent0, g0), (lp1, ent1, g1) = results
-    assert torch.allclose(lp0, lp1, atol=1e-5) and torch.allclose(ent0, ent1, atol=1e-5)
-    assert (lp1[~where] == 0).all() and (lp1[where] != 0).all()
-    for name, grad in g0.items():
-        assert torch.allclose(grad, g1[name], atol=1e-5), name
+    layout = plan_layout(ids, am, pack=True)
+    assert layout.name == "packed"
+    assert_layouts_agree(ids, am, where, weights, layout)
     assert packing_matches(_model(), 300)
     # left padding, or nothing to save: the padded layout
     assert pack_rows(ids.flip(1), am.flip(1)) is None and pack_rows(ids[:1], am[:1]) is None
+
+
+class Misreads(torch.nn.Module):
+    """A model that drops part of a layout's inputs: `rewrite(input_ids, attention_mask,
+    position_ids)` gives what the real model gets. How a model whose attention ignores a layout
+    looks to the learner's checks."""
+
+    def __init__(self, inner, rewrite):
+        super().__init__()
+        self.inner, self.rewrite = inner, rewrite
+
+    def get_output_embeddings(self):
+        return self.inner.get_output_embeddings()
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):
+        return self.inner(**self.rewrite(input_ids, attention_mask, position_ids), **kw)
 
 
 def test_a_model_that_ignores_packed_positions_is_caught():
@@ -282,18 +308,8 @@ def test_a_model_that_ignores_packed_positions_is_caught():
     model that always gets a plain causal mask) mixes the rows of a bin, and fails it."""
     from trainer.logprobs import packing_matches
 
-    class Unpacked(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def get_output_embeddings(self):
-            return self.inner.get_output_embeddings()
-
-        def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):
-            return self.inner(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **kw)
-
-    assert packing_matches(_model(), 300) and not packing_matches(Unpacked(_model()), 300)
+    unpacked = Misreads(_model(), lambda ids, am, pos: {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    assert packing_matches(_model(), 300) and not packing_matches(unpacked, 300)
 
 
 def test_a_moe_forward_gives_its_routers_load_balancing_loss_when_asked():

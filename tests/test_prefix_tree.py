@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rl.data.batch import group_order, plan_micro_batches
-from tests.test_logprobs import CONFIG, _model, head_path  # noqa: F401  (the fixture)
+from tests.test_logprobs import CONFIG, Misreads, _model, assert_layouts_agree, head_path  # noqa: F401  (the fixture)
 from trainer.layouts import plan_layout
 from trainer.logprobs import prefix_sharing_matches, token_logprobs
 from trainer.prefix_tree import build_forest, layout_cost, longest_sliding_window
@@ -68,17 +68,7 @@ def test_shared_prefix_gives_the_unshared_values_and_gradients(head_path):
     weights = torch.randn(where.shape, generator=torch.Generator().manual_seed(6)) * where
     layout = plan_layout(ids, am, pack=True, group_ids=groups, share="on", config=CONFIG)
     assert layout.name == "shared" and layout.tokens == int(am.sum()) and layout.slots < 0.75 * layout.tokens
-    results = []
-    for chosen in (None, layout):
-        model = _model()
-        lp, ent = token_logprobs(model, ids, am, 0.7, with_entropy=True, positions=where, chunk_tokens=4, layout=chosen)
-        ((lp * weights).sum() + (ent * weights).sum()).backward()
-        results.append((lp.detach(), ent.detach(), {n: p.grad for n, p in model.named_parameters()}))
-    (lp0, ent0, g0), (lp1, ent1, g1) = results
-    assert torch.allclose(lp0, lp1, atol=1e-5) and torch.allclose(ent0, ent1, atol=1e-5)
-    assert (lp1[~where] == 0).all() and (lp1[where] != 0).all()
-    for name, grad in g0.items():
-        assert torch.allclose(grad, g1[name], atol=1e-5), name
+    assert_layouts_agree(ids, am, where, weights, layout)
     assert prefix_sharing_matches(_model(), 300)
 
 
@@ -86,18 +76,8 @@ def test_a_model_that_ignores_the_tree_mask_is_caught():
     """The learner's check before sharing: a model that builds its own causal mask (ignoring the
     4D one) lets a row see its siblings' tokens, and fails it."""
 
-    class Unmasked(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def get_output_embeddings(self):
-            return self.inner.get_output_embeddings()
-
-        def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):
-            return self.inner(input_ids=input_ids, position_ids=position_ids, **kw)
-
-    assert prefix_sharing_matches(_model(), 300) and not prefix_sharing_matches(Unmasked(_model()), 300)
+    unmasked = Misreads(_model(), lambda ids, am, pos: {"input_ids": ids, "position_ids": pos})
+    assert prefix_sharing_matches(_model(), 300) and not prefix_sharing_matches(unmasked, 300)
 
 
 def test_lora_adapters_and_a_value_head_get_the_unshared_gradients_and_values():

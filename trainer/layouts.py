@@ -59,10 +59,6 @@ class Layout:
         flat = output.flatten()
         return torch.where(at >= 0, flat[at.clamp(min=0)], torch.zeros((), dtype=flat.dtype, device=flat.device))
 
-    @property
-    def saving(self) -> float:
-        """The share of the rows' tokens the layers do not compute (shared prefixes)."""
-        return 1.0 - self.slots / self.tokens if self.name == "shared" and self.tokens else 0.0
 
 
 def padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Layout:

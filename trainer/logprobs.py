@@ -154,7 +154,6 @@ def token_logprobs(
     entropy_grad: bool = True,
     positions: torch.Tensor | None = None,
     chunk_tokens: int = CHUNK_TOKENS,
-    pack: bool = False,
     router_aux: list[torch.Tensor] | None = None,
     layout: Layout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -168,10 +167,10 @@ def token_logprobs(
 
     The model is called as usual (so a DeepSpeed engine's forward hooks run) for its last hidden
     states (`output_hidden_states`, with the logits of one position only); the LM head then runs
-    on `chunk_tokens` selected tokens at a time. `pack`: the right-padded rows run packed into
-    fewer rows (trainer/packing.py; only for a model `packing_matches` has checked), same values.
-    `layout`: how the rows enter the model, planned by the caller (trainer/layouts.py; shared-
-    prefix trees need the rows' groups); it overrides `pack`.
+    on `chunk_tokens` selected tokens at a time. `layout`: how the rows enter the model, planned
+    by the caller (trainer/layouts.py `plan_layout`: packed end to end, only for a model
+    `packing_matches` has checked; shared-prefix trees, from the rows' groups); default padded.
+    Every layout gives the same values.
     `router_aux` (a MoE model): the forward also computes the routers' load-balancing loss
     (transformers' `aux_loss`, from `output_router_logits`), appended to this list.
     """
@@ -179,7 +178,7 @@ def token_logprobs(
         positions = attention_mask[:, 1:].bool()
     positions = positions.bool()
     if layout is None:
-        layout = plan_layout(input_ids, attention_mask, pack=pack)
+        layout = plan_layout(input_ids, attention_mask)
     if layout.name != "padded":  # a padded position has no place in the other layouts
         positions = positions & attention_mask[:, 1:].bool()
     routers = {} if router_aux is None else {"output_router_logits": True}
@@ -240,8 +239,8 @@ def packing_matches(model: torch.nn.Module, vocab_size: int, device: torch.devic
     ids, other, mask = ids.to(device), other.to(device), mask.to(device)
     with torch.no_grad():
         padded, _ = token_logprobs(model, ids, mask)
-        packed, _ = token_logprobs(model, ids, mask, pack=True)
-        packed_other, _ = token_logprobs(model, other, mask, pack=True)
+        packed, _ = token_logprobs(model, ids, mask, layout=plan_layout(ids, mask, pack=True))
+        packed_other, _ = token_logprobs(model, other, mask, layout=plan_layout(other, mask, pack=True))
     exact = next(_head_of(model).parameters()).dtype == torch.float32
     isolated = torch.allclose(packed[2], packed_other[2], rtol=0, atol=1e-4)
     positioned = torch.allclose(padded, packed, rtol=0, atol=1e-3 if exact else 0.1)

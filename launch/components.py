@@ -129,7 +129,8 @@ def build_components(cfg: TrainConfig, log=print):
     rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
                             base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
     fleet.wait_started()  # the engines took longest to start: the learner and rewards started meanwhile
-    weights = make_weight_sync(cfg.trainer.weight_sync, learner, fleet, deadlines)
+    weights = make_weight_sync(cfg.trainer.weight_sync, learner, fleet, deadlines,
+                               cfg.trainer.delta_sync_max_fraction if cfg.trainer.delta_sync else None)
     if cfg.model.lora.rank > 0:
         counts, lora = learner.parameter_counts(), cfg.model.lora
         log(f"LoRA rank {lora.rank} on {','.join(lora.target_modules)}: {counts['trainable']:,.0f} trainable "

@@ -51,6 +51,8 @@ class Fleet(Protocol):
 class Weights(Protocol):
     """The weight sync (trainer/sync/): learner -> rollout workers."""
 
+    bytes_per_sync: float  # the whole weights (a delta sync sends less)
+
     def sync(self, version: int) -> float: ...
 
 
@@ -101,6 +103,11 @@ def collect(cfg: TrainConfig, data: PromptDataset, source: Source, score: Callab
         timing["time/reward_s"] += time.perf_counter() - t1
         generated += samples
         groups = _by_group(scored)
+        if data.curriculum is not None:  # flat groups' prompts rest (task.curriculum_epochs)
+            if rnd == 0:
+                timing.update(data.curriculum.metrics(P))
+            data.curriculum.record({g: [s.reward if s.error is None else None for s in group]
+                                    for g, group in groups.items()})
         if not a.dynamic_sampling:
             return scored, generated, timing
         kept += [g for g in groups.values() if _informative(g)]
@@ -235,7 +242,8 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, s
     def save(next_step: int, with_in_flight: bool = True) -> None:
         ahead = rollouts.in_flight(whole=with_in_flight)
         with handover.learner_resident() if with_in_flight else nullcontext():  # (else the fleet is broken)
-            checkpoint.save(log.run_dir, checkpoint.LoopState(next_step, version, kl_ctrl.to_dict()),
+            curriculum = data.curriculum.to_dict() if data.curriculum is not None else None
+            checkpoint.save(log.run_dir, checkpoint.LoopState(next_step, version, kl_ctrl.to_dict(), curriculum),
                             learner.save_checkpoint, run.keep_checkpoints, in_flight=ahead)
 
     try:
@@ -325,6 +333,7 @@ def _step(cfg: TrainConfig, pad_id: int, learner: Learner, weights: Weights, log
         "rollout/completion_len_max_tokens": float(max(len(s.completion_ids) for s in samples)),
         "rollout/truncated_frac": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "sync/weights_mb": sent / 2**20,
+        "sync/sent_frac": sent / max(weights.bytes_per_sync, 1.0),  # below 1 with trainer.delta_sync
         "time/wait_rollout_s": (t_rew - t0) + (t_hold - t_train),  # the learner idle, waiting for rollouts
         "time/score_s": t_score - t_rew,
         "time/train_s": t_train - t_score,

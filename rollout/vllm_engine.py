@@ -160,9 +160,10 @@ class VLLMEngine(BatchQueue):
         self._loaded(version)
 
     def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
-                         metas: list, lora_spec: RolloutSpec | None = None) -> None:
+                         metas: list, lora_spec: RolloutSpec | None = None, delta: bool = False) -> None:
         """Workers in subprocesses: each joins the weight-sync group at `first_rank` + its rank."""
-        self.llm.collective_rpc("rlpost_join", args=(host, port, first_rank, world_size, backend, metas, lora_spec))
+        self.llm.collective_rpc("rlpost_join", args=(host, port, first_rank, world_size, backend, metas, lora_spec,
+                                                     delta))
 
     def receive_weights(self, version: int) -> list[dict[str, float]]:
         """Workers in subprocesses: each takes rank 0's broadcast and loads its shard

@@ -141,8 +141,8 @@ class AsyncVLLMEngine:
         self._paused_since = None
 
     def join_weight_sync(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
-                         metas: list, lora_spec: RolloutSpec | None = None) -> None:
-        payload = pickle.dumps((host, port, first_rank, world_size, backend, metas, lora_spec))
+                         metas: list, lora_spec: RolloutSpec | None = None, delta: bool = False) -> None:
+        payload = pickle.dumps((host, port, first_rank, world_size, backend, metas, lora_spec, delta))
         self._call(self.llm.collective_rpc("rlpost_join_pickled", args=(payload,)))
 
     def receive_weights(self, version: int) -> list[dict[str, float]]:

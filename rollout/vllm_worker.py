@@ -28,15 +28,18 @@ class SyncExtension:
     _rlpost_backend = "gloo"
     _rlpost_metas: list = []
     _rlpost_merger = None
+    _rlpost_delta = None
 
     def rlpost_join(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
-                    metas: list[weight_sync.WeightMeta], lora_spec=None) -> None:
+                    metas: list[weight_sync.WeightMeta], lora_spec=None, delta: bool = False) -> None:
         """Join the weight-sync group at rank `first_rank + self.rank` (a group of the fleet before
         a replacement is closed first). `lora_spec` (a RolloutSpec with `model.lora`): syncs carry
-        adapters, merged here into base weights this worker keeps (read once, at its first join)."""
+        adapters, merged here into base weights this worker keeps (read once, at its first join).
+        `delta`: syncs send changes, applied to a copy of the weights this worker keeps."""
         self.rlpost_close()
         self._rlpost_group = weight_sync.init_group(host, port, first_rank + self.rank, world_size, backend)
         self._rlpost_backend, self._rlpost_metas = backend, metas
+        self._rlpost_delta = weight_sync.DeltaReceiver() if delta else None
         if lora_spec is not None and self._rlpost_merger is None:
             from rollout.worker import adapter_merger
 
@@ -85,7 +88,8 @@ class SyncExtension:
         device = self.device if self._rlpost_backend == "nccl" else "cpu"  # gloo moves host tensors
         stats: dict[str, float] = {"receive_s": 0.0, "bytes": 0.0}
         started = time.perf_counter()
-        tensors = weight_sync.receive(self._rlpost_group, self._rlpost_metas, device, stats=stats)
+        receive = weight_sync.receive if self._rlpost_delta is None else self._rlpost_delta.receive
+        tensors = receive(self._rlpost_group, self._rlpost_metas, device, stats=stats)
         merger = self._rlpost_merger
         try:
             self.reload_weights(weights_iterator=tensors if merger is None else merger.merged(tensors))

@@ -75,6 +75,7 @@ class RolloutWorker:
         # only if an object-store sync comes, `_merged`)
         self._merger = None if self._in_workers else adapter_merger(spec)
         self._group, self._group_backend, self._joined = None, "gloo", False
+        self._delta: weight_sync.DeltaReceiver | None = None
         self._metas: list[weight_sync.WeightMeta] = []
         self.last_sync: dict[str, float] = {}
 
@@ -108,15 +109,17 @@ class RolloutWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
-                         metas: list[weight_sync.WeightMeta]) -> None:
+                         metas: list[weight_sync.WeightMeta], delta: bool = False) -> None:
         """Join the weight-sync group at ranks `rank` .. `rank + rollout.tensor_parallel_size - 1`:
-        this process alone without tensor parallelism, else each vLLM worker at `rank` + its rank."""
+        this process alone without tensor parallelism, else each vLLM worker at `rank` + its rank.
+        `delta`: syncs send changes (`trainer.delta_sync`), applied to a kept copy of the weights."""
         if self._in_workers:
             lora = self.spec if self.spec.model.lora.rank > 0 else None
-            self.engine.join_weight_sync(host, port, rank, world_size, backend, metas, lora)
+            self.engine.join_weight_sync(host, port, rank, world_size, backend, metas, lora, delta)
         else:
             weight_sync.close_group(self._group)  # a group of the fleet before a replacement
             self._group = weight_sync.init_group(host, port, rank, world_size, backend)
+            self._delta = weight_sync.DeltaReceiver() if delta else None
         self._group_backend, self._metas, self._joined = backend, metas, True
 
     def receive_weights(self, version: int) -> dict[str, float]:
@@ -130,11 +133,12 @@ class RolloutWorker:
         if self._in_workers:  # every TP rank takes all buckets; the slowest one's receive, bytes of all
             per_rank = self.engine.receive_weights(version)
             stats = {"receive_s": max(s["receive_s"] for s in per_rank), "bytes": sum(s["bytes"] for s in per_rank),
-                     "ranks": len(per_rank)}
+                     "ranks": len(per_rank), "delta_mismatch": sum(s.get("delta_mismatch", 0.0) for s in per_rank)}
         else:
             device = self.device if self._group_backend == "nccl" else "cpu"  # gloo moves host tensors
             stats = {"receive_s": 0.0, "bytes": 0.0}
-            tensors = weight_sync.receive(self._group, self._metas, device, stats=stats)
+            receive = weight_sync.receive if self._delta is None else self._delta.receive
+            tensors = receive(self._group, self._metas, device, stats=stats)
             try:
                 self.engine.update_weights(self._merged(tensors), version)
             finally:

@@ -43,7 +43,8 @@ class _Scripted(WeightSync):
     def _join(self) -> None:
         self.joins += 1
 
-    def push(self, version):
+    def push(self, version, full=False):
+        self.fulls = getattr(self, "fulls", []) + [full]
         return self.pushes.pop(0)
 
 
@@ -55,6 +56,22 @@ def test_a_clean_push_is_verified_and_sets_the_fleets_version() -> None:
     sync = _Scripted([_ok(3)])
     assert sync.bytes_per_sync == 24.0
     assert sync.sync(3) == 24.0 and sync.fleet.version == 3 and sync.joins == 0
+
+
+def _refused(version: int, worker: int = 1):
+    """A delta push that worker `worker`'s checksum refused (its copy of the weights went wrong)."""
+    sent, reports, failed, broken = _ok(version, nbytes=8.0)
+    reports[worker]["delta_mismatch"] = 1.0
+    return 8.0, reports, failed, broken
+
+
+def test_a_delta_a_worker_refused_is_followed_by_the_whole_weights_once() -> None:
+    sync = _Scripted([_refused(3), _ok(3)])
+    assert sync.sync(3) == 24.0 and sync.fulls == [False, True] and sync.delta_fallbacks == 1
+    assert sync.fleet.version == 3
+    again = _Scripted([_refused(3), _refused(3)])  # refused after a whole sync too: that worker is broken
+    with pytest.raises(ActorFailure, match="rollout worker 1.*checksum even after a whole sync"):
+        again.sync(3)
 
 
 def test_a_failed_worker_is_replaced_the_transport_joined_again_and_the_push_redone() -> None:
@@ -113,6 +130,24 @@ def _learner_weights(group) -> dict[str, torch.Tensor]:
     return ray.get(group.workers[0].__ray_call__.remote(lambda self: self.weights.state_dict()))
 
 
+def _delta_syncs(sync, learner, fleet, version: int):
+    """Delta syncs between a real learner and fleet: one changed value travels as its position and
+    value; a worker whose copy went wrong is caught by its checksum and sent the whole weights."""
+    import ray
+
+    meta = learner.metas[0]
+    one = 4 + torch.empty((), dtype=meta.torch_dtype).element_size()  # an int32 position and a value
+    ray.get(learner.workers[0].__ray_call__.remote(lambda self: self.weights.named[0][1].data.view(-1)[0].add_(1.0)))
+    want = _learner_weights(learner)
+    assert sync.sync(version + 1) == one and sync.delta_fallbacks == 0
+    ray.get(fleet.workers[0].__ray_call__.remote(lambda self: self._delta.kept[-1].view(-1)[-1].add_(1.0)))
+    assert sync.sync(version + 2) == pytest.approx(sync.bytes_per_sync) and sync.delta_fallbacks == 1
+    for w in fleet.workers:
+        got = _rollout_weights(w)
+        assert all(torch.equal(got[n], t) for n, t in want.items())
+    return version + 2, want
+
+
 @pytest.mark.slow
 def test_collective_and_object_store_sync_a_real_learner_into_a_real_fleet_across_a_replacement(
         ray_local, make_config) -> None:
@@ -126,7 +161,7 @@ def test_collective_and_object_store_sync_a_real_learner_into_a_real_fleet_acros
     from trainer.sync import make_weight_sync
 
     cfg = OmegaConf.to_object(make_config("rollout.backend=hf", "rollout.num_workers=2", "trainer.num_workers=1",
-                                          "rollout.max_restarts=2"))
+                                          "rollout.max_restarts=3"))
     fleet = RolloutFleet(RolloutSpec.from_config(cfg, 1), num_cpus=0.5, log=lambda line: None)
     learner = LearnerGroup(LearnerSpec.from_config(cfg, 1), 1, num_cpus=0.5)
     try:
@@ -135,14 +170,17 @@ def test_collective_and_object_store_sync_a_real_learner_into_a_real_fleet_acros
             lambda self: [p.data.add_(0.01) for _, p in self.weights.named]))
         want = _learner_weights(learner)
         version = 0
-        for method in ("collective", "object_store"):
-            sync = make_weight_sync(method, learner, fleet)
+        for method in ("collective", "delta", "object_store"):
+            sync = make_weight_sync("collective" if method == "delta" else method, learner, fleet,
+                                    delta_max_fraction=0.5 if method == "delta" else None)
             version += 1
-            assert sync.sync(version) == pytest.approx(sync.bytes_per_sync)
+            assert sync.sync(version) == pytest.approx(sync.bytes_per_sync)  # delta: the first after a join is whole
             assert fleet.version == version and ray.get([w.version.remote() for w in fleet.workers]) == [version] * 2
             for w in fleet.workers:
                 got = _rollout_weights(w)
                 assert all(torch.equal(got[n], t) for n, t in want.items()), method
+            if method == "delta":
+                version, want = _delta_syncs(sync, learner, fleet, version)
             # a worker lost: the fleet replaces it and the sync brings the new one up to date
             old = fleet.workers[1]
             ray.kill(old, no_restart=True)
@@ -152,7 +190,7 @@ def test_collective_and_object_store_sync_a_real_learner_into_a_real_fleet_acros
             got = _rollout_weights(fleet.workers[1])
             assert all(torch.equal(got[n], t) for n, t in want.items()), method
             sync.close()
-        assert fleet.restarts == 2
+        assert fleet.restarts == 3
     finally:
         learner.shutdown()
         fleet.shutdown()

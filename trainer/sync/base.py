@@ -1,7 +1,8 @@
 """The weight sync's contract: one strategy per transport, each owning its four moves.
 
     join()          make whatever the transport needs with the current rollout workers
-    push(version)   send the learner's weights to every worker as policy `version`
+    push(version)   send the learner's weights to every worker as policy `version` (with delta
+                    syncs only what changed since the last push, unless `full`)
     verify(...)     every worker says it holds `version` and took the bytes that were sent
     rejoin()        after the fleet replaced workers: join again and push the current version
 
@@ -54,15 +55,17 @@ class WeightSync:
     def __init__(self, learner: Senders, fleet: Receivers, deadlines: Deadlines | None = None):
         self.learner, self.fleet = learner, fleet
         self.deadlines = deadlines or Deadlines()
+        self.delta_fallbacks = 0  # delta syncs a worker's checksum refused (then sent whole)
 
     # --- what each strategy provides -------------------------------------------------------
 
     def _join(self) -> None:
         """Make the transport with the current workers (a no-op where there is nothing to make)."""
 
-    def push(self, version: int) -> tuple[float, dict[int, dict], dict[int, str], dict[int, str]]:
-        """Send the weights: (bytes sent, each worker's report, workers that failed (gone or
-        silent: to replace), workers whose receive raised (alive: a new join may do))."""
+    def push(self, version: int, full: bool = False) -> tuple[float, dict[int, dict], dict[int, str], dict[int, str]]:
+        """Send the weights (`full`: whole, where the strategy sends deltas): (bytes sent, each
+        worker's report, workers that failed (gone or silent: to replace), workers whose receive
+        raised (alive: a new join may do))."""
         raise NotImplementedError
 
     # --- shared ----------------------------------------------------------------------------
@@ -72,37 +75,50 @@ class WeightSync:
         """Bytes one sync sends to each worker: the whole model, or with LoRA the adapters."""
         return float(sum(m.nbytes for m in self.learner.metas))
 
+    def make_sender(self):
+        """The learner side placed in every learner rank at `join`."""
+        return self.sender()
+
     def join(self) -> None:
         """Connect the learner and the current workers; from now on the fleet calls `rejoin` once
         it has replaced a worker."""
         self.fleet.after_replace = self.rejoin
-        self.learner.call([w.attach_sender.remote(self.sender()) for w in self.learner.workers], "weight-sync join")
+        self.learner.call([w.attach_sender.remote(self.make_sender()) for w in self.learner.workers], "weight-sync join")
         self._join()
 
     def rejoin(self) -> None:
         self._join()
         self.sync(self.fleet.version)
 
-    def verify(self, version: int, reports: dict[int, dict]) -> None:
+    def verify(self, version: int, reports: dict[int, dict], sent: float) -> None:
         """Every worker holds `version` and, where it counts them, took every byte that was sent
-        (each of a tensor-parallel engine's `ranks` takes all of them)."""
+        (`sent`; each of a tensor-parallel engine's `ranks` takes all of them)."""
         for i, report in reports.items():
             held = report.get("version")
             if held != version:
                 raise ActorFailure(self.fleet.name(i), "weight sync", f"it holds policy version {held} after "
                                    f"loading version {version}")
-            got, want = report.get("bytes"), self.bytes_per_sync * report.get("ranks", 1)
+            got, want = report.get("bytes"), sent * report.get("ranks", 1)
             if got is not None and got != want:
                 raise ActorFailure(self.fleet.name(i), "weight sync", f"it took {got:,.0f} bytes of the "
                                    f"{want:,.0f} sent")
 
     def sync(self, version: int) -> float:
-        """Push the current weights to every worker as `version`; returns the bytes sent to each."""
-        rejoined = False
+        """Push the current weights to every worker as `version`; returns the bytes sent to each.
+        A delta that a worker's checksum refused is followed by the whole weights, once."""
+        rejoined = full = False
         while True:
-            sent, reports, failed, broken = self.push(version)
+            sent, reports, failed, broken = self.push(version, full)
             if not failed and not broken:
-                self.verify(version, reports)
+                refused = [i for i, report in reports.items() if report.get("delta_mismatch")]
+                if refused and full:
+                    raise ActorFailure(self.fleet.name(refused[0]), "weight sync", "its copy of the weights disagrees "
+                                       "with the learner's checksum even after a whole sync")
+                if refused:
+                    self.delta_fallbacks += 1
+                    full = True
+                    continue
+                self.verify(version, reports, sent)
                 self.fleet.version = version
                 return sent
             if failed:

@@ -27,11 +27,14 @@ def sync_backend(devices: list[str]) -> str:
 
 class CollectiveSender:
     """The learner side, in every learner rank: rank 0 is group rank 0 and broadcasts; the other
-    ranks only take part in ZeRO-3's gathers."""
+    ranks only take part in ZeRO-3's gathers. `delta_max_fraction` (`trainer.delta_sync`): send
+    each bucket's change since the last sync (`rl.wire.weight_sync.DeltaSender`); None: whole."""
 
-    def __init__(self) -> None:
+    def __init__(self, delta_max_fraction: float | None = None) -> None:
         self.group: weight_sync.SyncGroup | None = None
         self.on_host = False
+        self.delta = None if delta_max_fraction is None else weight_sync.DeltaSender(delta_max_fraction)
+        self.last: dict[str, float] = {}
 
     def bind(self, export, rank: int, device) -> None:
         self.export, self.rank, self.device = export, rank, device
@@ -44,19 +47,30 @@ class CollectiveSender:
         weight_sync.close_group(self.group)  # the group of the fleet before a replacement
         self.group = weight_sync.init_group(host, port, 0, world_size, backend)
         self.on_host = backend == "gloo" and self.device.type == "cuda"  # gloo sends host tensors
+        if self.delta is not None:
+            self.delta.reset()  # new members hold nothing: the next sync goes whole
 
-    def send(self, wait_s: float | None = None) -> float:
+    def send(self, wait_s: float | None = None, full: bool = False) -> float:
         """Every rank; rank 0 broadcasts, waiting at most `wait_s` for each bucket to arrive (a
-        stopped receiver: this raises). Returns the bytes sent."""
+        stopped receiver: this raises); `full`: whole buckets even with delta syncs. Returns the
+        bytes sent (the figures of this send, delta syncs' included, stay in `last`)."""
         if self.rank == 0 and wait_s:
             self.group.wait_timeout = timedelta(seconds=wait_s)
-        sent = 0
         with self.export.resident():
-            for bucket in self.export.buckets():
-                if self.rank == 0:
-                    weight_sync.send(self.group, [[t.cpu() if self.on_host else t for _, t in bucket]])
-                    sent += sum(t.numel() * t.element_size() for _, t in bucket)
-        return float(sent)
+            tensors = ([t.cpu() if self.on_host else t for _, t in bucket] for bucket in self.export.buckets())
+            if self.rank != 0:
+                for _ in tensors:  # ZeRO-3: every rank takes part in each gather
+                    pass
+                return 0.0
+            if self.delta is not None:
+                self.last = self.delta.send(self.group, tensors, full)
+            else:
+                weight_sync.send(self.group, tensors)
+                self.last = {"bytes": self.export.nbytes()}
+        return float(self.last["bytes"])
+
+    def last_stats(self) -> dict[str, float]:
+        return dict(self.last)
 
     def close(self) -> None:
         weight_sync.close_group(self.group)
@@ -64,7 +78,16 @@ class CollectiveSender:
 
 
 class CollectiveSync(WeightSync):
+    """`delta_max_fraction`: delta syncs (`trainer.delta_sync`), None: every sync whole."""
+
     sender = CollectiveSender
+
+    def __init__(self, learner, fleet, deadlines=None, delta_max_fraction: float | None = None):
+        super().__init__(learner, fleet, deadlines)
+        self.delta_max_fraction = delta_max_fraction
+
+    def make_sender(self) -> CollectiveSender:
+        return CollectiveSender(self.delta_max_fraction)
 
     def _join(self) -> None:
         learner, fleet = self.learner, self.fleet
@@ -77,20 +100,20 @@ class CollectiveSync(WeightSync):
             world = 1 + tp * len(fleet.workers)
             mine = rank0.sender_call.remote("join", host, port, world, backend)
             _, failed = fleet.wait({i: w.join_weight_sync.remote(host, port, 1 + i * tp, world, backend,
-                                                                 learner.metas)
+                                                                 learner.metas, self.delta_max_fraction is not None)
                                     for i, w in enumerate(fleet.workers)}, "weight-sync join")
             if not failed:
                 learner.call([mine], "weight-sync join")
                 return
             fleet.replace(failed, "weight-sync join")  # raises once its replacements are used up
 
-    def push(self, version: int):
+    def push(self, version: int, full: bool = False):
         learner, fleet = self.learner, self.fleet
         # Rank 0 waits for each broadcast at most half the sync's deadline: a stopped receiver
         # makes it raise (NCCL would otherwise only queue the broadcast and report it sent), by
         # the time the driver below has found the receiver silent and waits on rank 0.
         wait_s = self.deadlines.of("weight sync") / 2
-        sends = [w.sender_call.remote("send", wait_s) for w in learner.workers]
+        sends = [w.sender_call.remote("send", wait_s, full) for w in learner.workers]
         broken: dict[int, str] = {}
         reports, failed = fleet.wait({i: w.receive_weights.remote(version) for i, w in enumerate(fleet.workers)},
                                      "weight sync", errors=broken)

@@ -110,7 +110,7 @@ class IpcSync(WeightSync):
         self.learner.call([w.sender_call.remote("connect", list(self.fleet.workers) if r == 0 else [], timeout)
                            for r, w in enumerate(self.learner.workers)], "weight-sync join")
 
-    def push(self, version: int):
+    def push(self, version: int, full: bool = False):
         learner, fleet = self.learner, self.fleet
         sends = [w.sender_call.remote("send", version) for w in learner.workers]
         sent = learner.call(sends, "weight sync", tolerate_errors=True)

@@ -26,7 +26,7 @@ class StateSender:
 class ObjectStoreSync(WeightSync):
     sender = StateSender
 
-    def push(self, version: int):
+    def push(self, version: int, full: bool = False):
         learner, fleet = self.learner, self.fleet
         states = [w.sender_call.remote("state") for w in learner.workers]  # rank 0's ref goes to the workers
         reports, failed = fleet.wait({i: w.load_weights_from_object.remote(states[0], version)

@@ -37,6 +37,7 @@ WORKLOADS = {
     "long": ["model=smollm2", "task=math_chat", "run.steps=4", "eval.every_steps=0", "run.save_every=0",
              "rollout.max_new_tokens=256", "rollout.max_model_len=320"],
 }
+SETTLE_S = 5.0  # after a run, before its prediction's probe: Ray's processes take seconds to end
 PHASES = {"rollout_s": "time/rollout_s", "learner_s": "time/train_s", "sync_s": "time/sync_s"}
 
 
@@ -75,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         overrides = WORKLOADS[name]
         with tempfile.TemporaryDirectory() as tmp:
             run_dir = f"{tmp}/run"
+            time.sleep(SETTLE_S)
             prior = predicted(overrides, run_dir)
             started = time.perf_counter()
             proc = subprocess.run([sys.executable, "-m", "launch.train", *overrides, f"run.dir={run_dir}"],
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
             if proc.returncode != 0:
                 raise SystemExit(f"{name}: launch.train failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
             got = measured(run_dir)
+            time.sleep(SETTLE_S)
             last = predicted(overrides, run_dir)
         row = {"workload": name, "overrides": overrides, "wall_s": time.perf_counter() - started, "measured": got,
                "prior": prior, "last_run": last, "ratio_prior": prior["step_s"] / got["step_s"],

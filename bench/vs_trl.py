@@ -22,11 +22,11 @@ the other, each in its own fresh process. The first `--warmup` steps of each are
 Cases (`--shapes`, `--dtypes`): `27m` (bench/models.py) 8 prompts x 4 samples x 128 new tokens,
 bf16 and fp32; `tiny` 4 x 4 x 32, fp32; `varlen` (EOS after ~geometric lengths) 8 x 4 x up to 128,
 bf16; `smollm2` (the real SmolLM2-135M-Instruct, bench.models.REAL_MODELS) 8 x 4 x up to 96,
-bf16 and fp32, on chat prompts: the questions of `examples.math_chat` (~45 tokens with the model's
+`smollm2_n8` 8 x 8 x up to 96 and `smollm2_long` 8 x 8 x up to 256, bf16 and fp32, on chat prompts: the questions of `examples.math_chat` (~45 tokens with the model's
 chat template and system prompt) as a user message, through `task.chat_template=true` on our side
 and a conversational dataset (`prompt` = a message list) on TRL's. Targets (ours / TRL
 samples/s): 27m bf16 >= 2.0x, 27m fp32 >= 1.4x, tiny >= 1.5x, varlen >= 2.0x, smollm2 >= 2.0x in
-both dtypes. `--quick`: tiny only, 3 steps (a smoke test of both sides, a couple of minutes).
+both dtypes (each smollm2 shape). `--quick`: tiny only, 3 steps (a smoke test of both sides, a couple of minutes).
 
 On GPUs (`--device cuda`, the default where torch sees one): ours adds `cluster=local_gpu` (the
 GPU profile: the learner rank and the rollout worker on a GPU each, so two GPUs; CUDA graphs; the
@@ -89,9 +89,13 @@ SHAPES: dict[str, tuple[int, int, int, dict[str, float]]] = {
     "tiny": (4, 4, 32, {"fp32": 1.5, "bf16": 1.5}),
     "varlen": (8, 4, 128, {"bf16": 2.0, "fp32": 2.0}),
     "smollm2": (8, 4, 96, {"bf16": 2.0, "fp32": 2.0}),
+    "smollm2_n8": (8, 8, 96, {"bf16": 2.0, "fp32": 2.0}),  # a GRPO group of 8 per chat prompt
+    "smollm2_long": (8, 8, 256, {"bf16": 2.0, "fp32": 2.0}),  # long completions
 }
-DEFAULT_DTYPES = {"27m": ("bf16", "fp32"), "tiny": ("fp32",), "varlen": ("bf16",), "smollm2": ("bf16", "fp32")}
-CHAT_SHAPES = ("smollm2",)  # an instruct model: prompts go through its chat template on both sides
+DEFAULT_DTYPES = {"27m": ("bf16", "fp32"), "tiny": ("fp32",), "varlen": ("bf16",), "smollm2": ("bf16", "fp32"),
+                  "smollm2_n8": ("bf16", "fp32"), "smollm2_long": ("bf16", "fp32")}
+# an instruct model: prompts go through its chat template on both sides; shape -> the real model
+CHAT_SHAPES = {"smollm2": "smollm2", "smollm2_n8": "smollm2", "smollm2_long": "smollm2"}
 
 
 def train_file_for(shape: str) -> Path:
@@ -441,7 +445,7 @@ def main(argv: list[str] | None = None) -> None:
           + (f"; on {gpus['count']} x {gpus['name']}" if args.device == "cuda" else ""), flush=True)
     results = []
     for case in todo:
-        model = build(case.shape).resolve()
+        model = build(CHAT_SHAPES.get(case.shape, case.shape)).resolve()
         train_file = train_file_for(case.shape)
         row: dict[str, Any] = {"case": case.name, **asdict(case)}
         for side, fn in (("ours", run_ours), ("trl", run_trl)):

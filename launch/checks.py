@@ -222,6 +222,10 @@ def load_inputs(cfg: DictConfig):
     budget = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
     data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, None, cfg.run.seed, budget,
                          chat_template=cfg.task.chat_template)
+    if cfg.task.curriculum_epochs > 0:
+        from rl.data.curriculum import Curriculum
+
+        data.curriculum = Curriculum(len(data), cfg.task.curriculum_epochs, cfg.task.curriculum_pass_reward)
     eval_data = PromptDataset(cfg.eval.files, cfg.task.prompt_key, None, cfg.run.seed, budget,
                               chat_template=cfg.task.chat_template, field="eval.files") \
         if cfg.eval.every_steps > 0 else None

@@ -86,10 +86,12 @@ def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
                     + (", cluster.peak_tflops" if s.peak_tflops else "")), ""
     import torch
 
-    # the median of five short probes of 1024-square matmuls: on a shared host (oneDNN bf16 most of
-    # all) the speed varies by second and by size, and this size varies least (bench/README.md)
-    peak = s.peak_tflops or statistics.median(
-        measure_matmul_tflops(getattr(torch, s.dtype), size=1024, seconds=0.1) for _ in range(5))
+    # the best of eight short probes of 1024-square matmuls: on a shared host (oneDNN bf16 most of
+    # all) the speed varies by second and by size, and this size varies least (bench/README.md);
+    # a probe that shares the cores with another process (a run still shutting down) reads low,
+    # the best one does not
+    peak = s.peak_tflops or max(
+        measure_matmul_tflops(getattr(torch, s.dtype), size=1024, seconds=0.06) for _ in range(8))
     where = "on this machine, not the cluster's nodes, " if cfg.cluster.address else ""
     return Host(peak, memory_bandwidth_gbs(repeats=3), f"measured {where}in this process"
                 + (" (peak: cluster.peak_tflops)" if s.peak_tflops else "")), ""

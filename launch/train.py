@@ -94,6 +94,8 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             handover = GpuHandover.of(config, fleet, learner)  # who holds the GPUs (rl/run/colocation.py)
             if resume_from is not None:
                 path, state = resume_from
+                if data.curriculum is not None and state.curriculum is not None:
+                    data.curriculum.load(state.curriculum)  # the same prompts as the run that was stopped
                 learner.load_checkpoint(os.path.join(path, "learner"))
                 handover.to_sync()
                 weights.sync(state.policy_version)  # engines started from model.path

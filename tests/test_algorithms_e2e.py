@@ -17,11 +17,13 @@ pytestmark = pytest.mark.slow
 # estimator is checked against the reference implementations in test_algorithms_math.py. Here
 # each code path runs once in the real stack, two algorithms' parts per run where they are
 # orthogonal (one train() start-up less each, for CI's time): Dr.GRPO's loss normaliser rides the
-# rloo run, CISPO's loss the reinforce_pp run, GSPO's sequence-level loss the dapo run.
+# rloo run, CISPO's loss the reinforce_pp run, GSPO's sequence-level loss the dapo run; the
+# IcePop and masked-IS corrections of the rollout/learner mismatch ride rloo and reinforce_pp.
 ALGORITHMS = ["ppo", "grpo", "rloo", "reinforce_pp", "dapo"]
 ALSO = {
-    "rloo": ["algorithm.loss_agg=seq_mean_token_sum_norm"],  # dr_grpo's
-    "reinforce_pp": ["algorithm.policy_loss=cispo", "algorithm.clip_eps_low=1.0", "algorithm.clip_eps_high=0.28"],
+    "rloo": ["algorithm.loss_agg=seq_mean_token_sum_norm", "algorithm.importance_correction=icepop"],  # dr_grpo's
+    "reinforce_pp": ["algorithm.policy_loss=cispo", "algorithm.clip_eps_low=1.0", "algorithm.clip_eps_high=0.28",
+                     "algorithm.importance_correction=token_mis"],
     "dapo": ["algorithm.policy_loss=gspo", "algorithm.clip_eps_low=3.0e-4", "algorithm.clip_eps_high=4.0e-4",
              "algorithm.loss_agg=seq_mean_token_mean"],
 }
@@ -61,3 +63,5 @@ def test_algorithm_runs(make_config, algorithm):
             assert m["actor/loss_nats"] == pytest.approx(expected, rel=1e-4, abs=1e-7), m
     if algorithm == "dapo":
         assert all(m["dapo/sampling_rounds"] >= 1 for m in metrics)
+    if algorithm in ("rloo", "reinforce_pp"):  # icepop, token_mis: the share of masked tokens is logged
+        assert all(0.0 <= m["is/masked_frac"] <= 1.0 for m in trained)

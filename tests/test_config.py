@@ -126,10 +126,13 @@ def test_position_limit_of_model_configs():
     [("algorithm.lr=oops", "algorithm.lr"), ("trainer.zero_stag=3", "trainer.zero_stag"),
      ("+nonsense=1", "nonsense"), ("rollout.n=2.5", "rollout.n"),
      ("model.path=/no/such/model", "model.path='/no/such/model'"),
-     ("algorithm.advantage=nope", "algorithm.advantage='nope': choose one of grpo, rloo")],
+     ("algorithm.advantage=nope", "algorithm.advantage='nope': choose one of grpo, rloo"),
+     ("algorithm.importance_correction=pop", "algorithm.importance_correction='pop': choose one of none, token_tis, "
+      "token_mis, icepop"),
+     ("trainer.delta_sync=true trainer.weight_sync=object_store", "trainer.delta_sync sends changes")],
 )
 def test_cli_rejects_bad_input_fast_with_the_field_name(override, expected):
-    _fails_fast([override], expected, unloaded=("torch", "ray", "vllm", "deepspeed"))  # the schema needs no torch
+    _fails_fast(override.split(), expected, unloaded=("torch", "ray", "vllm", "deepspeed"))  # the schema needs no torch
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ def _lps():
 
 
 def test_token_tis_caps_each_token_ratio():
-    w, sums = importance_weights(*_lps(), mode="token_tis", cap=2.0)
+    w, sums = importance_weights(*_lps(), mode="token_tis", tis_cap=2.0)
     assert w.flatten().tolist() == pytest.approx([2.0, 0.5, 0.0, 1.2, 1.2, 1.2])
     assert sums["is/capped_frac"] == 1.0  # one token of five (summed; the group divides by tokens)
     ratios = [3.0, 0.5, 1.2, 1.2, 1.2]
@@ -34,11 +34,42 @@ def test_token_tis_caps_each_token_ratio():
 def test_seq_mask_drops_sequences_with_an_extreme_geometric_mean_ratio():
     learner, behaviour, mask = _lps()
     # geometric-mean ratios: row 0 sqrt(3 * 0.5) = 1.225, row 1 1.2
-    w, sums = importance_weights(learner, behaviour, mask, mode="seq_mask", low=0.5, high=1.21)
+    w, sums = importance_weights(learner, behaviour, mask, mode="seq_mask", seq_mask_low=0.5, seq_mask_high=1.21)
     assert w.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]
     assert sums["is/masked_frac"] == 2.0
-    w, _ = importance_weights(learner, behaviour, mask, mode="seq_mask", low=0.5, high=1.3)
+    w, _ = importance_weights(learner, behaviour, mask, mode="seq_mask", seq_mask_low=0.5, seq_mask_high=1.3)
     assert w.tolist() == [[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]]
+
+
+def test_token_mis_drops_tokens_above_the_cap_instead_of_capping_them():
+    # ratios: row 0 [3, 0.5], row 1 [1.2] x 3; cap 2: the 3 gets no weight at all (TIS would give 2)
+    w, sums = importance_weights(*_lps(), mode="token_mis", mis_cap=2.0)
+    assert w.flatten().tolist() == pytest.approx([0.0, 0.5, 0.0, 1.2, 1.2, 1.2])
+    assert sums["is/masked_frac"] == 1.0
+    w, sums = importance_weights(*_lps(), mode="token_mis", mis_cap=1.1)  # 1.2 > 1.1 too
+    assert w.flatten().tolist() == pytest.approx([0.0, 0.5, 0.0, 0.0, 0.0, 0.0])
+    assert sums["is/masked_frac"] == 4.0
+
+
+def test_icepop_masks_ratios_outside_both_bounds():
+    # [0.6, 2.5]: 3 above, 0.5 below, the 1.2s kept with their ratio as weight
+    w, sums = importance_weights(*_lps(), mode="icepop", icepop_low=0.6, icepop_high=2.5)
+    assert w.flatten().tolist() == pytest.approx([0.0, 0.0, 0.0, 1.2, 1.2, 1.2])
+    assert sums["is/masked_frac"] == 2.0
+    # its defaults [0.5, 5]: every token kept (0.5 sits on the bound)
+    w, sums = importance_weights(*_lps(), mode="icepop", icepop_low=0.5, icepop_high=5.0)
+    assert w.flatten().tolist() == pytest.approx([3.0, 0.5, 0.0, 1.2, 1.2, 1.2])
+    assert sums["is/masked_frac"] == 0.0
+
+
+def test_each_correction_reads_its_own_config_fields():
+    from rl.algo.importance import IMPORTANCE_CORRECTIONS
+    from rl.config.schema import AlgorithmConfig
+
+    algo = AlgorithmConfig(tis_cap=3.0, mis_cap=4.0, icepop_low=0.25, icepop_high=8.0)
+    assert IMPORTANCE_CORRECTIONS.settings("token_tis", algo) == {"tis_cap": 3.0}
+    assert IMPORTANCE_CORRECTIONS.settings("token_mis", algo) == {"mis_cap": 4.0}
+    assert IMPORTANCE_CORRECTIONS.settings("icepop", algo) == {"icepop_low": 0.25, "icepop_high": 8.0}
 
 
 def test_none_is_the_mask_and_on_policy_ess_is_one():

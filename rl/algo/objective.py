@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rl.algo.importance import importance_weights, ratio_against_behaviour
+from rl.algo.importance import IMPORTANCE_CORRECTIONS, importance_weights, ratio_against_behaviour
 from rl.algo.kl import KL_ESTIMATORS
 from rl.algo.losses import POLICY_LOSSES, LossNormalizer, aggregate, value_loss, with_entropy_bonus
 from rl.config.schema import AlgorithmConfig
@@ -79,8 +79,8 @@ def policy_objective(
     ref_logprobs = None if ref_logprobs is None else ref_logprobs.detach()
     pg_loss, clipped = POLICY_LOSSES.get(algo.policy_loss)(
         logp, ratio_base(old, behaviour, algo), advantages, mask=mask, **POLICY_LOSSES.settings(algo.policy_loss, algo))
-    weights, is_sums = importance_weights(old, behaviour, mask, algo.importance_correction, algo.tis_cap,
-                                          algo.seq_mask_low, algo.seq_mask_high)
+    weights, is_sums = importance_weights(old, behaviour, mask, algo.importance_correction,
+                                          **IMPORTANCE_CORRECTIONS.settings(algo.importance_correction, algo))
     per_token = pg_loss * weights
     kl_sum = None
     if ref_logprobs is not None and not algo.kl_in_reward:

@@ -46,7 +46,7 @@ LOSS_AGG_NAMES = (  # algorithm.loss_agg (rl/algo/losses.py)
 )
 KL_ESTIMATOR_NAMES = ("k1", "k2", "k3", "k3_clamped")  # algorithm.kl_estimator (rl/algo/kl.py)
 KL_CTRL_NAMES = ("fixed", "adaptive")  # algorithm.kl_ctrl (rl/algo/kl_control.py)
-IMPORTANCE_CORRECTION_NAMES = ("none", "token_tis", "seq_mask", "behaviour_clip")  # (rl/algo/importance.py)
+IMPORTANCE_CORRECTION_NAMES = ("none", "token_tis", "token_mis", "icepop", "seq_mask", "behaviour_clip")  # (rl/algo/importance.py)
 
 # config field -> the names it accepts; one rl.algo registry per field
 ALGORITHM_CHOICES: dict[str, tuple[str, ...]] = {

@@ -78,10 +78,15 @@ class AlgorithmConfig:
     #   trust region around the policy that sampled (measured best with off_policy_steps=1, README
     #   "Speed"); on-policy it leaves PPO's ratio against the learner's old policy as it is;
     # token_tis: ratio against the learner's pre-update policy, each token weighted by
-    #   min(pi_learner_old / pi_rollout, tis_cap); seq_mask: the same ratio, sequences whose
-    #   geometric-mean weight leaves [seq_mask_low, seq_mask_high] dropped; none.
+    #   min(pi_learner_old / pi_rollout, tis_cap); token_mis: the ratio, tokens above mis_cap get
+    #   no loss; icepop: the ratio, tokens outside [icepop_low, icepop_high] get no loss;
+    #   seq_mask: sequences whose geometric-mean ratio leaves [seq_mask_low, seq_mask_high]
+    #   dropped; none. The share of tokens capped or masked is logged (is/capped_frac, is/masked_frac).
     importance_correction: str = "behaviour_clip"
     tis_cap: float = 2.0
+    mis_cap: float = 2.0
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
     seq_mask_low: float = 0.5
     seq_mask_high: float = 2.0
 
@@ -191,6 +196,11 @@ class TaskConfig:
     # with an episode's key (keys are unguessable, 192 random bits, and die with their episode).
     agent_host: str = "127.0.0.1"
     agent_port: int = 0  # 0 = a free port
+    # A difficulty curriculum (rl/data/curriculum.py): a prompt whose group was all solved (every
+    # reward >= curriculum_pass_reward) or all failed rests for this many epochs of the prompt
+    # stream, the next prompts drawn instead; 0 = off. Logged: curriculum/skipped_frac, resting_rows
+    curriculum_epochs: int = 0
+    curriculum_pass_reward: float = 1.0
 
 
 @dataclass
@@ -199,7 +209,11 @@ class EvalConfig:
 
     every_steps: int = 0  # 0 = never; else before the first update and every N steps
     files: list[str] = field(default_factory=list)  # JSONL/Parquet rows like task.train_files
-    n: int = 4  # sampled completions (episodes) per row, for pass@k (k = 1 and n); 0 = greedy only
+    n: int = 4  # sampled completions (episodes) per row, for pass@k, avg@n, maj@k (k = 1, n); 0 = greedy only
+    k: list[int] = field(default_factory=list)  # more k for pass@k and maj@k, each at most n
+    # maj@k's answer of a completion (rl/run/evaluate.py answer_extractor): final_answer (the
+    # last \boxed{}, else the last number: what reward.builtin:math_answer checks); "" = no maj@k
+    answer: str = ""
     max_rows: int = 64  # the first rows of eval.files at most
     temperature: float = 1.0  # of the sampled ones (greedy: 0)
     pass_threshold: float = 1.0  # a sample "passes" when its reward is at least this
@@ -231,6 +245,13 @@ class TrainerConfig:
     # collective (gloo/NCCL broadcast) | object_store (Ray) | ipc (CUDA IPC on a shared GPU, with
     # cluster.placement_mode=hybrid: vLLM's ipc weight-transfer engine)
     weight_sync: str = "collective"
+    # Delta syncs (collective only): each bucket sends the values that changed since the last sync
+    # with their positions and a CRC-32 of the whole bucket, checked by the receiver; a bucket whose
+    # change exceeds delta_sync_max_fraction of its bytes goes whole, and a refused checksum makes
+    # the sync whole. Saves bytes on the wire (bf16 weights change by a few % a step); both ends keep
+    # a host copy of the weights (rl/wire/weight_sync.py)
+    delta_sync: bool = False
+    delta_sync_max_fraction: float = 0.5
     logprob_warn_threshold: float = 0.05  # warn when learner and rollout log-probs differ more
 
 
@@ -323,6 +344,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "rollout.inflight_kv": ("keep", "recompute"),
     "trainer.zero_stage": (0, 1, 2, 3),
     "trainer.weight_sync": ("collective", "object_store", "ipc"),
+    "eval.answer": ("", "final_answer"),  # rl/run/evaluate.py answer_extractor
     "sandbox.backend": ("process", "docker", "unsafe_local"),
     "cluster.placement": ("pack", "spread", "strict_pack", "strict_spread"),
     "trainer.shared_prefix": ("auto", "on", "off"),
@@ -353,6 +375,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "rollout.gpu_memory_utilization": (0, False, 1, "0.5"),
     "rollout.kv_cache_gib": (0, False, None, "1"),
     "rollout.max_restarts": (0, True, None, "3"),
+    "trainer.delta_sync_max_fraction": (0, False, 1, "0.5"),
     "rollout.max_retries": (0, True, None, "2"),
     "rollout.tensor_parallel_size": (1, True, None, "1 (or the GPUs one engine spans, e.g. 2)"),
     "rollout.pause_timeout_s": (0, False, None, "300"),
@@ -375,6 +398,9 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "algorithm.off_policy_steps": (0, True, None, "0 (on-policy) or 1"),
     "algorithm.tis_cap": (1, True, None, "2.0"),
     "algorithm.seq_mask_low": (0, True, 1, "0.5"),
+    "algorithm.mis_cap": (1, True, None, "2.0"),
+    "algorithm.icepop_low": (0, True, 1, "0.5"),
+    "algorithm.icepop_high": (1, True, None, "5.0"),
     "algorithm.seq_mask_high": (1, True, None, "2.0"),
     "trainer.max_tokens_per_micro_batch": (0, True, None, "0 (rows) or 8192"),
     "cluster.peak_tflops": (0, True, None, "0 (measure) or 312"),
@@ -453,6 +479,9 @@ def _placement_mode_errors(cfg: Any) -> list[str]:
     weight sync it enables need."""
     c, r, t = cfg.cluster, cfg.rollout, cfg.trainer
     errors = []
+    if t.delta_sync and t.weight_sync != "collective":
+        errors.append(f"trainer.delta_sync sends changes over the collective weight sync; trainer.weight_sync="
+                      f"{t.weight_sync} sends whole weights: set trainer.weight_sync=collective or trainer.delta_sync=false")
     if t.weight_sync == "ipc" and c.placement_mode != "hybrid":
         errors.append("trainer.weight_sync=ipc shares GPU memory between a learner rank and the rollout worker on "
                       "its GPU: set cluster.placement_mode=hybrid, or use trainer.weight_sync=collective")
@@ -725,4 +754,14 @@ def _episode_errors(cfg: Any) -> list[str]:
                       "(or eval.every_steps=0)")
     if e.n < 0:
         errors.append(f"eval.n={e.n}: must be >= 0 (0 = greedy answers only, no sampled ones)")
+    if t.curriculum_epochs < 0:
+        errors.append(f"task.curriculum_epochs={t.curriculum_epochs}: must be >= 0 (0 = no curriculum)")
+    if t.curriculum_epochs > 0 and cfg.rollout.mode == "streaming":
+        errors.append("task.curriculum_epochs sets prompts aside by their scored groups, which rollout.mode=streaming "
+                      "draws ahead of: use rollout.mode=batch (algorithm.off_policy_steps works with it) or "
+                      "task.curriculum_epochs=0")
+    for k in e.k:
+        if not 1 <= k <= max(e.n, 0):
+            errors.append(f"eval.k={list(e.k)}: pass@{k} and maj@{k} need {k} sampled completions per row, and "
+                          f"eval.n={e.n} samples {e.n}: set eval.n >= {k} or leave {k} out of eval.k")
     return errors

@@ -388,6 +388,7 @@ class PromptDataset:
         self.prompt_key, self.tokenizer, self.seed = prompt_key, tokenizer, seed
         self.max_prompt_tokens, self.chat_template, self.field = max_prompt_tokens, chat_template, field
         self._perm_epoch, self._perm = -1, np.arange(0)
+        self.curriculum = None  # rl.data.curriculum.Curriculum (task.curriculum_epochs > 0): draws round 0
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Prompt ids: the text as it is, or (task.chat_template) as a user message through the
@@ -444,15 +445,21 @@ class PromptDataset:
     def requests(self, step: int, prompts_per_step: int, n: int, round: int = 0) -> list[GenerationRequest]:
         """`prompts_per_step` prompts, each repeated `n` times with its own sampling seed.
 
-        Round 0 walks the seeded epoch permutation; a later `round` of the same step (DAPO's
-        refill) draws prompts at random from a stream of its own, with group ids after those
-        of earlier rounds, so seeds and groups never repeat within a step."""
+        Round 0 walks the seeded epoch permutation (with a curriculum, from its cursor, passing over
+        resting prompts); a later `round` of the same step (DAPO's refill) draws prompts at random
+        from a stream of its own, with group ids after those of earlier rounds, so seeds and groups
+        never repeat within a step."""
         out = []
-        extra = None if round == 0 else np.random.default_rng(derive_seed(self.seed, step, round, 7))
-        for i in range(prompts_per_step):
-            group = round * prompts_per_step + i
-            index = self._index(step * prompts_per_step + i) if extra is None else int(extra.integers(len(self)))
-            out.extend(self._group(index, group, n, lambda k: derive_seed(self.seed, step, group, k)))
+        groups = [round * prompts_per_step + i for i in range(prompts_per_step)]
+        if round > 0:
+            extra = np.random.default_rng(derive_seed(self.seed, step, round, 7))
+            indices = [int(extra.integers(len(self))) for _ in groups]
+        elif self.curriculum is not None:
+            indices = self.curriculum.draw(prompts_per_step, self._index, groups)
+        else:
+            indices = [self._index(step * prompts_per_step + i) for i in range(prompts_per_step)]
+        for group, index in zip(groups, indices):
+            out.extend(self._group(index, group, n, lambda k, group=group: derive_seed(self.seed, step, group, k)))
         return out
 
     def _group(self, index: int, group: int, n: int, seed: Callable[[int], int],

@@ -22,6 +22,7 @@ class LoopState:
     next_step: int
     policy_version: int
     kl_ctrl: dict | None = None  # the KL controller's state (its coefficient may adapt)
+    curriculum: dict | None = None  # the prompt curriculum's state (rl/data/curriculum.py), if any
 
 
 def checkpoint_root(run_dir: str) -> str:

@@ -2,9 +2,16 @@
 `eval.n` times (0: greedy only), scored like training samples (reward functions, or an episode's environment).
 
 Logged in the step's metrics (so in metrics.jsonl and TensorBoard) before that step's update:
-`eval/greedy_mean_reward`, `eval/sampled_mean_reward`, `eval/greedy_pass_frac` and
-`eval/pass_at_1`, `eval/pass_at_<n>` (the unbiased pass@k of Chen et al. 2021 over the n samples),
-where a sample passes when its reward is at least `eval.pass_threshold`.
+`eval/greedy_mean_reward`, `eval/sampled_mean_reward`, `eval/greedy_pass_frac`, and over the n
+sampled completions of each row (a sample passes when its reward is at least `eval.pass_threshold`):
+
+- `eval/pass_at_<k>` for k = 1, n and each of `eval.k`: the unbiased pass@k of Chen et al. 2021
+  (1 - C(n-c, k) / C(n, k) with c of the n passing), averaged over rows;
+- `eval/avg_at_<n>`: the share of all n samples that pass (the mean accuracy of one sample);
+- `eval/maj_at_<k>` (with `eval.answer`, the answer extractor: `final_answer`, the answer
+  `math_answer` checks): majority vote over the answers of each row's first k samples, the most
+  frequent answer winning (ties: the one seen first; samples without an answer do not vote), right
+  when the samples holding it pass; a row with no answer at all counts as wrong.
 """
 
 from __future__ import annotations
@@ -31,10 +38,36 @@ def due(settings: EvalConfig, step: int) -> bool:
     return settings.every_steps > 0 and step % settings.every_steps == 0
 
 
+def answer_extractor(name: str) -> Callable[[str], str | None] | None:
+    """`eval.answer`'s function giving a completion's answer for maj@k ("": none, maj@k not
+    logged). Built-in ones only (the schema lists them): no user code runs in the driver."""
+    if not name:
+        return None
+    from reward import builtin
+
+    return {"final_answer": builtin.final_answer}[name]
+
+
+def majority_passes(answers: list[str | None], passed: list[bool]) -> bool:
+    """Majority vote: the most frequent answer (ties: the first seen; None does not vote) is right
+    when the samples that gave it passed (all of them: answers are compared as strings, so two
+    samples with one answer and different verdicts make it wrong)."""
+    votes: dict[str, list[bool]] = {}
+    for answer, ok in zip(answers, passed, strict=True):
+        if answer is not None:
+            votes.setdefault(answer, []).append(ok)
+    if not votes:
+        return False
+    top = max(votes.values(), key=len)  # max keeps the first of equals: insertion order
+    return all(top)
+
+
 def eval_metrics(greedy: list[ScoredSample], sampled: list[ScoredSample], n: int,
-                 threshold: float) -> dict[str, float]:
+                 threshold: float, ks: list[int] | tuple[int, ...] = (),
+                 answer: Callable[[str], str | None] | None = None) -> dict[str, float]:
     """Figures over scored samples; a sample whose reward failed counts as not passing (and as an
-    error), so a broken scorer cannot make the model look better."""
+    error), so a broken scorer cannot make the model look better. `ks`: more k for pass@k and
+    maj@k (each at most n); `answer`: a completion's answer for maj@k (None: no maj@k)."""
     def reward(s: ScoredSample) -> float:
         return s.reward if s.reward is not None else 0.0
 
@@ -48,11 +81,17 @@ def eval_metrics(greedy: list[ScoredSample], sampled: list[ScoredSample], n: int
         out["eval/greedy_pass_frac"] = statistics.fmean(map(passes, greedy))
     if sampled:
         out["eval/sampled_mean_reward"] = statistics.fmean(map(reward, sampled))
-        by_row: dict[int, list[bool]] = {}
-        for s in sampled:
-            by_row.setdefault(s.sample.group_id, []).append(passes(s))
-        for k in sorted({1, n}):
-            out[f"eval/pass_at_{k}"] = statistics.fmean(pass_at_k(len(p), sum(p), k) for p in by_row.values())
+        by_row: dict[int, list[ScoredSample]] = {}
+        for s in sorted(sampled, key=lambda s: (s.sample.group_id, s.sample.sample_index)):
+            by_row.setdefault(s.sample.group_id, []).append(s)
+        rows = [[passes(s) for s in row] for row in by_row.values()]
+        for k in sorted({1, n, *ks}):
+            out[f"eval/pass_at_{k}"] = statistics.fmean(pass_at_k(len(p), sum(p), k) for p in rows)
+        out[f"eval/avg_at_{n}"] = statistics.fmean(ok for p in rows for ok in p)
+        if answer is not None:
+            answers = [[answer(s.sample.completion_text) for s in row] for row in by_row.values()]
+            for k in sorted({1, n, *ks}):
+                out[f"eval/maj_at_{k}"] = statistics.fmean(majority_passes(a[:k], p[:k]) for a, p in zip(answers, rows))
     return out
 
 
@@ -65,6 +104,7 @@ def evaluate(settings: EvalConfig, data: PromptDataset, generate: Callable[[list
     greedy = score(generate(greedy_requests))
     sampled = score(generate(data.eval_requests(settings.max_rows, settings.n, settings.temperature, seed=2))) \
         if settings.n > 0 else []
-    metrics = eval_metrics(greedy, sampled, settings.n, settings.pass_threshold)
+    metrics = eval_metrics(greedy, sampled, settings.n, settings.pass_threshold, settings.k,
+                           answer_extractor(settings.answer))
     metrics["time/eval_s"] = time.perf_counter() - t0
     return metrics

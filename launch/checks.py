@@ -170,8 +170,32 @@ def ensure_inputs(cfg: DictConfig) -> None:
                           "algorithm.router_aux_loss_coef=0")
     for path in critic:
         require_model(path, "algorithm.critic_init")
+    if cfg.algorithm.get("teacher_path"):
+        require_model(cfg.algorithm.teacher_path, "algorithm.teacher_path")
+        require_same_tokenizer(cfg.model.path, cfg.algorithm.teacher_path)
     if cfg.model.lora.rank > 0:
         require_lora_targets(cfg.model.path, list(cfg.model.lora.target_modules))
+
+
+def require_same_tokenizer(student: str, teacher: str) -> None:
+    """On-policy distillation scores the student's token ids with the teacher: both must map ids
+    to the same tokens (the same vocabulary, special tokens included)."""
+    from transformers import AutoTokenizer
+
+    vocabs = []
+    for path, field in ((student, "model.path"), (teacher, "algorithm.teacher_path")):
+        try:
+            vocabs.append(AutoTokenizer.from_pretrained(path).get_vocab())
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"{field}={path!r}: its tokenizer does not load ({' '.join(str(err).split())[:150]})") \
+                from None
+    if vocabs[0] != vocabs[1]:
+        a, b = vocabs
+        differ = sorted((set(a.items()) ^ set(b.items())), key=lambda kv: kv[1])[:3]
+        shown = ", ".join(f"{tok!r}={i}" for tok, i in differ)
+        raise ConfigError(f"algorithm.teacher_path={teacher!r} has another tokenizer than model.path={student!r} "
+                          f"({len(b)} tokens against {len(a)}; e.g. {shown}): on-policy distillation scores the "
+                          "student's token ids with the teacher, so both need the same tokenizer")
 
 
 def require_lora_targets(model_path: str, targets: list[str]) -> None:
@@ -204,6 +228,8 @@ def resolve_paths(cfg: DictConfig) -> None:
     cfg.eval.files = [_abs_data(f) for f in cfg.eval.files]
     if cfg.algorithm.critic_init:
         cfg.algorithm.critic_init = _abs(cfg.algorithm.critic_init)
+    if cfg.algorithm.teacher_path:
+        cfg.algorithm.teacher_path = _abs(cfg.algorithm.teacher_path)
     cfg.run.dir = _abs(cfg.run.dir)
 
 

@@ -115,6 +115,9 @@ def resolve_hub_ids(cfg: Any) -> None:
     critic = cfg.algorithm.get("critic_init") if "algorithm" in cfg else None  # RL configs only
     if critic and builtin_dir(critic) is None:
         cfg.algorithm.critic_init = resolve_model(critic, field="algorithm.critic_init")
+    teacher = cfg.algorithm.get("teacher_path") if "algorithm" in cfg else None
+    if teacher and builtin_dir(teacher) is None:
+        cfg.algorithm.teacher_path = resolve_model(teacher, field="algorithm.teacher_path")
     for i, f in enumerate(cfg.reward.functions if "reward" in cfg else []):
         if f.kwargs and isinstance(f.kwargs.get("path"), str) and builtin_dir(f.kwargs.path) is None:
             f.kwargs.path = resolve_model(f.kwargs.path, field=f"reward.functions[{i}].kwargs.path")

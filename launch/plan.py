@@ -10,6 +10,7 @@ Exit code 0 when the run fits, 2 (with one `error:` line naming the fix) when it
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import statistics
@@ -154,6 +155,9 @@ def plan_run(cfg: Any) -> tuple[Plan, tuple[list[str], Plan] | None]:
     a run that fits gets its step time predicted (`rl.plan.step_time.predict_step`)."""
     shape = ModelShape.from_config(require_model(cfg.model.path))
     s = Settings.from_config(cfg)
+    if cfg.algorithm.get("teacher_path"):  # on-policy distillation: the teacher's weights beside the policy's
+        teacher = ModelShape.from_config(require_model(cfg.algorithm.teacher_path, "algorithm.teacher_path"))
+        s = dataclasses.replace(s, teacher_params=teacher.params())
     host, gpu = capacities(cfg, s)
     plan = make_plan(shape, s, host, gpu)
     if not plan.fits:

@@ -95,15 +95,24 @@ class RewardScorer:
 
     def missing_columns(self, columns: list[str]) -> dict[int, list[str]]:
         """By function index, the dataset columns a function requires (arguments without a
-        default, other than the per-sample ones and its config kwargs) that `columns` lacks."""
+        default, other than the per-sample ones and its config kwargs, and those its
+        `columns_needed(**kwargs)` names, e.g. a judge's template fields) that `columns` lacks."""
         missing: dict[int, list[str]] = {}
         for i, f in enumerate(self.functions):
             try:
                 params = inspect.signature(f.fn).parameters.values()
             except (TypeError, ValueError):  # a builtin or C function: nothing to tell
                 continue
+            given = getattr(f.fn, "keywords", {})  # config kwargs (the signature is the unbound function's)
             needed = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in RESERVED_KWARGS
+                      and p.name not in given
                       and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+            declared = getattr(f.fn, "columns_needed", None)
+            if declared is not None:
+                try:
+                    needed += [c for c in declared(**given) if c not in needed]
+                except ValueError as err:
+                    raise RewardLoadError(f"reward.functions[{i}].kwargs: {err}") from None
             lacking = [name for name in needed if name not in columns]
             if lacking:
                 missing[i] = lacking

@@ -156,6 +156,12 @@ def make_rollouts(cfg: TrainConfig, data: PromptDataset, source: Source,
     return LockStep(produce)
 
 
+def student_logprobs(batch: TrainBatch) -> torch.Tensor:
+    """The policy's log-probs of the sampled tokens before this update: the learner's where it
+    scored them (trainer.recompute_old_logprobs), else the rollout engine's."""
+    return batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
+
+
 def _informative(group: list[ScoredSample]) -> bool:
     """DAPO's filter: the group's rewards are not all equal (its advantages are not all zero)."""
     reward, valid, ids = _reward_tensors(group)
@@ -299,7 +305,8 @@ def _step(cfg: TrainConfig, pad_id: int, learner: Learner, weights: Weights, log
         t_score = time.perf_counter()
         kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
         est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_coef,
-                                  batch.old_logprobs, batch.ref_logprobs, batch.values, batch.turn_rewards)
+                                  batch.old_logprobs, batch.ref_logprobs, batch.values, batch.turn_rewards,
+                                  batch.teacher_logprobs, student_logprobs(batch))
         batch.advantages, batch.returns = est.advantages, est.returns
         train_metrics = learner.train_step(batch, step, kl_coef)
         t_train = time.perf_counter()

@@ -5,12 +5,12 @@ whole sync, and a large change sent whole."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import pickle
 import zlib
 
 import torch
 
+from tests.members import run_members
 from rl.wire.weight_sync import (DELTA_FULL, DELTA_SPARSE, DELTA_UNCHANGED, DeltaReceiver, DeltaSender, WeightMeta,
                                  apply_delta, checksum, encode_delta, free_port, init_group)
 
@@ -63,7 +63,7 @@ def _weights(step: int) -> list[torch.Tensor]:
     return [a, b]
 
 
-def _member(rank: int, port: int, out) -> None:
+def _member(rank: int, port: int, out) -> None:  # (tests/members.py)
     group = init_group("127.0.0.1", port, rank, 3, "gloo", timeout_s=60)
     if rank == 0:
         sender, sent = DeltaSender(max_fraction=0.5), []
@@ -84,16 +84,7 @@ def _member(rank: int, port: int, out) -> None:
 
 
 def test_a_sender_and_two_receivers_in_real_processes() -> None:
-    ctx = mp.get_context("spawn")
-    port, out = free_port(), ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(rank, port, out)) for rank in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(pickle.loads(out.get(timeout=120)) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
+    results = run_members(_member, 3, free_port())
     sent = results[0]
     # 1: whole (nothing held yet): 128 + 128 bytes; 2: one float32 with its position (8 bytes),
     # "b" unchanged; 3: nothing changed (a receiver's bad copy is its own); 3 again, whole;
@@ -108,3 +99,29 @@ def test_a_sender_and_two_receivers_in_real_processes() -> None:
             assert mismatch == (1 if bad else 0), (rank, k)
             a, b = _weights(step)
             assert torch.equal(tensors["a"], a) != bad and torch.equal(tensors["b"], b), (rank, k)
+
+
+class _Recorder:
+    """A group that records what rank 0 broadcasts (no peers)."""
+
+    def __init__(self) -> None:
+        self.sent: list[torch.Tensor] = []
+
+    def broadcast(self, flat: torch.Tensor) -> None:
+        self.sent.append(flat.clone())
+
+
+def test_a_bucket_that_changed_everywhere_goes_whole_uncompared_for_a_while() -> None:
+    from rl.wire.weight_sync import DENSE_SYNCS
+
+    sender, group = DeltaSender(max_fraction=0.5), _Recorder()
+    w = torch.zeros(8)
+    sender.send(group, [[w]])  # first: whole
+    sender.send(group, [[w + 1.0]])  # every value changed: whole, and marked dense
+    assert sender.dense == [DENSE_SYNCS]
+    group.sent.clear()
+    stats = sender.send(group, [[w + 1.0]])  # nothing changed, but not compared: whole
+    assert stats["full_buckets"] == 1 and group.sent[0].tolist() == [DELTA_FULL, 0, 0] and len(group.sent) == 2
+    assert sender.dense == [DENSE_SYNCS - 1]
+    sender.dense = [0]  # once the count runs out, compared again
+    assert sender.send(group, [[w + 1.0]])["bytes"] == 0

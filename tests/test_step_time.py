@@ -88,3 +88,16 @@ def test_launch_decides_auto_and_keeps_an_explicit_choice():
     assert cfg.rollout.enforce_eager is True and "no step prediction" in note
     cfg = compose("train", ["rollout.enforce_eager=false"])
     assert resolve_enforce_eager(cfg, None) is None and cfg.rollout.enforce_eager is False
+
+
+def test_peers_published_gpu_runs_through_the_planner():
+    """bench.peer_predictions: NeMo-RL's published runs (lengths published) predicted within
+    0.6-1.4x of their published steps, and the 8B model's colocated step below the 32B one's."""
+    from bench.peer_predictions import ROWS, predict
+
+    nemo = [(row, predict(row)) for row in ROWS if row.length_published]
+    assert len(nemo) == 6
+    ratios = [t.step_s / row.step_s for row, t in nemo]
+    assert all(0.6 <= r <= 1.4 for r in ratios), ratios
+    assert sum(0.7 <= r <= 1.3 for r in ratios) >= 4, ratios
+    assert nemo[0][1].step_s < nemo[3][1].step_s

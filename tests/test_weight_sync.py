@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from rl.wire.weight_sync import WeightMeta, buckets, free_port, init_group, receive, send
+from tests.members import run_members
 
 METAS = [WeightMeta("a", (2, 3), "float32"), WeightMeta("b", (4,), "float32"), WeightMeta("c", (2,), "bfloat16")]
 TENSORS = {"a": torch.arange(6.0).reshape(2, 3), "b": -torch.arange(4.0), "c": torch.tensor([1.5, 2.5], dtype=torch.bfloat16)}
@@ -33,7 +34,7 @@ def _flat_views(tensors: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _member(rank: int, port: int, world: int, out) -> None:
+def _member(rank: int, port: int, world: int, out) -> None:  # (tests/members.py)
     group = init_group("127.0.0.1", port, rank, world, "gloo", timeout_s=60)
     if rank == 0:
         send(group, [[TENSORS["a"], TENSORS["b"]], [TENSORS["c"]]])  # the buckets `buckets(METAS)` makes
@@ -48,22 +49,11 @@ def _member(rank: int, port: int, world: int, out) -> None:
         got = {name: t.clone() for name, t in receive(group, METAS)}
         for layout in ("separate", "flat"):
             got.update((f"{name}/{layout}", t.clone()) for name, t in receive(group, MIXED_METAS))
-        # pickled here: a tensor put on an mp queue as it is travels as a handle into this
-        # process's memory, which is gone when the parent reads it after this process ended
         out.put(pickle.dumps((rank, got)))
 
 
 def test_rank0_broadcasts_every_bucket_to_every_receiver() -> None:
-    ctx = mp.get_context("spawn")
-    port, out = free_port(), ctx.Queue()
-    procs = [ctx.Process(target=_member, args=(rank, port, 3, out)) for rank in range(3)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(pickle.loads(out.get(timeout=120)) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=30)
+    results = run_members(_member, 3, free_port(), 3)
     assert buckets(METAS) == [[0, 1], [2]] and buckets(MIXED_METAS) == [[0, 1, 2, 3]]
     assert results[0] == {"concatenations": 0}
     for rank in (1, 2):

@@ -76,13 +76,13 @@ class LearnerGroup:
         return [out.results.get(rank) for rank in out.keys]
 
     def score(self, batch: TrainBatch) -> TrainBatch:
-        """Every rank scores its shard (old/reference log-probs, values); reassembled in row order."""
+        """Every rank scores its shard (old/reference/teacher log-probs, values); reassembled in row order."""
         if len(batch) != self.spec.samples_per_step:
             raise ValueError(f"expected {self.spec.samples_per_step} rows per step, got {len(batch)}")
         index = shard_rows(len(batch), self.world_size)
         scored = self.call([w.score.remote(batch.select(rows)) for w, rows in zip(self.workers, index)], "score")
         width = batch.input_ids.shape[1] - 1
-        for name in ("old_logprobs", "ref_logprobs", "values"):
+        for name in ("old_logprobs", "ref_logprobs", "values", "teacher_logprobs"):
             parts = [getattr(s, name) for s in scored]
             if parts[0] is None:
                 setattr(batch, name, None)

@@ -74,14 +74,15 @@ class LearnerWorker:
         self.device = join_data_parallel(spec, rank, self.world_size, self.device_kind, master_addr, master_port)
         m = build_models(spec, rank, self.world_size, self.device)
         self.engine, self.ref, self.critic, self.pack, self.lora = m.engine, m.ref, m.critic, m.pack, m.lora
+        self.teacher = m.teacher  # on-policy distillation (algorithm.teacher_path): scores the sampled tokens
         self.share = m.share  # trainer.shared_prefix as run (trainer/layouts.py)
         self.uses_ref = spec.algorithm.kl_coef > 0  # (with LoRA the reference is the engine, adapters off)
         # What a weight sync sends: every parameter, or with LoRA only the adapters (by wire name).
         named = ([(lora.wire_name(n), p) for n, p in self.engine.module.named_parameters() if p.requires_grad]
                  if self.lora else list(self.engine.module.named_parameters()))
         t = spec.trainer
-        self.residency = Residency([self.engine, self.critic], self.ref, not t.ref_offload and t.zero_stage != 3,
-                                   self.device)
+        self.residency = Residency([self.engine, self.critic], [self.ref, self.teacher],
+                                   not t.ref_offload and t.zero_stage != 3, self.device)
         self.weights = WeightExport(named, rank, t.zero_stage, self.residency.resident,
                                     convert=None if self.lora else checkpoint_layout(self.engine.module))
         self._sender = None  # the weight sync's learner side (`attach_sender`)
@@ -121,14 +122,16 @@ class LearnerWorker:
 
     @torch.no_grad()
     def score(self, batch: TrainBatch) -> TrainBatch:
-        """What the update needs from before it: reference log-probs (KL), critic values (GAE)
-        and, when `spec.recompute_old_logprobs`, the old policy's log-probs (else the training
-        forward supplies them). Kept on CPU, full width; the driver estimates advantages from them."""
+        """What the update needs from before it: reference log-probs (KL), the teacher's log-probs
+        (on-policy distillation), critic values (GAE) and, when `spec.recompute_old_logprobs`, the
+        old policy's log-probs (else the training forward supplies them). Kept on CPU, full width;
+        the driver estimates advantages from them."""
         self.onload()  # hybrid placement: the engine on this GPU sleeps now
         width = batch.input_ids.shape[1] - 1
         old = torch.zeros((len(batch), width))
         ref = torch.zeros((len(batch), width)) if self.uses_ref else None
         values = torch.zeros((len(batch), width)) if self.critic is not None else None
+        teacher = torch.zeros((len(batch), width)) if self.teacher is not None else None
         entropy = torch.zeros((len(batch), width))
         recompute = self.spec.recompute_old_logprobs
 
@@ -136,7 +139,7 @@ class LearnerWorker:
             into[rows, : t.shape[1]] = t.float().cpu()
 
         self.engine.eval()
-        if recompute or ref is not None or values is not None:
+        if recompute or ref is not None or values is not None or teacher is not None:
             for rows in self._micro_batches(batch, self._order(batch), forward_only=True):
                 mb = batch.select(rows)
                 ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
@@ -151,9 +154,12 @@ class LearnerWorker:
                     put(ref, rows, self._ref_logprobs(ids, am, where, layout))
                 if values is not None:
                     put(values, rows, self._values(self.critic, layout))
+                if teacher is not None:
+                    put(teacher, rows, token_logprobs(self.teacher, ids, am, self.spec.temperature, positions=where,
+                                                      layout=layout)[0])
         self.engine.train()
         batch.old_logprobs = old if recompute else None
-        batch.ref_logprobs, batch.values = ref, values
+        batch.ref_logprobs, batch.values, batch.teacher_logprobs = ref, values, teacher
         mask = batch.loss_mask
         self._scored_sums = {"actor/entropy_nats": float((entropy * mask).sum())} if recompute else {}
         if batch.values is not None:

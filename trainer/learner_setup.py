@@ -85,6 +85,7 @@ class LearnerModels:
     share: str  # trainer.shared_prefix as run: "off" where the model cannot (trainer/layouts.py)
     lora: bool
     dtype: torch.dtype
+    teacher: Any = None  # the teacher's engine (on-policy distillation, algorithm.teacher_path)
 
 
 def join_data_parallel(spec: LearnerSpec, rank: int, world_size: int, device_kind: str, master_addr: str,
@@ -137,7 +138,20 @@ def build_models(spec: LearnerSpec, rank: int, world_size: int, device: torch.de
                 spec.algorithm.critic_init or spec.model.path, num_labels=1, dtype=dtype)
 
         critic = _trainable(spec, value_model, deepspeed_config(spec, world_size), spec.algorithm.critic_lr)
-    return LearnerModels(engine, ref, critic, pack, share, use_lora, dtype)
+    teacher = None
+    if spec.algorithm.teacher_path:
+        teacher = _reference(spec, world_size, device, dtype, spec.algorithm.teacher_path)
+        # the teacher reads the student's micro-batch layouts: they must hold for it too
+        if pack and not _layout_holds(packing_matches, teacher, rank, world_size, device):
+            pack = False
+            if rank == 0:
+                print("learner: the teacher mixes packed rows; micro-batches stay padded", flush=True)
+        if share != "off" and not _layout_holds(prefix_sharing_matches, teacher, rank, world_size, device):
+            share = "off"
+            if rank == 0:
+                print("learner: the teacher ignores prefix trees' masks; shared-prefix micro-batches are off", flush=True)
+        teacher.eval()  # (_layout_holds leaves a model in train mode)
+    return LearnerModels(engine, ref, critic, pack, share, use_lora, dtype, teacher)
 
 
 def _layout_holds(check, engine, rank: int, world_size: int, device: torch.device) -> bool:
@@ -211,9 +225,11 @@ def _trainable(spec: LearnerSpec, load_model, ds_config: dict[str, Any], lr: flo
                         gradient_checkpointing=spec.model.gradient_checkpointing)
 
 
-def _reference(spec: LearnerSpec, world_size: int, device: torch.device, dtype: torch.dtype):
-    """The frozen reference policy in its own DeepSpeed engine (no optimizer); with
-    `ref_offload` its weights live on the CPU (ZeRO-3 parameter offload) between uses."""
+def _reference(spec: LearnerSpec, world_size: int, device: torch.device, dtype: torch.dtype,
+               path: str | None = None):
+    """A frozen model in its own DeepSpeed engine (no optimizer): the reference policy
+    (model.path), or the teacher (`path`); with `ref_offload` its weights live on the CPU
+    (ZeRO-3 parameter offload) between uses."""
     import deepspeed
     from transformers import AutoModelForCausalLM
 
@@ -224,7 +240,7 @@ def _reference(spec: LearnerSpec, world_size: int, device: torch.device, dtype: 
     elif spec.trainer.zero_stage != 3:
         config["zero_optimization"] = {"stage": 0}  # a frozen model: nothing to shard but weights
     keep_alive = zero3_load_config(config)
-    model = AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(path or spec.model.path, dtype=dtype).eval()
     model.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=config)
     engine._rlpost_hf_ds_config = keep_alive

@@ -11,12 +11,12 @@ import torch
 
 
 class Residency:
-    def __init__(self, engines: list, ref, ref_movable: bool, device: torch.device):
-        """`engines`: the DeepSpeed engines with states to move (policy, critic); `ref`: the
-        reference engine, moved as a plain module when `ref_movable` (ZeRO stage 0: under ZeRO-3
-        its partitions stay where DeepSpeed keeps them, with ref_offload the host)."""
+    def __init__(self, engines: list, frozen: list, frozen_movable: bool, device: torch.device):
+        """`engines`: the DeepSpeed engines with states to move (policy, critic); `frozen`: the
+        reference and teacher engines, moved as plain modules when `frozen_movable` (ZeRO stage
+        0: under ZeRO-3 their partitions stay where DeepSpeed keeps them, with ref_offload the host)."""
         self.engines = [e for e in engines if e is not None]
-        self.ref = ref if ref_movable else None
+        self.frozen = [f for f in frozen if f is not None] if frozen_movable else []
         self.device = device
         self.offloaded = False
 
@@ -24,7 +24,7 @@ class Residency:
         """Move the states to host memory so the rollout engine sharing the GPU can wake:
         DeepSpeed's `offload_states` for the policy and critic (optimizer states, fp32 master
         weights, gradients, and unless `keep_weights` the 16-bit weights a CUDA-IPC sync reads),
-        the reference model's weights, then the caching allocator's free blocks. Again with
+        the reference and teacher models' weights, then the caching allocator's free blocks. Again with
         keep_weights=False, the rest goes too."""
         from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
 
@@ -32,8 +32,9 @@ class Residency:
         pin = self.device.type == "cuda"
         for engine in self.engines:
             engine.offload_states(include=include, pin_memory=pin)
-        if not keep_weights and self.ref is not None:
-            self.ref.module.to("cpu")
+        if not keep_weights:
+            for frozen in self.frozen:
+                frozen.module.to("cpu")
         self.offloaded = True
         if pin:
             torch.cuda.empty_cache()
@@ -44,8 +45,8 @@ class Residency:
             return
         for engine in self.engines:
             engine.reload_states()
-        if self.ref is not None:
-            self.ref.module.to(self.device)
+        for frozen in self.frozen:
+            frozen.module.to(self.device)
         self.offloaded = False
 
     @contextmanager

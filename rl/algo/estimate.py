@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from rl.algo.advantages import ADVANTAGES, token_level_rewards
+from rl.algo.distill import distill_advantages
 from rl.config.schema import AlgorithmConfig
 from rl.algo.kl import KL_ESTIMATORS
 
@@ -35,7 +36,35 @@ class Estimate:
 
 
 def estimate_advantages(
-    settings: AlgorithmConfig,     # advantage, norm_by_std, gamma, lam, kl_in_reward, kl_estimator, whiten_advantages
+    settings: AlgorithmConfig,     # advantage, norm_by_std, gamma, lam, kl_in_reward, kl_estimator, whiten_advantages, distill_coef
+    outcome: torch.Tensor,
+    valid: torch.Tensor,
+    group_ids: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float = 0.0,
+    old_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    turn_rewards: torch.Tensor | None = None,
+    teacher_logprobs: torch.Tensor | None = None,  # [B, T-1] on-policy distillation: the teacher's
+    student_logprobs: torch.Tensor | None = None,  # [B, T-1] ... and the student's of the same tokens
+) -> Estimate:
+    """The task's advantages (`_task_advantages`), with on-policy distillation
+    (algorithm.distill_coef > 0) mixed with the teacher's per-token ones (rl/algo/distill.py)."""
+    est = _task_advantages(settings, outcome, valid, group_ids, mask, kl_coef, old_logprobs, ref_logprobs, values,
+                           turn_rewards)
+    if settings.distill_coef <= 0:
+        return est
+    if teacher_logprobs is None or student_logprobs is None:
+        raise ValueError("algorithm.distill_coef > 0 needs the teacher's and the student's log-probs of the sampled "
+                         "tokens (set algorithm.teacher_path)")
+    advantages, metrics = distill_advantages(est.advantages, teacher_logprobs, student_logprobs, mask,
+                                             settings.distill_coef)
+    return Estimate(advantages, est.returns, {**est.metrics, **metrics})
+
+
+def _task_advantages(
+    settings: AlgorithmConfig,
     outcome: torch.Tensor,          # [B] reward per sample (anything where invalid)
     valid: torch.Tensor,            # [B] bool: the reward could be computed
     group_ids: torch.Tensor,        # [B]

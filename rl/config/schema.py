@@ -58,6 +58,12 @@ class AlgorithmConfig:
     critic_init: str | None = None  # value model start: null = the policy's weights, or a reward-model folder
     critic_lr: float = 1e-3
     critic_warmup_steps: int = 0  # steps that train only the critic before the policy moves
+    # On-policy distillation (rl/algo/distill.py, algorithm=opd): a frozen teacher (a model folder or
+    # Hub id, sharing the student's tokenizer) scores the student's sampled tokens; each token's
+    # advantage becomes (1 - distill_coef) x the task advantage + distill_coef x (teacher log-prob -
+    # student log-prob), the negative reverse KL. 0 = no teacher
+    teacher_path: str | None = None
+    distill_coef: float = 0.0
     value_clip: float = 0.2  # clipped value loss range; 0 = unclipped
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal and sample more
     max_sampling_rounds: int = 3  # DAPO: generation rounds per step at most (then fill with what there is)
@@ -399,6 +405,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "algorithm.tis_cap": (1, True, None, "2.0"),
     "algorithm.seq_mask_low": (0, True, 1, "0.5"),
     "algorithm.mis_cap": (1, True, None, "2.0"),
+    "algorithm.distill_coef": (0, True, 1, "1.0 (distillation alone) or 0.5"),
     "algorithm.icepop_low": (0, True, 1, "0.5"),
     "algorithm.icepop_high": (1, True, None, "5.0"),
     "algorithm.seq_mask_high": (1, True, None, "2.0"),
@@ -754,6 +761,13 @@ def _episode_errors(cfg: Any) -> list[str]:
                       "(or eval.every_steps=0)")
     if e.n < 0:
         errors.append(f"eval.n={e.n}: must be >= 0 (0 = greedy answers only, no sampled ones)")
+    a = cfg.algorithm
+    if a.distill_coef > 0 and not a.teacher_path:
+        errors.append(f"algorithm.distill_coef={a.distill_coef} distils from a teacher: set algorithm.teacher_path="
+                      "<model folder or Hub id> (a model with the student's tokenizer)")
+    if a.teacher_path and a.distill_coef <= 0:
+        errors.append(f"algorithm.teacher_path={a.teacher_path!r} loads a teacher that algorithm.distill_coef=0 "
+                      "never uses: set algorithm.distill_coef (1.0: distillation alone) or drop the teacher")
     if t.curriculum_epochs < 0:
         errors.append(f"task.curriculum_epochs={t.curriculum_epochs}: must be >= 0 (0 = no curriculum)")
     if t.curriculum_epochs > 0 and cfg.rollout.mode == "streaming":

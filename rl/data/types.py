@@ -134,6 +134,7 @@ class TrainBatch:
     values: torch.Tensor | None = None  # [B, T-1], the critic's values before the update (PPO)
     returns: torch.Tensor | None = None  # [B, T-1], the critic's targets (PPO)
     turn_rewards: torch.Tensor | None = None  # [B, T-1], episodes: each turn's reward on its last model token
+    teacher_logprobs: torch.Tensor | None = None  # [B, T-1], the teacher's (on-policy distillation)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -161,4 +162,5 @@ class TrainBatch:
             values=rows(self.values),
             returns=rows(self.returns),
             turn_rewards=rows(self.turn_rewards),
+            teacher_logprobs=rows(self.teacher_logprobs),
         )

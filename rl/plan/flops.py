@@ -78,7 +78,8 @@ def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:
 
 # Memory bandwidth from NVIDIA's datasheets, GB/s per GPU (A100: the 80 GB SXM figure).
 DATASHEET_GBPS: dict[str, float] = {"H100 SXM": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0, "A100": 2039.0,
-                                    "L40S": 864.0, "L4": 300.0, "RTX 4090": 1008.0}
+                                    "L40S": 864.0, "L4": 300.0, "RTX 4090": 1008.0, "H20": 4000.0,
+                                    "GB200": 8000.0}
 
 # Dense (no 2:4 sparsity) tensor-core peaks from NVIDIA's datasheets, TFLOP/s at boost clock, per
 # GPU: (bf16, tf32, fp32 without tensor cores). fp32 matmuls run at the tf32 figure only where torch
@@ -91,12 +92,15 @@ DATASHEET_TFLOPS: dict[str, tuple[float, float, float]] = {
     "L40S": (362.05, 183.0, 91.6),
     "L4": (121.0, 60.0, 30.3),
     "RTX 4090": (165.2, 82.6, 82.6),  # Ada whitepaper: bf16 with fp32 accumulate
+    "H20": (148.0, 74.0, 44.0),  # NVIDIA H20 product brief
+    "GB200": (2500.0, 1250.0, 90.0),  # one Blackwell GPU of a GB200 NVL72: the rack's dense figures / 72
 }
 # torch.cuda.get_device_name() (upper-cased) -> card; first match wins. Other variants (H100/H200
 # NVL, H800, A800, RTX 4090 D, AWS's A10G, which has no NVIDIA datasheet) have other peaks and are
 # not in the table.
 _CARDS = ((r"H100.*PCIE", "H100 PCIe"), (r"H100(?!.*NVL)", "H100 SXM"), (r"H200(?!.*NVL)", "H200"),
-          (r"A100", "A100"), (r"L40S", "L40S"), (r"\bL4\b", "L4"), (r"RTX 4090(?! D)", "RTX 4090"))
+          (r"A100", "A100"), (r"L40S", "L40S"), (r"\bL4\b", "L4"), (r"RTX 4090(?! D)", "RTX 4090"),
+          (r"\bH20\b", "H20"), (r"GB200", "GB200"))
 
 
 def datasheet_card(device_name: str) -> str | None:

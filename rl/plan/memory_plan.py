@@ -177,6 +177,7 @@ class Settings:
     offload_optimizer: bool = False
     ref_offload: bool = False
     kl_coef: float = 0.001
+    teacher_params: int = 0  # on-policy distillation's frozen teacher (set from its config.json by launch.plan)
     critic: bool = False
     entropy: bool = True  # the training forward also computes the entropy (a metric, or the bonus)
     mini_batches: int = 1
@@ -414,6 +415,9 @@ def learner_role(shape: ModelShape, s: Settings) -> Role:
             device["reference weights"] = ref
     elif s.kl_coef > 0:
         notes.append("reference = the policy with its LoRA adapters off (no second copy)")
+    if s.teacher_params:  # a frozen engine like the reference, of the teacher's size
+        teacher = s.teacher_params * w / (n if s.zero_stage == 3 or s.ref_offload else 1)
+        (host if s.ref_offload else device)["teacher weights" + (", offloaded" if s.ref_offload else "")] = teacher
     if s.critic:
         critic = shape.backbone_params() + shape.hidden + 1  # one-output value head with a bias
         c_dev, c_host = _trainable_parts(s, critic * w, critic, w, "critic")

@@ -48,8 +48,11 @@ PREFILL_EFFICIENCY = 0.25
 DECODE_FLOP_EFFICIENCY = 0.3
 DECODE_STEP_OVERHEAD_S = 0.004
 REQUEST_OVERHEAD_S = 0.0007  # per request: admission, detokenizing, results (the tiny model's 512 requests: 0.41 s)
-# - a full weight sync (bench.planner: 270 MB of SmolLM2 bf16 in 0.43 s: gloo broadcast and vLLM's load)
+# - a full weight sync (bench.planner: 270 MB of SmolLM2 bf16 in 0.43 s: gloo broadcast and vLLM's load);
+#   on GPUs (NCCL or CUDA IPC, and vLLM's load on the device) an assumed 20 GB/s, not measured here
+#   (NVLink moves hundreds of GB/s; the engine's load bounds it)
 SYNC_BYTES_PER_S = 0.6e9
+SYNC_BYTES_PER_S_GPU = 20e9
 # - what a step spends beyond the three (rewards, the driver's batching, logging), per sample
 STEP_OVERHEAD_PER_SAMPLE_S = 0.0003
 
@@ -115,7 +118,7 @@ def predict_step(config: Mapping[str, Any], weight_bytes: float, s: Any, lengths
     updates = s.ppo_epochs * s.mini_batches
     learner_s = (forward * passes / (peak * LEARNER_EFFICIENCY.get(s.dtype, 0.25) * learners)
                  + updates * (trainable * OPTIMIZER_BYTES_PER_PARAM / learners / bandwidth + LEARNER_STEP_OVERHEAD_S))
-    sync_s = weight_bytes / SYNC_BYTES_PER_S if s.lora_rank == 0 else 0.0
+    sync_s = weight_bytes / (SYNC_BYTES_PER_S_GPU if s.on_gpu else SYNC_BYTES_PER_S) if s.lora_rank == 0 else 0.0
     other_s = samples * STEP_OVERHEAD_PER_SAMPLE_S
     work = max(rollout_s, learner_s) if s.off_policy_steps > 0 else rollout_s + learner_s
     return StepTime(rollout_s, learner_s, sync_s, other_s, work + sync_s + other_s)

@@ -282,6 +282,12 @@ def apply_delta(kept: torch.Tensor, positions: torch.Tensor, values: torch.Tenso
     kept.index_copy_(0, positions.long(), values)
 
 
+# A bucket whose change was too large to send as one goes whole, uncompared, for this many more
+# syncs before it is compared again (fp32 weights change almost everywhere every step: comparing
+# them each time costs more than the broadcast it would save)
+DENSE_SYNCS = 8
+
+
 class DeltaSender:
     """Rank 0's side of delta syncs: the host copy of every bucket as last sent. `reset` (at every
     join) makes the next sync whole."""
@@ -289,9 +295,10 @@ class DeltaSender:
     def __init__(self, max_fraction: float):
         self.max_fraction = max_fraction
         self.kept: list[torch.Tensor | None] = []
+        self.dense: list[int] = []  # per bucket: syncs left to send it whole without comparing
 
     def reset(self) -> None:
-        self.kept = []
+        self.kept, self.dense = [], []
 
     def send(self, group, tensors_by_bucket: Iterable[list[torch.Tensor]], full: bool = False) -> dict[str, float]:
         """Broadcast each bucket as a header (mode, count, CRC-32) and its change or its whole
@@ -301,9 +308,17 @@ class DeltaSender:
         for k, tensors in enumerate(tensors_by_bucket):
             if k >= len(self.kept):
                 self.kept.append(None)
+                self.dense.append(0)
             flat = _flat([t.detach() for t in tensors])
             device, new = flat.device, flat.cpu()
-            mode, positions, values, changed = encode_delta(new, None if full else self.kept[k], self.max_fraction)
+            if self.dense[k] > 0 and not full:  # large last time: whole again, without comparing
+                self.dense[k] -= 1
+                mode, positions, values, changed = DELTA_FULL, None, None, new.numel()
+            else:
+                old = None if full else self.kept[k]
+                mode, positions, values, changed = encode_delta(new, old, self.max_fraction)
+                if mode == DELTA_FULL and old is not None:  # the change was too large to send apart
+                    self.dense[k] = DENSE_SYNCS
             if self.kept[k] is None or self.kept[k].numel() != new.numel():
                 self.kept[k] = new.clone()
             else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from rl.data.answers import final_answer, last_boxed  # noqa: F401 - reward.builtin:final_answer, as before
+
 _INTEGER = re.compile(r"-?[0-9]+")
 
 
@@ -42,31 +44,8 @@ def format_number(
 
 # ---- math answers (math-verify) -----------------------------------------------------------------
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
-_BOXED = "\\boxed{"
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` in `text` (braces balanced), or None."""
-    start = text.rfind(_BOXED)
-    if start < 0:
-        return None
-    depth, i = 1, start + len(_BOXED)
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
-    return None
-
-
-def final_answer(text: str) -> str | None:
-    """The completion's final answer: the last `\\boxed{}`, else its last number (thousands
-    separators dropped), else None."""
-    boxed = last_boxed(text)
-    if boxed is not None and boxed.strip():
-        return boxed.strip()
-    numbers = _NUMBER.findall(text.replace(",", ""))
-    return numbers[-1] if numbers else None
+# the final answer of a completion (last \boxed{}, else last number): rl/data/answers.py, shared with
+# evaluation's majority vote
 
 
 def _quiet_math_verify() -> None:

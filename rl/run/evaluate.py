@@ -43,9 +43,9 @@ def answer_extractor(name: str) -> Callable[[str], str | None] | None:
     logged). Built-in ones only (the schema lists them): no user code runs in the driver."""
     if not name:
         return None
-    from reward import builtin
+    from rl.data.answers import final_answer
 
-    return {"final_answer": builtin.final_answer}[name]
+    return {"final_answer": final_answer}[name]
 
 
 def majority_passes(answers: list[str | None], passed: list[bool]) -> bool:

@@ -238,7 +238,8 @@ def receive(group, metas: list[WeightMeta], device: str | torch.device = "cpu", 
 # bf16 step leaves the value where it was (peers report 1-3% of bytes changing per step). A delta
 # sync sends, bucket by bucket, only the changed elements (int32 positions and their values) and
 # a CRC-32 of the whole new bucket, which the receiver checks against its copy once the change
-# is applied (an unchanged bucket is checked too); a bucket whose change would take more than `max_fraction` of its full size goes whole.
+# is applied (an unchanged bucket is checked too); a bucket whose change would take more than
+# `max_fraction` of its full size goes whole.
 # Both ends keep a host copy of every bucket as last sent (one model's bytes each), so this saves
 # bytes on the wire, not memory; the receiver still loads every tensor into its engine (a partial
 # reload would leave vLLM's fused layers half loaded). The first sync after a join is always

@@ -34,7 +34,6 @@ class CollectiveSender:
         self.group: weight_sync.SyncGroup | None = None
         self.on_host = False
         self.delta = None if delta_max_fraction is None else weight_sync.DeltaSender(delta_max_fraction)
-        self.last: dict[str, float] = {}
 
     def bind(self, export, rank: int, device) -> None:
         self.export, self.rank, self.device = export, rank, device
@@ -53,7 +52,7 @@ class CollectiveSender:
     def send(self, wait_s: float | None = None, full: bool = False) -> float:
         """Every rank; rank 0 broadcasts, waiting at most `wait_s` for each bucket to arrive (a
         stopped receiver: this raises); `full`: whole buckets even with delta syncs. Returns the
-        bytes sent (the figures of this send, delta syncs' included, stay in `last`)."""
+        bytes sent."""
         if self.rank == 0 and wait_s:
             self.group.wait_timeout = timedelta(seconds=wait_s)
         with self.export.resident():
@@ -63,14 +62,9 @@ class CollectiveSender:
                     pass
                 return 0.0
             if self.delta is not None:
-                self.last = self.delta.send(self.group, tensors, full)
-            else:
-                weight_sync.send(self.group, tensors)
-                self.last = {"bytes": self.export.nbytes()}
-        return float(self.last["bytes"])
-
-    def last_stats(self) -> dict[str, float]:
-        return dict(self.last)
+                return float(self.delta.send(self.group, tensors, full)["bytes"])
+            weight_sync.send(self.group, tensors)
+        return self.export.nbytes()
 
     def close(self) -> None:
         weight_sync.close_group(self.group)

@@ -10,7 +10,7 @@
    and by `algorithm=opd` with that teacher, held-out greedy accuracy (`eval/greedy_pass_frac`, the
    recipe's 200 test rows) every `--eval-every` steps: both curves, and whether OPD ends above GRPO.
 
-    python -m bench.opd [--teacher-steps 40] [--steps 10] [--eval-every 5] [--distill-coef 1.0]
+    python -m bench.opd [--teacher-steps 40] [--steps 20] [--eval-every 5] [--distill-coef 1.0]
                         [--out bench/results/opd.json]
 """
 
@@ -91,7 +91,7 @@ def teacher_check(student: str, teacher: str, prompts: int = 8) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--teacher-steps", type=int, default=40)
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--distill-coef", type=float, default=1.0)
     parser.add_argument("--out", default="bench/results/opd.json")

@@ -15,7 +15,12 @@ reward. Configure it like any reward function (``configs/reward/judge.yaml``)::
   the reply, 1.0 or 0.0; ``number``, the first number, divided by ``max_score`` and clipped to
   [0, 1]. A reply with neither raises, naming the reply: the reward service then scores the batch's
   samples one by one (replies are kept, so nothing is generated twice) and only the unparsable ones
-  get that error.
+  get that error. ``yes_prob`` generates nothing: the reward is the judge's probability of
+  answering yes rather than no, P(yes) / (P(yes) + P(no)) over its first reply token (each summed
+  over the spellings yes/Yes/YES, with and without a leading space), as generative verifiers score
+  (Zhang et al. 2024, "Generative Verifiers: Reward Modeling as Next-Token Prediction"). A small
+  judge whose greedy reply is always "no" can still rank a right answer above a wrong one, and a
+  group's advantages need only the ranking.
 - The model is loaded once per reward worker process (per path and dtype) and answers greedily in
   batches of ``batch_size``, through its chat template when it has one; every call has the reward
   service's deadline (``reward.timeout_s``), like every reward function. The judge runs in the
@@ -36,9 +41,12 @@ PER_SAMPLE = ("prompt", "completion")  # the template fields every sample has
 _YES_NO = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _REPLIES_KEPT = 4096
+VERDICTS = ("yes_no", "number", "yes_prob")
+YES_NO_SPELLINGS = {"yes": ("yes", "Yes", "YES"), "no": ("no", "No", "NO")}
 
 _models: dict[tuple[str, str], tuple[Any, Any]] = {}
-_replies: dict[tuple[str, str], str] = {}  # (path, judge input) -> reply: a per-sample retry reuses it
+# (path, dtype, verdict kind, judge input) -> reply or P(yes): a per-sample retry reuses it
+_replies: dict[tuple[str, str, str, str], Any] = {}
 _lock = threading.Lock()
 
 
@@ -56,8 +64,8 @@ def template_fields(template: str) -> list[str]:
 def columns_needed(template: str = DEFAULT_TEMPLATE, verdict: str = "yes_no", **_: Any) -> list[str]:
     """The data columns the template reads (checked against the data before Ray starts, with the
     verdict rule's name)."""
-    if verdict not in ("yes_no", "number"):
-        raise ValueError(f"verdict={verdict!r}: choose yes_no or number")
+    if verdict not in VERDICTS:
+        raise ValueError(f"verdict={verdict!r}: choose one of {', '.join(VERDICTS)}")
     return [name for name in template_fields(template) if name not in PER_SAMPLE]
 
 
@@ -73,7 +81,21 @@ def parse_verdict(reply: str, verdict: str = "yes_no", max_score: float = 10.0) 
         if found is None:
             raise ValueError(f"judge reply {reply[:80]!r} holds no number")
         return min(max(float(found.group(0)) / max_score, 0.0), 1.0)
-    raise ValueError(f"verdict={verdict!r}: choose yes_no or number")
+    raise ValueError(f"verdict={verdict!r}: choose yes_no or number (yes_prob reads no reply)")
+
+
+def answer_token_ids(tokenizer: Any) -> dict[str, list[int]]:
+    """The single-token spellings of "yes" and "no" in `tokenizer` (with and without a leading
+    space; not the unknown token); ValueError when either word has none (the judge cannot be read by
+    its probabilities)."""
+    found: dict[str, list[int]] = {}
+    for word, spellings in YES_NO_SPELLINGS.items():
+        ids = {tuple(tokenizer.encode(prefix + s, add_special_tokens=False)) for s in spellings for prefix in ("", " ")}
+        found[word] = sorted({ids_[0] for ids_ in ids if len(ids_) == 1 and ids_[0] != tokenizer.unk_token_id})
+        if not found[word]:
+            raise ValueError(f"verdict=yes_prob: the judge's tokenizer has no single token for {word!r}; use "
+                             "verdict=yes_no")
+    return found
 
 
 def load(path: str, dtype: str = "float32") -> tuple[Any, Any]:
@@ -101,23 +123,49 @@ def _replies_for(path: str, dtype: str, texts: list[str], max_new_tokens: int, b
     import torch
 
     model, tok = load(path, dtype)
-    todo = [t for t in dict.fromkeys(texts) if (path, t) not in _replies]
+    todo = [t for t in dict.fromkeys(texts) if (path, dtype, "reply", t) not in _replies]
     for start in range(0, len(todo), batch_size):
         chunk = todo[start : start + batch_size]
-        if tok.chat_template:
-            inputs = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                              tokenize=False) for t in chunk]
-        else:
-            inputs = chunk
-        enc = tok(inputs, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+        enc = tok(_chat_inputs(tok, chunk), return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id)
         for text, ids in zip(chunk, out[:, enc["input_ids"].shape[1]:]):
-            _replies[(path, text)] = tok.decode(ids, skip_special_tokens=True)
+            _replies[(path, dtype, "reply", text)] = tok.decode(ids, skip_special_tokens=True)
     while len(_replies) > _REPLIES_KEPT:
         _replies.pop(next(iter(_replies)))
-    return [_replies[(path, t)] for t in texts]
+    return [_replies[(path, dtype, "reply", t)] for t in texts]
+
+
+def _chat_inputs(tok: Any, texts: list[str]) -> list[str]:
+    """The judge's input for each text: a user turn through its chat template when it has one."""
+    if not tok.chat_template:
+        return texts
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
+            for t in texts]
+
+
+def _yes_probs_for(path: str, dtype: str, texts: list[str], batch_size: int) -> list[float]:
+    """P(yes) / (P(yes) + P(no)) of the judge's first reply token for each text (one forward pass
+    per batch; kept values reused like replies)."""
+    import torch
+
+    model, tok = load(path, dtype)
+    words = answer_token_ids(tok)
+    todo = [t for t in dict.fromkeys(texts) if (path, dtype, "yes_prob", t) not in _replies]
+    for start in range(0, len(todo), batch_size):
+        chunk = todo[start : start + batch_size]
+        enc = tok(_chat_inputs(tok, chunk), return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+        positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding: each row from 0
+        with torch.no_grad():
+            logits = model(**enc, position_ids=positions).logits[:, -1].float()
+        probs = logits.softmax(-1)
+        yes, no = probs[:, words["yes"]].sum(-1), probs[:, words["no"]].sum(-1)
+        for text, p in zip(chunk, (yes / (yes + no).clamp(min=1e-30)).tolist()):
+            _replies[(path, dtype, "yes_prob", text)] = p
+    while len(_replies) > _REPLIES_KEPT:
+        _replies.pop(next(iter(_replies)))
+    return [_replies[(path, dtype, "yes_prob", t)] for t in texts]
 
 
 def score(prompts: list[str], completions: list[str], *, path: str, template: str = DEFAULT_TEMPLATE,
@@ -130,13 +178,15 @@ def score(prompts: list[str], completions: list[str], *, path: str, template: st
 
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size={batch_size} and max_new_tokens={max_new_tokens} must be >= 1")
-    fields = columns_needed(template)
+    fields = columns_needed(template, verdict)
     texts = [template.format(prompt=p, completion=c, **{f: columns[f][i] for f in fields})
              for i, (p, c) in enumerate(zip(prompts, completions, strict=True))]
     before = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
     try:
+        if verdict == "yes_prob":
+            return _yes_probs_for(path, dtype, texts, batch_size)
         replies = _replies_for(path, dtype, texts, max_new_tokens, batch_size)
     finally:
         if threads > 0:

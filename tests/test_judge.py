@@ -23,7 +23,8 @@ def test_template_fields_and_the_columns_they_need() -> None:
         template_fields("{prompt")
     with pytest.raises(ValueError, match="plain names"):
         template_fields("{row.answer}")
-    with pytest.raises(ValueError, match="verdict='stars': choose yes_no or number"):
+    assert columns_needed(DEFAULT_TEMPLATE, verdict="yes_prob") == ["answer"]
+    with pytest.raises(ValueError, match="verdict='stars': choose one of yes_no, number, yes_prob"):
         columns_needed(DEFAULT_TEMPLATE, verdict="stars")
 
 
@@ -88,6 +89,44 @@ def test_an_unparsable_reply_fails_its_own_sample_only(monkeypatch) -> None:
     assert [s.reward for s in scored] == [1.0, None, 0.0]
     assert "'hmm, hard to say' says neither yes nor no" in scored[1].error
     assert calls[0] == 3  # one batched call first, then the samples one by one
+
+
+def _word_judge(tmp_path, monkeypatch, words: str):
+    """A random 2-layer Llama over a word-level vocabulary (examples/tiny.py), loaded as the judge."""
+    from examples.tiny import build_model, word_tokenizer
+
+    tok = word_tokenizer([words])
+    model = build_model(tok, seed=3).eval()
+    monkeypatch.setattr(judge, "load", lambda path, dtype="float32": (model, tok))
+    monkeypatch.setattr(judge, "_replies", {})
+    return model, tok
+
+
+def test_yes_prob_is_the_judges_first_token_odds_of_yes_with_left_padding(tmp_path, monkeypatch) -> None:
+    """verdict=yes_prob: P(yes) / (P(yes) + P(no)) over the first reply token, every spelling the
+    vocabulary has summed; a batch of texts of different lengths (left padded) gives what each
+    text alone gives, computed here from the model's logits by hand."""
+    import torch
+
+    model, tok = _word_judge(tmp_path, monkeypatch, "yes Yes no NO is 3 plus 4 7 8 right ? answer")
+    ids = judge.answer_token_ids(tok)
+    assert ids == {"yes": sorted(tok.convert_tokens_to_ids(["yes", "Yes"])),
+                   "no": sorted(tok.convert_tokens_to_ids(["no", "NO"]))}
+    texts = ["3 plus 4 is 7 right ?", "answer 8 ?", "3 plus 4 is 8 right ? answer"]
+    got = judge.score(texts, [""] * 3, path="unused", template="{prompt}", verdict="yes_prob", batch_size=3)
+    for text, p in zip(texts, got):
+        enc = tok(text, return_tensors="pt", add_special_tokens=True)
+        with torch.no_grad():
+            probs = model(**enc).logits[0, -1].float().softmax(-1)
+        yes, no = probs[ids["yes"]].sum(), probs[ids["no"]].sum()
+        assert p == pytest.approx(float(yes / (yes + no)), abs=1e-5), text
+    assert len(set(round(p, 6) for p in got)) == 3 and all(0.0 < p < 1.0 for p in got)
+
+
+def test_yes_prob_needs_single_token_yes_and_no(tmp_path, monkeypatch) -> None:
+    _word_judge(tmp_path, monkeypatch, "yes Yes right ?")
+    with pytest.raises(ValueError, match="no single token for 'no'; use verdict=yes_no"):
+        judge.score(["right ?"], [""], path="unused", template="{prompt}", verdict="yes_prob")
 
 
 @pytest.mark.slow

@@ -49,14 +49,16 @@ def auroc(truth: list[float], scores: list[float]) -> float:
     return wins / max(len(right) * len(wrong), 1)
 
 
-def answers(rows: list[dict], samples: int = 1, temperature: float = 0.0, batch: int = 32) -> list[list[str]]:
-    """SmolLM2's answers to each row's prompt through its chat template: greedy, or `samples` sampled."""
+def answers(rows: list[dict], samples: int = 1, temperature: float = 0.0, batch: int = 32,
+            path: str | None = None) -> list[list[str]]:
+    """The answers of SmolLM2 (or the model at `path`) to each row's prompt through its chat
+    template, fp32: greedy, or `samples` sampled."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bench.models import real_model
 
-    path = str(real_model("smollm2").resolve())
+    path = path or str(real_model("smollm2").resolve())
     tok = AutoTokenizer.from_pretrained(path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -76,24 +78,24 @@ def answers(rows: list[dict], samples: int = 1, temperature: float = 0.0, batch:
     return out_texts
 
 
-def train_judge(rows: int, template: str) -> dict:
-    """Fine-tune SmolLM2 into a verifier on its own sampled answers to the first `rows` training
-    prompts (see the module doc); returns what went into it. Kept: reused when present."""
+def judge_data(rows: int, template: str) -> dict:
+    """SmolLM2's sampled answers to the first `rows` training prompts, labelled by math_answer and
+    balanced, as chat rows for launch.train_sft (see the module doc). Kept: reused when present."""
     from reward.builtin import math_answer
 
     summary = TRAINED / "judge_data_summary.json"
-    if (TRAINED / "final_model" / "config.json").exists() and summary.exists():
+    if summary.exists():
         return json.loads(summary.read_text())
     data = [json.loads(line) for line in open(DATA / "train.jsonl")][:rows]
     sampled = answers(data, samples=2, temperature=0.7)
     pairs = [(r, a) for r, group in zip(data, sampled) for a in group]
     truth = math_answer([r["prompt"] for r, _ in pairs], [a for _, a in pairs], [r["answer"] for r, _ in pairs])
-    examples = [{"messages": [{"role": "user", "content": template.format(prompt=r["prompt"], answer=r["answer"],
-                                                                            completion=a)},
-                              {"role": "assistant", "content": "yes" if t else "no"}], "label": t}
+    examples = [({"messages": [{"role": "user", "content": template.format(prompt=r["prompt"], answer=r["answer"],
+                                                                             completion=a)},
+                               {"role": "assistant", "content": "yes" if t else "no"}]}, t)
                 for (r, a), t in zip(pairs, truth)]
-    yes = [e for e in examples if e["label"]]
-    no = [e for e in examples if not e["label"]]
+    yes = [e for e, t in examples if t]
+    no = [e for e, t in examples if not t]
     keep = min(len(yes), len(no))
     rng = random.Random(0)
     balanced = rng.sample(yes, keep) + rng.sample(no, keep)
@@ -101,20 +103,31 @@ def train_judge(rows: int, template: str) -> dict:
     TRAINED.mkdir(parents=True, exist_ok=True)
     with open(TRAINED / "judge_train.jsonl", "w") as f:
         for e in balanced:
-            f.write(json.dumps({"messages": e["messages"]}) + "\n")
-    from bench.models import real_model
-
-    cmd = [sys.executable, "-m", "launch.train_sft", f"model.path={real_model('smollm2').resolve()}",
-           "model.dtype=float32", "data.format=chat", f"data.train_files=[{TRAINED / 'judge_train.jsonl'}]",
-           "data.test_files=[]", "data.test_fraction=0.05", "data.max_length=256", "algorithm.epochs=3",
-           "algorithm.batch_size=32", "algorithm.lr=3.0e-5", "algorithm.lr_warmup_steps=5", "trainer.micro_batch_size=16",
-           "trainer.threads=2", f"run.dir={TRAINED}"]
-    print("$", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True)
+            f.write(json.dumps(e) + "\n")
     info = {"train_prompts": rows, "sampled_answers": len(pairs), "right_frac": sum(truth) / len(truth),
             "examples_balanced": len(balanced)}
     summary.write_text(json.dumps(info))
     return info
+
+
+def train_judge(rows: int, template: str) -> dict:
+    """Fine-tune SmolLM2 into a verifier on `judge_data` (bf16: 7x the fp32 matmul rate on these
+    CPUs), 3 epochs, 5% of the rows held out for the loss. Kept: reused when present."""
+    from bench.models import real_model
+
+    info = judge_data(rows, template)
+    if not (TRAINED / "final_model" / "config.json").exists():
+        cmd = [sys.executable, "-m", "launch.train_sft", f"model.path={real_model('smollm2').resolve()}",
+               "model.dtype=bfloat16", "data.format=chat", f"data.train_files=[{TRAINED / 'judge_train.jsonl'}]",
+               "data.test_files=[]", "data.test_fraction=0.05", "data.max_length=256", "algorithm.epochs=3",
+               "algorithm.batch_size=32", "algorithm.lr=3.0e-5", "algorithm.lr_warmup_steps=5",
+               "trainer.micro_batch_size=16", "trainer.threads=2", f"run.dir={TRAINED / 'sft'}"]
+        print("$", " ".join(cmd[1:]), flush=True)
+        subprocess.run(cmd, check=True)
+        (TRAINED / "sft" / "final_model").rename(TRAINED / "final_model")
+    losses = [json.loads(line) for line in open(TRAINED / "sft" / "metrics.jsonl")]
+    evals = [(r["step"], round(r["eval/loss"], 4)) for r in losses if "eval/loss" in r]
+    return info | {"sft_eval_loss": evals}
 
 
 def agreement(judge_path: str, rows: int, template: str, verdict: str = "yes_no", batch: int = 32) -> dict:
@@ -162,11 +175,25 @@ def hydra_value(value) -> str:
     return json.dumps(value)
 
 
-def short_run(steps: int, verdict: str, judge_path: str, template: str | None) -> dict:
+def held_out_accuracy(rows: int, path: str | None = None) -> float:
+    """The share of the first `rows` held-out prompts that SmolLM2 (or the model at `path`) answers
+    right greedily, by math_answer: what the judge stands in for."""
+    from reward.builtin import math_answer
+
+    data = [json.loads(line) for line in open(DATA / "test.jsonl")][:rows]
+    said = [group[0] for group in answers(data, path=path)]
+    truth = math_answer([r["prompt"] for r in data], said, [r["answer"] for r in data])
+    return sum(truth) / len(truth)
+
+
+def short_run(steps: int, verdict: str, judge_path: str, template: str | None, rows: int) -> dict:
+    """The recipe with the judge as its only reward. The run's own evaluation scores held-out
+    answers with the training reward (the judge), so the accuracy before and after is measured
+    here instead: the final model's greedy answers checked by math_answer."""
     with tempfile.TemporaryDirectory() as tmp:
         # task=math_chat sets reward.functions itself (a task comes last in the defaults), so the
         # judge is given as the functions of configs/reward/judge.yaml, explicitly
-        kwargs = {"path": judge_path, "verdict": verdict, "max_new_tokens": 4, "batch_size": 32, "dtype": "float32",
+        kwargs = {"path": judge_path, "verdict": verdict, "max_new_tokens": 4, "batch_size": 32, "dtype": "bfloat16",
                   "threads": 1}
         if template is not None:
             kwargs["template"] = template
@@ -174,15 +201,16 @@ def short_run(steps: int, verdict: str, judge_path: str, template: str | None) -
                      {"fn": "reward.builtin:math_answer", "weight": 0.0}]
         cmd = [sys.executable, "-m", "launch.train", "model=smollm2", "task=math_chat",
                f"reward.functions={hydra_value(functions)}", "reward.timeout_s=600",
-               f"run.steps={steps}", f"eval.every_steps={steps}", "run.save_every=0", "run.save_final_model=false",
-               f"run.dir={tmp}/run"]
+               f"run.steps={steps}", f"eval.every_steps={steps}", "run.save_every=0", f"run.dir={tmp}/run"]
         print("$", " ".join(cmd[1:]), flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        rows = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
-    evals = [(r["step"], r["eval/greedy_pass_frac"]) for r in rows if "eval/greedy_pass_frac" in r]
-    return {"held_out_greedy": evals, "judge_reward": [r.get("reward/judge_mean") for r in rows if "reward/mean" in r],
-            "math_answer": [r.get("reward/math_answer_mean") for r in rows if "reward/mean" in r],
-            "errors": [r.get("reward/errors_count") for r in rows if "reward/mean" in r]}
+        metrics = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+        after = held_out_accuracy(rows, f"{tmp}/run/final_model")
+    judged = [(r["step"], r["eval/greedy_mean_reward"]) for r in metrics if "eval/greedy_mean_reward" in r]
+    return {"held_out_greedy": [(0, held_out_accuracy(rows)), (steps, after)], "held_out_judge_mean": judged,
+            "judge_reward": [r.get("reward/judge_mean") for r in metrics if "reward/mean" in r],
+            "math_answer": [r.get("reward/math_answer_mean") for r in metrics if "reward/mean" in r],
+            "errors": [r.get("reward/errors_count") for r in metrics if "reward/mean" in r]}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -208,9 +236,11 @@ def main(argv: list[str] | None = None) -> None:
           f"says yes to {agree['judge_yes_frac']:.3f}); {agree['counts']}"
           + (f"; AUROC {agree['auroc']:.3f}, mean yes_prob right {agree['mean_yes_prob']['right']:.3f} vs wrong "
              f"{agree['mean_yes_prob']['wrong']:.3f}" if "auroc" in agree else ""), flush=True)
-    run = short_run(args.steps, args.verdict, judge_path, TEMPLATES[args.template]) if args.steps > 0 else None
+    run = short_run(args.steps, args.verdict, judge_path, TEMPLATES[args.template], args.rows) if args.steps > 0 \
+        else None
     if run:
-        print(f"short run with the judge as reward: held-out greedy {run['held_out_greedy']}; judge reward by step "
+        print(f"short run with the judge as reward: held-out greedy accuracy by math_answer {run['held_out_greedy']}; "
+              f"the judge's mean held-out reward {run['held_out_judge_mean']}; judge reward by step "
               f"{run['judge_reward']}; math_answer by step {run['math_answer']}", flush=True)
     write_result(args.out, {"machine": info, "settings": vars(args), "judge_training": trained, "agreement": agree,
                             "short_run": run})

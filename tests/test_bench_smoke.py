@@ -1,4 +1,4 @@
-"""bench/models.py, bench/arith_reward.py and bench/vs_trl.py's pieces, without running either system."""
+"""bench/models.py, bench/arith_reward.py, bench/vs_trl.py and bench/judge.py's pieces, without running either system."""
 
 from __future__ import annotations
 
@@ -82,3 +82,21 @@ def test_summary_skips_warmup_steps():
     assert s["samples_per_s"] == pytest.approx(32 / 4) and s["tokens_per_s"] == pytest.approx(96 / 4)
     assert s["mean_completion_len"] == pytest.approx(3.0)
     assert vs_trl.parse_literals("bf16=True top_k=5 name=x") == {"bf16": True, "top_k": 5, "name": "x"}
+
+
+def test_judge_bench_auroc_and_override_by_hand():
+    """bench/judge.py: AUROC as pairwise wins (ties half), and a reward-function list written as a
+    Hydra override that composes back to the same values (quotes, newlines, braces)."""
+    from bench.judge import FEW_SHOT, auroc, hydra_value
+    from rl.config.compose import compose
+
+    # right [0.9, 0.5] vs wrong [0.1, 0.5]: 0.9 beats both, 0.5 beats 0.1 and ties 0.5 -> 3.5 / 4
+    assert auroc([1, 0, 1, 0], [0.9, 0.1, 0.5, 0.5]) == 0.875
+    assert auroc([1, 0], [0.2, 0.8]) == 0.0
+    template = FEW_SHOT + " it's {answer}"
+    functions = [{"fn": "reward.judge:score", "weight": 1.0, "kwargs": {"path": "/a/b", "template": template,
+                                                                       "threads": 1}}]
+    cfg = compose("train", ["model=smollm2", "task=math_chat", f"reward.functions={hydra_value(functions)}"])
+    got = cfg.reward.functions[0]
+    assert (got.fn, got.weight, got.kwargs.path, got.kwargs.template, got.kwargs.threads) == \
+        ("reward.judge:score", 1.0, "/a/b", template, 1)

@@ -17,23 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.machine import machine_info, write_result
+from bench.machine import launch_train, machine_info, write_result
 
 
 def run(extra: list[str], train_file: Path, steps: int) -> tuple[list[dict], list[float]]:
     """The run's metrics, and per step the share of groups mixed in `math_answer`."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "launch.train", "model=smollm2", "task=math_chat", f"task.train_files=[{train_file}]",
-               f"run.steps={steps}", "eval.every_steps=0", "run.save_every=0", "run.save_final_model=false",
-               "run.log_samples_per_step=64", f"run.dir={tmp}/run", *extra]
-        print("$", " ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        metrics = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
+        metrics = launch_train(["model=smollm2", "task=math_chat", f"task.train_files=[{train_file}]",
+                                f"run.steps={steps}", "eval.every_steps=0", "run.save_every=0",
+                                "run.save_final_model=false", "run.log_samples_per_step=64", *extra], f"{tmp}/run")
         groups: dict[tuple[int, int], set] = {}
         for line in open(f"{tmp}/run/samples.jsonl"):
             r = json.loads(line)

@@ -10,13 +10,11 @@ sandbox) before the first update and after the last.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 import time
 
-from bench.machine import machine_info, write_result
+from bench.machine import launch_train, machine_info, write_result
 
 FIGURES = ("eval/greedy_pass_frac", "eval/pass_at_1", "eval/pass_at_10", "eval/errors_count", "time/eval_s")
 
@@ -28,13 +26,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     info = machine_info()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "launch.train", "model=smollm2", "task=python_funcs", f"run.steps={args.steps}",
-               f"eval.every_steps={args.steps}", "run.save_final_model=false", f"run.dir={tmp}/run"]
-        print("$", " ".join(cmd[1:]), flush=True)
         start = time.monotonic()
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        rows = launch_train(["model=smollm2", "task=python_funcs", f"run.steps={args.steps}",
+                             f"eval.every_steps={args.steps}", "run.save_final_model=false"], f"{tmp}/run")
         wall = time.monotonic() - start
-        rows = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
     evals = [{"step": r["step"], **{k: r[k] for k in FIGURES if k in r}} for r in rows if "eval/pass_at_1" in r]
     train = [{"step": r["step"], "reward": r["reward/mean"]} for r in rows if "reward/mean" in r]
     for e in evals:

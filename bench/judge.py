@@ -30,7 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.machine import machine_info, write_result
+from bench.machine import launch_train, machine_info, write_result
 
 FEW_SHOT = ("Decide whether the student's final answer equals the reference answer.\n\n"
             "Reference answer: 12\nStudent's answer: 5 + 7 = 12. The answer is 12.\nSame answer? yes\n\n"
@@ -130,14 +130,21 @@ def train_judge(rows: int, template: str) -> dict:
     return info | {"sft_eval_loss": evals}
 
 
-def agreement(judge_path: str, rows: int, template: str, verdict: str = "yes_no", batch: int = 32) -> dict:
-    """The judge against math_answer on SmolLM2's greedy answers to the first `rows` held-out prompts."""
+def held_out(rows: int, path: str | None = None) -> tuple[list[dict], list[str], list[float]]:
+    """The first `rows` held-out rows, SmolLM2's (or the model at `path`'s) greedy answers to them,
+    and whether each is right by math_answer: what the judge stands in for."""
     from reward.builtin import math_answer
-    from reward.judge import _replies_for, _yes_probs_for, parse_verdict
 
     data = [json.loads(line) for line in open(DATA / "test.jsonl")][:rows]
-    said = [group[0] for group in answers(data)]
-    truth = math_answer([r["prompt"] for r in data], said, [r["answer"] for r in data])
+    said = [group[0] for group in answers(data, path=path)]
+    return data, said, math_answer([r["prompt"] for r in data], said, [r["answer"] for r in data])
+
+
+def agreement(judge_path: str, rows: int, template: str, verdict: str = "yes_no", batch: int = 32) -> dict:
+    """The judge against math_answer on SmolLM2's greedy answers to the first `rows` held-out prompts."""
+    from reward.judge import _replies_for, _yes_probs_for, parse_verdict
+
+    data, said, truth = held_out(rows)
     judge_inputs = [template.format(prompt=r["prompt"], answer=r["answer"], completion=a) for r, a in zip(data, said)]
     result: dict = {"rows": len(data), "truth_correct_frac": sum(truth) / len(truth)}
     if verdict == "yes_prob":
@@ -175,21 +182,11 @@ def hydra_value(value) -> str:
     return json.dumps(value)
 
 
-def held_out_accuracy(rows: int, path: str | None = None) -> float:
-    """The share of the first `rows` held-out prompts that SmolLM2 (or the model at `path`) answers
-    right greedily, by math_answer: what the judge stands in for."""
-    from reward.builtin import math_answer
-
-    data = [json.loads(line) for line in open(DATA / "test.jsonl")][:rows]
-    said = [group[0] for group in answers(data, path=path)]
-    truth = math_answer([r["prompt"] for r in data], said, [r["answer"] for r in data])
-    return sum(truth) / len(truth)
-
-
-def short_run(steps: int, verdict: str, judge_path: str, template: str | None, rows: int) -> dict:
+def short_run(steps: int, verdict: str, judge_path: str, template: str | None, rows: int, before: float) -> dict:
     """The recipe with the judge as its only reward. The run's own evaluation scores held-out
-    answers with the training reward (the judge), so the accuracy before and after is measured
-    here instead: the final model's greedy answers checked by math_answer."""
+    answers with the training reward (the judge), so the accuracy after is measured here instead:
+    the final model's greedy answers checked by math_answer (`before`: the base model's, measured
+    the same way by `agreement`)."""
     with tempfile.TemporaryDirectory() as tmp:
         # task=math_chat sets reward.functions itself (a task comes last in the defaults), so the
         # judge is given as the functions of configs/reward/judge.yaml, explicitly
@@ -199,15 +196,12 @@ def short_run(steps: int, verdict: str, judge_path: str, template: str | None, r
             kwargs["template"] = template
         functions = [{"fn": "reward.judge:score", "weight": 1.0, "name": "judge", "kwargs": kwargs},
                      {"fn": "reward.builtin:math_answer", "weight": 0.0}]
-        cmd = [sys.executable, "-m", "launch.train", "model=smollm2", "task=math_chat",
-               f"reward.functions={hydra_value(functions)}", "reward.timeout_s=600",
-               f"run.steps={steps}", f"eval.every_steps={steps}", "run.save_every=0", f"run.dir={tmp}/run"]
-        print("$", " ".join(cmd[1:]), flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        metrics = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl")]
-        after = held_out_accuracy(rows, f"{tmp}/run/final_model")
+        metrics = launch_train(["model=smollm2", "task=math_chat", f"reward.functions={hydra_value(functions)}",
+                                "reward.timeout_s=600", f"run.steps={steps}", f"eval.every_steps={steps}",
+                                "run.save_every=0"], f"{tmp}/run")
+        _, _, truth = held_out(rows, f"{tmp}/run/final_model")
     judged = [(r["step"], r["eval/greedy_mean_reward"]) for r in metrics if "eval/greedy_mean_reward" in r]
-    return {"held_out_greedy": [(0, held_out_accuracy(rows)), (steps, after)], "held_out_judge_mean": judged,
+    return {"held_out_greedy": [(0, before), (steps, sum(truth) / len(truth))], "held_out_judge_mean": judged,
             "judge_reward": [r.get("reward/judge_mean") for r in metrics if "reward/mean" in r],
             "math_answer": [r.get("reward/math_answer_mean") for r in metrics if "reward/mean" in r],
             "errors": [r.get("reward/errors_count") for r in metrics if "reward/mean" in r]}
@@ -236,8 +230,8 @@ def main(argv: list[str] | None = None) -> None:
           f"says yes to {agree['judge_yes_frac']:.3f}); {agree['counts']}"
           + (f"; AUROC {agree['auroc']:.3f}, mean yes_prob right {agree['mean_yes_prob']['right']:.3f} vs wrong "
              f"{agree['mean_yes_prob']['wrong']:.3f}" if "auroc" in agree else ""), flush=True)
-    run = short_run(args.steps, args.verdict, judge_path, TEMPLATES[args.template], args.rows) if args.steps > 0 \
-        else None
+    run = short_run(args.steps, args.verdict, judge_path, TEMPLATES[args.template], args.rows,
+                    agree["truth_correct_frac"]) if args.steps > 0 else None
     if run:
         print(f"short run with the judge as reward: held-out greedy accuracy by math_answer {run['held_out_greedy']}; "
               f"the judge's mean held-out reward {run['held_out_judge_mean']}; judge reward by step "

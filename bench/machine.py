@@ -76,3 +76,16 @@ def write_result(path: str | Path, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def launch_train(overrides: list[str], run_dir: str | Path) -> list[dict[str, Any]]:
+    """`python -m launch.train *overrides run.dir=run_dir` in a process of its own (the command
+    printed, its console output dropped; a failure raises), and the run's metrics.jsonl rows."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "launch.train", *overrides, f"run.dir={run_dir}"]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]

@@ -18,21 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
-from bench.machine import machine_info, write_result
+from bench.machine import launch_train, machine_info, write_result
 
 ROOT = Path("artifacts/opd")
 RECIPE = ["model=smollm2", "task=math_chat", "run.save_every=0"]
 
 
 def train(overrides: list[str], run_dir: Path) -> list[dict]:
-    cmd = [sys.executable, "-m", "launch.train", *RECIPE, *overrides, f"run.dir={run_dir}"]
-    print("$", " ".join(cmd[1:]), flush=True)
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
+    return launch_train([*RECIPE, *overrides], run_dir)
 
 
 def curve(rows: list[dict]) -> list[tuple[int, float]]:

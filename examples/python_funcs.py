@@ -13,7 +13,7 @@ that the prompts are distinct. The expected outputs in each `check` are computed
 family's reference implementation. None of them is a HumanEval problem: those that were
 (a palindrome test, a list's largest element) and their mirror images are left out.
 
-- data: OUT/data/train.jsonl (columns above and `family`), `write_data`;
+- data: OUT/data/train.jsonl (columns above and `family`, the family's name template), `write_data`;
 - model: none of its own: `task=python_funcs` trains `model=smollm2` by default.
 
 Built on first use (`examples.ensure_builtin`); by hand: `python -m examples.python_funcs [--out DIR]`.
@@ -22,6 +22,7 @@ Built on first use (`examples.ensure_builtin`); by hand: `python -m examples.pyt
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,13 +36,17 @@ NUMBERS = (0, 1, 2, 5, -4, 11, 30)
 ENGLISH = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
 
 
+@dataclass(frozen=True)
 class Family:
     """A kind of problem: `name` and `doc` templates over a constant `k`, the argument names, the
     reference implementation (given k) and the inputs the hidden tests call it with."""
 
-    def __init__(self, name: str, args: str, doc: str, ref: Callable[[Any], Callable[..., Any]],
-                 inputs: list[tuple], constants: list[Any]):
-        self.name, self.args, self.doc, self.ref, self.inputs, self.constants = name, args, doc, ref, inputs, constants
+    name: str
+    args: str
+    doc: str
+    ref: Callable[[Any], Callable[..., Any]]
+    inputs: list[tuple]
+    constants: list[Any]
 
     def row(self, k: Any) -> dict[str, Any]:
         entry = self.name.format(k=k, word=ENGLISH.get(k, k) if isinstance(k, int) else k)
@@ -51,7 +56,7 @@ class Family:
         code_prompt = f"def {entry}({self.args}):\n    \"\"\"{self.doc.format(k=k)}\n{example}    \"\"\"\n"
         checks = "".join(f"    assert candidate({', '.join(map(repr, a))}) == {fn(*a)!r}\n" for a in self.inputs)
         return {"prompt": INSTRUCTION.format(code=code_prompt), "code_prompt": code_prompt,
-                "test": f"def check(candidate):\n{checks}", "entry_point": entry, "family": self.name.split("_")[0]}
+                "test": f"def check(candidate):\n{checks}", "entry_point": entry, "family": self.name}
 
 
 def families() -> list[Family]:

@@ -33,7 +33,7 @@ import os
 import re
 import string
 import threading
-from typing import Any
+from typing import Any, Callable
 
 DEFAULT_TEMPLATE = ("Question: {prompt}\nReference answer: {answer}\nStudent's answer: {completion}\n\n"
                     "Does the student's final answer equal the reference answer? Reply with yes or no.")
@@ -118,54 +118,55 @@ def load(path: str, dtype: str = "float32") -> tuple[Any, Any]:
     return _models[(full, dtype)]
 
 
-def _replies_for(path: str, dtype: str, texts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
-    """The judge's greedy reply to each text (kept replies reused, new ones generated in batches)."""
-    import torch
-
+def _cached(path: str, dtype: str, kind: str, texts: list[str], batch_size: int,
+            compute: Callable[[Any, Any, Any], list[Any]]) -> list[Any]:
+    """The judge's value of `kind` for each text: kept ones reused (a per-sample retry reuses
+    them), new ones computed in batches by `compute(model, tokenizer, encoded batch)`, the batch
+    being each text as a user turn through the chat template, left padded."""
     model, tok = load(path, dtype)
-    todo = [t for t in dict.fromkeys(texts) if (path, dtype, "reply", t) not in _replies]
+    todo = [t for t in dict.fromkeys(texts) if (path, dtype, kind, t) not in _replies]
     for start in range(0, len(todo), batch_size):
         chunk = todo[start : start + batch_size]
-        enc = tok(_chat_inputs(tok, chunk), return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+        if tok.chat_template:
+            inputs = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                              tokenize=False) for t in chunk]
+        else:
+            inputs = chunk
+        enc = tok(inputs, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+        for text, value in zip(chunk, compute(model, tok, enc), strict=True):
+            _replies[(path, dtype, kind, text)] = value
+    while len(_replies) > _REPLIES_KEPT:
+        _replies.pop(next(iter(_replies)))
+    return [_replies[(path, dtype, kind, t)] for t in texts]
+
+
+def _replies_for(path: str, dtype: str, texts: list[str], max_new_tokens: int, batch_size: int) -> list[str]:
+    """The judge's greedy reply to each text."""
+    import torch
+
+    def generate(model: Any, tok: Any, enc: Any) -> list[str]:
         with torch.no_grad():
             out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
                                  pad_token_id=tok.pad_token_id)
-        for text, ids in zip(chunk, out[:, enc["input_ids"].shape[1]:]):
-            _replies[(path, dtype, "reply", text)] = tok.decode(ids, skip_special_tokens=True)
-    while len(_replies) > _REPLIES_KEPT:
-        _replies.pop(next(iter(_replies)))
-    return [_replies[(path, dtype, "reply", t)] for t in texts]
+        return tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
-
-def _chat_inputs(tok: Any, texts: list[str]) -> list[str]:
-    """The judge's input for each text: a user turn through its chat template when it has one."""
-    if not tok.chat_template:
-        return texts
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False)
-            for t in texts]
+    return _cached(path, dtype, "reply", texts, batch_size, generate)
 
 
 def _yes_probs_for(path: str, dtype: str, texts: list[str], batch_size: int) -> list[float]:
     """P(yes) / (P(yes) + P(no)) of the judge's first reply token for each text (one forward pass
-    per batch; kept values reused like replies)."""
+    per batch)."""
     import torch
 
-    model, tok = load(path, dtype)
-    words = answer_token_ids(tok)
-    todo = [t for t in dict.fromkeys(texts) if (path, dtype, "yes_prob", t) not in _replies]
-    for start in range(0, len(todo), batch_size):
-        chunk = todo[start : start + batch_size]
-        enc = tok(_chat_inputs(tok, chunk), return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+    def yes_odds(model: Any, tok: Any, enc: Any) -> list[float]:
+        words = answer_token_ids(tok)
         positions = (enc["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # left padding: each row from 0
         with torch.no_grad():
-            logits = model(**enc, position_ids=positions).logits[:, -1].float()
-        probs = logits.softmax(-1)
+            probs = model(**enc, position_ids=positions).logits[:, -1].float().softmax(-1)
         yes, no = probs[:, words["yes"]].sum(-1), probs[:, words["no"]].sum(-1)
-        for text, p in zip(chunk, (yes / (yes + no).clamp(min=1e-30)).tolist()):
-            _replies[(path, dtype, "yes_prob", text)] = p
-    while len(_replies) > _REPLIES_KEPT:
-        _replies.pop(next(iter(_replies)))
-    return [_replies[(path, dtype, "yes_prob", t)] for t in texts]
+        return (yes / (yes + no).clamp(min=1e-30)).tolist()
+
+    return _cached(path, dtype, "yes_prob", texts, batch_size, yes_odds)
 
 
 def score(prompts: list[str], completions: list[str], *, path: str, template: str = DEFAULT_TEMPLATE,

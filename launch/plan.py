@@ -91,8 +91,8 @@ def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
     # all) the speed varies by second and by size, and this size varies least (bench/README.md);
     # a probe that shares the cores with another process (a run still shutting down) reads low,
     # the best one does not
-    peak = s.peak_tflops or max(
-        measure_matmul_tflops(getattr(torch, s.dtype), size=1024, seconds=0.06) for _ in range(8))
+    peak = s.peak_tflops or measure_matmul_tflops(getattr(torch, s.dtype), size=1024, seconds=0.06, windows=8,
+                                                  budget_s=1.0)
     where = "on this machine, not the cluster's nodes, " if cfg.cluster.address else ""
     return Host(peak, memory_bandwidth_gbs(repeats=3), f"measured {where}in this process"
                 + (" (peak: cluster.peak_tflops)" if s.peak_tflops else "")), ""

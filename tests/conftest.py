@@ -32,15 +32,32 @@ def pytest_collection_finish(session) -> None:
 
     if session.config.option.collectonly:
         return
+    from _pytest.skipping import evaluate_skip_marks
+
     session.config.prebuilds = Prebuilds(session.config._tmp_path_factory)
-    needed = dict.fromkeys(name for item in session.items for name in item.fixturenames if name in BUILDS)
-    if any(item.get_closest_marker("slow") for item in session.items):
+    running = [item for item in session.items if evaluate_skip_marks(item) is None]  # GPU tests here: no SmolLM2
+    needed = dict.fromkeys(name for item in running for name in _builds_of(item))
+    if any(item.get_closest_marker("slow") for item in running):
         needed = {"deepspeed_ops": None, **needed}  # the first learner's start needs it
     session.config.prebuilds.start(list(needed))
     if any(item.nodeid.startswith("tests/test_sandbox_docker.py") for item in session.items):
         from tests.test_sandbox_docker import start_setup
 
         start_setup()
+
+
+def _builds_of(item) -> list[str]:
+    """The builds (tests/prebuild.py) test `item` waits for: its build fixtures, and `tiny_dir` as that fixture picks."""
+    from tests.prebuild import BUILDS
+
+    names = [name for name in item.fixturenames if name in BUILDS]
+    if "tiny_dir" in item.fixturenames:
+        names.append(_tiny_build(item))
+    return names
+
+
+def _tiny_build(item) -> str:
+    return "tiny_trained" if item.get_closest_marker("slow") else "tiny_untrained"
 
 
 def _prebuilt(request, name: str) -> str:
@@ -59,9 +76,23 @@ def _summary(path: str) -> dict:
 
 
 @pytest.fixture(scope="session")
+def tiny_trained(request) -> str:
+    """The built-in tiny model and arithmetic task, trained (SFT warm-up) into a temp dir."""
+    return _prebuilt(request, "tiny_trained")
+
+
+@pytest.fixture(scope="session")
+def tiny_untrained(request) -> str:
+    """The same model shape, tokenizer and data, untrained: built in seconds."""
+    return _prebuilt(request, "tiny_untrained")
+
+
+@pytest.fixture
 def tiny_dir(request) -> str:
-    """The built-in tiny model and arithmetic task, built from scratch into a temp dir."""
-    return _prebuilt(request, "tiny_dir")
+    """The tiny model and task a test runs on: trained for the slow (end-to-end) tests, untrained
+    for the fast lane, whose tests check configs, shapes and plumbing and should not wait ~47 s
+    for the warm-up. Same tokenizer and data either way."""
+    return _prebuilt(request, _tiny_build(request.node))
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import httpx
 
 GOOD = {"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 4}
+FORK_BOMB_CAP = 400  # forks the bomb stops at by itself (about), so that a pool without a limit cannot hurt the host
 
 
 def _call(client: httpx.Client, base_url: str, body: dict[str, Any] | bytes, path: str = "/chat/completions",
@@ -115,12 +116,18 @@ def act(base_url: str, row: dict[str, Any], out_dir: str | None = None, closed_u
     if case == "busy_loop":
         while True:
             pass
-    if case == "fork_bomb":
+    if case == "fork_bomb":  # every process forks while it can; each fork adds a byte to the count
+        count = os.path.join(out_dir or ".", "fork_bomb.count")
         while True:
+            made = os.path.getsize(count) if os.path.exists(count) else 0
             try:
-                os.fork()
-            except OSError:
-                time.sleep(0.01)
+                if made < FORK_BOMB_CAP and os.fork() > 0:
+                    with open(count, "ab") as f:
+                        f.write(b"x")
+                    continue
+            except OSError:  # refused: the pids limit holds
+                pass
+            time.sleep(0.01)
     if case == "huge_return":
         _call(client, base_url, GOOD)
         return "x" * (100 << 20)

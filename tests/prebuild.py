@@ -28,7 +28,12 @@ BUILDS: dict[str, tuple[str, str, str]] = {
     # the first time a learner starts on a machine (cached in ~/.cache/torch_extensions); compiled
     # here first, the first end-to-end test does not wait for it (tests/conftest.py)
     "deepspeed_ops": ("deepspeed_ops", "from deepspeed.comm.torch import build_shm_op; build_shm_op()", "."),
-    "tiny_dir": ("tiny", "from examples.arith import build; build(OUT, seed=0)", "."),
+    # the trained tiny policy (right some of the time: GRPO learns from it), ~47 s of one core
+    "tiny_trained": ("tiny", "from examples.arith import build; build(OUT, seed=0)", "."),
+    # the same shape, tokenizer and data untrained, in seconds: the fast lane's tests check configs,
+    # shapes and plumbing, never learning
+    "tiny_untrained": ("tiny_untrained", "from examples.arith import build; "
+                                         "build(OUT, seed=0, steps=0, target_accuracy=0, n_eval=8, log_every=0)", "."),
     # the real model's folder made on first use of model=smollm2's path, as launch.train makes it
     "smollm2": ("smollm2", f"from examples import ensure_builtin; "
                            f"assert ensure_builtin([{SMOLLM2_PATH!r}]) == [{SMOLLM2_PATH!r}]", SMOLLM2_PATH),

@@ -107,6 +107,7 @@ def assert_chained(calls: list[RecordedCall], sample: Sample) -> list[list[int]]
 # ---- the real model ---------------------------------------------------------------------------------
 
 @pytest.mark.slow  # the real model (module fixture `engine`, ~30 s to load): outside the fast lane
+@pytest.mark.full
 def test_tool_conversation_is_token_exact_and_the_model_rescores_it(server, engine):
     """A 3-call agent through the openai client: the trajectory chains the calls token-exactly,
     observations are the template's tool turn tokenized once, versions date every token, and a
@@ -169,6 +170,7 @@ def test_tool_conversation_is_token_exact_and_the_model_rescores_it(server, engi
 
 
 @pytest.mark.slow  # the real model (module fixture `server` -> `engine`)
+@pytest.mark.full
 def test_an_agent_that_rewrites_its_history_gets_an_error_sample(server):
     key, url = server.open_episode(seed_base=1)
     c = client(url)
@@ -184,6 +186,7 @@ def test_an_agent_that_rewrites_its_history_gets_an_error_sample(server):
 
 
 @pytest.mark.slow  # the real model (module fixture `server` -> `engine`)
+@pytest.mark.full
 def test_two_episodes_from_two_threads_are_recorded_apart(server):
     topics = {"cats": "Say something about cats.", "rain": "Say something about rain."}
     episodes = {topic: server.open_episode(seed_base=i) for i, topic in enumerate(topics)}
@@ -217,6 +220,7 @@ def test_two_episodes_from_two_threads_are_recorded_apart(server):
 
 
 @pytest.mark.slow  # the real model (module fixture `engine`)
+@pytest.mark.full
 def test_streaming_and_completions_are_recorded_too(server, engine):
     tok = engine.tokenizer
     key, url = server.open_episode(seed_base=2)
@@ -245,6 +249,7 @@ def test_streaming_and_completions_are_recorded_too(server, engine):
 
 
 @pytest.mark.slow  # the real model (module fixture `server` -> `engine`)
+@pytest.mark.full
 def test_errors_are_openai_json_naming_the_problem(server):
     key, base = server.open_episode(seed_base=0)
     c = client(base)
@@ -282,6 +287,7 @@ CALL_TEXT = '<tool_call>{"name": "calculator", "arguments": {"expression": "12+3
 
 
 @pytest.mark.slow  # the real model (module fixture `engine`)
+@pytest.mark.full
 def test_tool_calls_are_returned_and_their_message_reuses_the_sampled_ids(engine):
     """A policy that writes a fixed tool call (in ids that are not the text's own tokenization),
     then an answer: the agent gets OpenAI tool_calls, sends the message back (with ids, arguments
@@ -324,6 +330,7 @@ def test_tool_calls_are_returned_and_their_message_reuses_the_sampled_ids(engine
 
 
 @pytest.mark.slow  # the real model (module fixture `engine`)
+@pytest.mark.full
 def test_a_failing_fleet_is_a_500_and_records_nothing(engine):
     def broken(request: GenerationRequest) -> Sample:
         raise RuntimeError("rollout worker died")

@@ -174,12 +174,17 @@ def test_build_solves_some_episodes(tiny_calc):
 
 
 
+# each run twice: 2 steps that check what flowed (default lane), a learning curve (full lane)
+MECHANICS = pytest.param(2, id="mechanics")
+
+
 @pytest.mark.slow
-def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_path):
+@pytest.mark.parametrize("steps", [MECHANICS, pytest.param(40, id="learning", marks=pytest.mark.full)])
+def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_path, steps):
     """`task=calculator` through train(): vLLM plays the episodes, the Calculator runs in its Ray
-    actor, DeepSpeed trains on the model's tokens only, and the reward rises over 40 steps (16
+    actor, DeepSpeed trains on the model's tokens only, and over 40 steps the reward rises (16
     prompts each, half the task config's batch); samples.jsonl holds whole episodes with tool
-    calls, tool answers and turn boundaries; eval runs before the first update and every 20 steps."""
+    calls, tool answers and turn boundaries; eval runs before the first update, halfway and after."""
     from launch.train import train
     from rl.run.run_log import read_metrics
     from tests.conftest import compose_config
@@ -187,17 +192,19 @@ def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_pa
 
     out, _ = tiny_calc
     cfg = compose_config(["task=calculator", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
-                          f"eval.files=[{out}/data/test.jsonl]", "eval.every_steps=20", "eval.max_rows=16",
-                          f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=40", "task.prompts_per_step=16",
-                          "run.save_every=0", "run.save_final_model=false"])
+                          f"eval.files=[{out}/data/test.jsonl]", f"eval.every_steps={steps // 2}", "eval.max_rows=16",
+                          f"run.dir={tmp_path}/run", "run.progress=false", f"run.steps={steps}",
+                          "task.prompts_per_step=16", "run.save_every=0", "run.save_final_model=false"])
     train(cfg)
-    *metrics, final = read_metrics(cfg.run.dir)  # 40 steps, then the evaluation after the last
-    assert len(metrics) == 40 and all("eval/pass_at_1" in m for m in (metrics[0], metrics[20], final))
+    *metrics, final = read_metrics(cfg.run.dir)  # the steps, then the evaluation after the last
+    assert len(metrics) == steps and all("eval/pass_at_1" in m for m in (metrics[0], metrics[steps // 2], final))
     for m in metrics:
         assert m["reward/errors_count"] == 0 and m["episode/errors_count"] == 0
         assert 0 < m["reward/mean"] < 1 and m["episode/turns_mean"] > 1.5
         assert m["sync/logprob_max_abs_diff"] < 1e-3  # learner and rollout agree on every model token
-    _assert_reward_rises(metrics)
+    assert all(m["sync/weights_mb"] > 0 for m in metrics[1:])
+    if steps >= 16:
+        _assert_reward_rises(metrics)
     rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
     solved = [r for r in rows if r["reward"] == 1.0 and len(r["turns"]) >= 5]
     assert solved, "no solved multi-turn episode logged"
@@ -207,10 +214,11 @@ def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_pa
 
 
 @pytest.mark.slow
-def test_calculator_agent_written_with_the_openai_client_learns(tiny_calc, tmp_path):
+@pytest.mark.parametrize("steps", [MECHANICS, pytest.param(30, id="learning", marks=pytest.mark.full)])
+def test_calculator_agent_written_with_the_openai_client_learns(tiny_calc, tmp_path, steps):
     """`task=calculator_agent`: the calculator episode as plain `openai`-client agent code
-    (examples/calculator_agent.py) served by the streaming engines through the agent server. The
-    reward rises; every trajectory is token-exact across its calls: at step 0 (samples and learner
+    (examples/calculator_agent.py) served by the streaming engines through the agent server. Over
+    30 steps the reward rises; every trajectory is token-exact across its calls: at step 0 (samples and learner
     both version 0) the learner's log-probs of every model token match the engine's (< 1e-3 fp32)."""
     from launch.train import train
     from rl.run.run_log import read_metrics
@@ -219,15 +227,18 @@ def test_calculator_agent_written_with_the_openai_client_learns(tiny_calc, tmp_p
 
     out, _ = tiny_calc
     cfg = compose_config(["task=calculator_agent", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
-                          f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=30", "task.prompts_per_step=16",
-                          "run.save_every=0", "run.save_final_model=false", "run.log_samples_per_step=8"])
+                          f"run.dir={tmp_path}/run", "run.progress=false", f"run.steps={steps}",
+                          "task.prompts_per_step=16", "run.save_every=0", "run.save_final_model=false",
+                          "run.log_samples_per_step=8"])
     train(cfg)
     metrics = read_metrics(cfg.run.dir)
-    assert len(metrics) == 30 and all(m["rollout/streaming"] == 1 for m in metrics)
+    assert len(metrics) == steps and all(m["rollout/streaming"] == 1 for m in metrics)
     assert metrics[0]["sync/logprob_max_abs_diff"] < 1e-3 and metrics[0]["policy/staleness_max"] == 0
     for m in metrics:
         assert m["reward/errors_count"] == 0 and m["episode/turns_mean"] > 1.5 and m["policy/staleness_max"] <= 1
-    _assert_reward_rises(metrics)
+    assert all(m["sync/weights_mb"] > 0 for m in metrics[1:])
+    if steps >= 16:
+        _assert_reward_rises(metrics)
     rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
     solved = [r for r in rows if r["reward"] == 1.0 and len(r["turns"]) >= 5]
     assert solved, "no solved multi-call episode logged"

@@ -82,6 +82,7 @@ def test_config_composes():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the code agent's tiny model (its build, minutes) serves the full lane only
 def test_build_writes_some_correct_first_programs(tiny_code_agent):
     out, summary = tiny_code_agent
     assert summary["first_turn_kinds_train"]["correct"] >= 0.5, summary
@@ -92,6 +93,7 @@ def test_build_writes_some_correct_first_programs(tiny_code_agent):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a learning curve; the sandbox's mechanics: test_code_e2e
 def test_code_agent_task_learns_end_to_end(tiny_code_agent, tmp_path):
     """`task=code_agent` through train(): vLLM plays the episodes, CodeAgent judges every program
     on the sandbox pool, and the model learns to reach a better program: the reward (the best

@@ -150,6 +150,7 @@ def wait_1s(prompts, completions, **kwargs):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a long fault case: a restart from the checkpoint, then a second loss
 def test_lost_learner_rank_restarts_the_run_from_its_checkpoint_then_names_itself(base_args, tmp_path):
     """kill -9 the learner rank: with run.max_restarts=1 the run restarts itself from its latest
     checkpoint; killed again, it ends with one line naming the rank, phase and step, and the

@@ -97,8 +97,59 @@ def test_lora_adapter_syncs_on_the_gpu(smollm2, math_data, tmp_path):
 
 
 def test_engine_sleeps_between_steps_and_wakes_with_the_new_weights(smollm2, math_data, tmp_path):
-    """vLLM's sleep mode (CUDA only): the engine frees its GPU memory while the learner trains and
-    generates from the synced weights after waking."""
+    """vLLM's sleep mode (CUDA only), on a fleet driven as the loop drives it: asleep, the engine
+    gives back at least its weights' memory (device-wide free memory, read by the driver); woken
+    for the sync, it loads new weights (the final norm scaled by 1.5: every logit x1.5, so the
+    greedy tokens stay and their log-probs sharpen), and its log-probs of those tokens are the new
+    model's, not the old one's. Then GRPO steps with sleep
+    mode on keep learner and rollout together."""
+    import ray
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl.config.schema import ModelConfig, RolloutConfig
+    from rl.data.types import GenerationRequest
+    from rollout.fleet import RolloutFleet
+    from rollout.protocol import RolloutSpec
+    from tests.conftest import own_ray
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}], add_generation_prompt=True,
+                                     tokenize=True)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.bfloat16)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    new = {k: (v * 1.5 if k == "model.norm.weight" else v) for k, v in model.state_dict().items()}
+    spec = RolloutSpec(ModelConfig(path=smollm2, dtype="bfloat16"),
+                       RolloutConfig(max_new_tokens=8, max_model_len=256, sleep_between_steps=True,
+                                     gpu_memory_utilization=0.3), seed=0, gpu=True)
+    request = GenerationRequest(prompt, "", 0, 0, seed=0, temperature=0.0)
+    own_ray()
+    try:
+        fleet = RolloutFleet(spec, num_cpus=1, num_gpus=1)
+        before = fleet.generate([request])[0]
+        awake_free = torch.cuda.mem_get_info()[0]
+        fleet.sleep()
+        asleep_free = torch.cuda.mem_get_info()[0]
+        fleet.wake(("weights",))
+        ray.get(fleet.workers[0].load_weights_from_object.remote(new, 1))
+        fleet.wake()
+        again = fleet.generate([request])[0]
+    finally:
+        ray.shutdown()
+    freed = asleep_free - awake_free
+    print(f"asleep: {freed / 2**20:.0f} MiB freed (weights {weight_bytes / 2**20:.0f} MiB)")
+    assert freed >= weight_bytes, (freed, weight_bytes)
+    # the new weights' log-probs of the tokens sampled before, by transformers
+    model.load_state_dict(new)
+    ids = torch.tensor([prompt + before.completion_ids])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)
+    expected = logp.gather(-1, torch.tensor(before.completion_ids)[:, None])[:, 0]
+    assert again.completion_ids == before.completion_ids  # x1.5 logits: the same greedy tokens
+    served = torch.tensor(again.logprobs)
+    old = torch.tensor(before.logprobs)
+    assert (served - expected).abs().mean() < BF16_TOLERANCE < (old - expected).abs().mean(), \
+        (served, expected, old)
+
     metrics = _run(smollm2, math_data, str(tmp_path / "run"), "model.dtype=bfloat16", "rollout.sleep_between_steps=true",
                    "run.steps=3")
     assert len(metrics) == 3 and all(m["sync/logprob_abs_diff"] < BF16_TOLERANCE for m in metrics)

@@ -1,7 +1,7 @@
 """Agents that user code cannot break: a table of hostile agents (tests/hostile_agents.py) run
-through the real agent server, the real runner and the real agent processes, in front of the real
-model (SmolLM2 through HFEngine, fp32). Each case's expected outcome is asserted: an error sample
-naming the agent and the cause, a 4xx the episode survives, or nothing at all; and for the whole
+through the real agent server, the real runner and the real agent processes, in front of a real
+model (the calculator task's tiny chat model through HFEngine, fp32). Each case's expected
+outcome is asserted: an error sample naming the agent and the cause, a 4xx the episode survives, or nothing at all; and for the whole
 table: every episode comes back, the engine never failed (no worker would have been restarted),
 the driver's memory stayed bounded and no agent process is left."""
 
@@ -20,6 +20,7 @@ from rl.data.types import GenerationRequest, Sample
 
 HOSTILE = os.path.join(os.path.dirname(__file__), "hostile_agents.py")
 MAX_NEW_TOKENS = 8
+MAX_PROCESSES = 32  # each agent's (AgentLimits.max_processes)
 
 # case -> (text the episode's error must contain, or None for a good episode with reward 1.0;
 #          what the agent's hostile request must have got back: status and the field named)
@@ -31,7 +32,7 @@ CASES: dict[str, tuple[str | None, dict | None]] = {
     "sys_exit": ("sys.exit(3)", None),
     "segfault": ("SIGSEGV", None),
     "busy_loop": ("did not return within task.agent_timeout_s", None),
-    "fork_bomb": ("task.agent", None),
+    "fork_bomb": ("did not return within task.agent_timeout_s", None),  # and its forks bounded (below)
     "huge_return": ("over the 1.0 MiB limit", None),
     "print_flood": (None, None),
     "reward_nan": ("returned nan (float)", None),
@@ -70,16 +71,17 @@ def _agent_processes() -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def served(smollm2):
-    """The real server in front of SmolLM2 (HFEngine), counting engine failures (each one would
-    have cost a rollout worker)."""
+def served(tiny_calc):
+    """The real server in front of the calculator's tiny chat model (HFEngine), counting engine
+    failures (each one would have cost a rollout worker)."""
     from transformers import AutoTokenizer
 
     from rollout.agent_server import AgentServer, RequestRejected
     from rollout.hf_engine import HFEngine
     from rollout.protocol import RolloutSpec
 
-    engine = HFEngine(RolloutSpec(ModelConfig(path=smollm2, dtype="float32"),
+    path = f"{tiny_calc[0]}/model"
+    engine = HFEngine(RolloutSpec(ModelConfig(path=path, dtype="float32"),
                                   RolloutConfig(backend="hf", max_new_tokens=MAX_NEW_TOKENS, max_model_len=512), seed=0))
     lock, failures = threading.Lock(), []
 
@@ -95,13 +97,14 @@ def served(smollm2):
         return sample
 
     engine.generate([GenerationRequest([1, 2], "", 0, 0, seed=0)])  # its weights' pages in memory before measuring
-    server = AgentServer(AutoTokenizer.from_pretrained(smollm2), generate, max_new_tokens=MAX_NEW_TOKENS,
+    server = AgentServer(AutoTokenizer.from_pretrained(path), generate, max_new_tokens=MAX_NEW_TOKENS,
                          max_model_len=512)
     server.start()
     yield server, failures, len(engine.tokenizer)
     server.stop()
 
 
+@pytest.mark.slow  # a real engine and 30 agent processes, ~25 s: the default lane, not the fast one
 def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
     from reward.agent_procs import AgentLimits, AgentPool
     from rl.run.agents import AgentRunner
@@ -111,7 +114,7 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
     server.close_episode(key)
     spec = f"{HOSTILE}:act"
     pool = AgentPool(spec, str(tmp_path), workers=6, limits=AgentLimits(timeout_s=8.0, memory_mb=1024,
-                                                                         max_processes=32),
+                                                                         max_processes=MAX_PROCESSES),
                      kwargs={"out_dir": str(tmp_path), "closed_url": closed_url, "vocab": vocab})
 
     class Fleet:
@@ -155,11 +158,24 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
     assert notes["max_tokens_huge"]["completion_tokens"] <= MAX_NEW_TOKENS
     assert notes["body_30mb"]["seconds"] < 2.0
     assert notes["stream_true"]["events"] >= 2
+    # the fork bomb forked until the pids limit refused it (fewer processes than the limit, the
+    # worker being one), not up to its own cap, and not one of them is left
+    forked = (tmp_path / "fork_bomb.count").stat().st_size
+    assert 0 < forked < MAX_PROCESSES or not _pids_limited(), forked
     assert not failures, f"the engine failed on {len(failures)} request(s): {failures[:3]}"
     assert rss_growth < 100, f"the driver grew by {rss_growth:.0f} MiB"
     assert server.open_count() == 0
     _, alive = psutil.wait_procs(agents, timeout=5)  # the zygote (its workers die with their cgroups)
     assert agents and not alive, alive
+    assert not _agent_processes()  # none of the bomb's forks either
+
+
+def _pids_limited() -> bool:
+    """Whether the pool can bound an agent's processes: with cgroups (pids), or as a user other
+    than root (RLIMIT_NPROC; root ignores it)."""
+    from reward.agent_procs import _cgroups_usable
+
+    return _cgroups_usable() or os.getuid() != 0
 
 
 E2E_CASES = ["good", "raise_before_call", "call_then_hang", "segfault", "reward_nan", "sys_exit", "temperature_0",

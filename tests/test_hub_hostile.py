@@ -21,6 +21,8 @@ SHA = "c" * 40
 CONFIG = json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}).encode()
 ROWS = b'{"prompt": "1+2=", "answer": "3"}\n'
 DEADLINE_S = 1.0
+SILENCE_S = 60.0  # how long a silent Hub says nothing: far past every deadline, so only a deadline ends the wait
+RELEASE = threading.Event()  # set when a test ends: its silent handlers return
 
 
 class FakeHub(BaseHTTPRequestHandler):
@@ -44,7 +46,7 @@ class FakeHub(BaseHTTPRequestHandler):
     def _answer(self) -> None:
         mode, path = self.mode, self.path
         if mode == "silent" or (mode == "silent_file" and "/resolve/" in path and self.command == "GET"):
-            time.sleep(10 * DEADLINE_S)  # (the client gives up long before)
+            RELEASE.wait(SILENCE_S)  # (the client gives up long before)
             return
         if mode == "500":
             return self._send(500, b"internal error")
@@ -97,9 +99,11 @@ def hub(tmp_path, monkeypatch):
     monkeypatch.setattr(bounded, "READ_TIMEOUT_S", DEADLINE_S)
     monkeypatch.setattr(bounded, "CONNECT_TIMEOUT_S", DEADLINE_S)
     bounded.bounded_waits(DEADLINE_S, DEADLINE_S)
+    RELEASE.clear()
     yield endpoint
     bounded.bounded_waits(*defaults)  # the defaults again for the rest of the session
     FakeHub.mode = "ok"
+    RELEASE.set()
     server.shutdown()
 
 
@@ -121,21 +125,37 @@ def test_a_good_hub_answer_downloads_into_the_cache(hub, tmp_path):
     assert table[0]["prompt"] == "1+2="
 
 
-# huggingface_hub retries a cut or silent file download with backoff: 10-22 s, outside the fast lane
+# huggingface_hub retries a cut or silent file download with backoff: 10-22 s, the full lane's
 SLOW = ("cut", "silent_file")
+# what each case may take: the requests each resolution makes (huggingface_hub's retries 1 s, 2 s,
+# 4 s apart), each ended by its deadline; a client that waited out a silence would take SILENCE_S
+MOST_S = {"silent": 10.0}
 
 
-@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.slow) if m in SLOW else m for m in CASES])
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.slow, pytest.mark.full]) if m in SLOW else m
+                                  for m in CASES])
 def test_a_misbehaving_hub_ends_in_an_error_naming_the_field_within_its_deadline(hub, mode):
+    """Both resolutions run in a thread the test waits for at most the case's bound: a client that
+    waits out the silence fails here at once instead of hanging the test."""
     FakeHub.mode = mode
+    errors: dict[str, Exception] = {}
+
+    def resolve() -> None:
+        for name, call in (("model", lambda: resolve_model("org/m")),
+                           ("data", lambda: load_table(["org/d:train"], "task.train_files"))):
+            try:
+                call()
+            except Exception as err:  # noqa: BLE001 - checked below
+                errors[name] = err
+
     started = time.monotonic()
-    with pytest.raises(ConfigError) as model_error:
-        resolve_model("org/m")
-    with pytest.raises(DataError) as data_error:
-        load_table(["org/d:train"], "task.train_files")
-    took = time.monotonic() - started
-    assert str(model_error.value).startswith("model.path='org/m'") and CASES[mode] in str(model_error.value)
-    assert str(data_error.value).startswith("task.train_files")
+    worker = threading.Thread(target=resolve, daemon=True)
+    worker.start()
     # two resolutions, each a few requests with huggingface_hub's retries (1 s, 2 s, 4 s apart)
-    assert took < 30, took
-    print(f"{mode}: {took:.1f} s: {model_error.value}")
+    worker.join(MOST_S.get(mode, 30))
+    took = time.monotonic() - started
+    assert not worker.is_alive(), f"still waiting after {took:.0f} s: a request without a deadline"
+    assert isinstance(errors.get("model"), ConfigError) and isinstance(errors.get("data"), DataError), errors
+    assert str(errors["model"]).startswith("model.path='org/m'") and CASES[mode] in str(errors["model"])
+    assert str(errors["data"]).startswith("task.train_files")
+    print(f"{mode}: {took:.1f} s: {errors['model']}")

@@ -94,6 +94,7 @@ def test_python_funcs_rows_are_checked_by_their_own_reference_and_scored_like_hu
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the real model
 def test_python_funcs_recipe_passes_every_check_before_ray(smollm2, tmp_path, monkeypatch) -> None:
     """`model=smollm2 task=python_funcs` from an empty launch directory: the task's data and
     HumanEval's are built, every training and HumanEval prompt fits rollout.max_model_len with

@@ -111,6 +111,7 @@ def test_lora_config_errors():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a learning curve; LoRA syncs' mechanics: test_arch_matrix's qwen3_moe-lora, test_rollout_tp
 def test_lora_run_learns_with_adapter_only_syncs(make_config):
     """The default task with LoRA on q and v (so vLLM's stacked qkv layer gets k as it was):
     the reward rises, the rollout's log-probs equal the learner's after every sync, each sync

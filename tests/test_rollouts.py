@@ -46,6 +46,13 @@ def test_every_kind_of_sample_is_scored_by_one_function():
 
 
 def test_the_schedules_share_one_face():
+    """LockStep, the ahead pipeline and the stream each take a step's batch, open a window for the
+    weight sync, report what is in flight and close, the way rl/loop.py calls them. Every wait
+    here has a deadline: a schedule that never delivers fails the test instead of hanging it."""
+    from rl.run.rollouts import Rollouts
+    from rl.run.streaming import StreamingRollouts
+    from tests.test_streaming import QueueFleet, _draw, _score, _until
+
     made = []
 
     def produce(step):
@@ -69,10 +76,33 @@ def test_the_schedules_share_one_face():
     try:
         threading.Timer(0.2, slow.set).start()
         assert ahead.take(0) == 0 and len(repairs) >= 5  # the driver repairs while it waits
+        with ahead.between_batches():
+            pass
         assert ahead.in_flight(whole=False) == {}  # the fleet broken: batches are made again on resume
         assert ahead.in_flight() == {1: 1}
     finally:
         ahead.close()
+
+    fleet = QueueFleet()
+    stream = StreamingRollouts(fleet, _draw(2, 2), _score, groups_per_step=2, max_staleness=1, start_step=0,
+                               steps=3, poll_s=0.01, stall_s=5.0)
+    try:
+        _until(lambda: fleet.started_groups() == {0, 1, 2, 3})  # two steps' prompts: the learner at 0, k=1
+        fleet.finish()
+        scored, samples, figures = stream.take(0)
+        assert sorted(s.sample.group_id for s in scored) == [0, 0, 1, 1] and len(samples) == 4
+        assert "time/rollout_s" in figures
+        with stream.between_batches():  # engines pause with their requests kept: no boundary
+            pass
+        kept = stream.in_flight()["streaming"]
+        assert {g.requests[0].group_id for g in kept["ready"]} | {r.group_id for r in kept["pending"]} == {2, 3}
+    finally:
+        stream.close()
+    assert not stream._thread.is_alive()
+    face = [name for name in vars(Rollouts) if not name.startswith("_")]
+    assert sorted(face) == ["between_batches", "close", "in_flight", "take"]
+    for schedule in (lock_step, ahead, stream):
+        assert all(callable(getattr(schedule, name)) for name in face), schedule
 
 
 def test_environment_episodes_stream_batch_by_batch_and_a_failed_batch_raises():
@@ -103,7 +133,8 @@ def test_environment_episodes_stream_batch_by_batch_and_a_failed_batch_raises():
         assert sorted(s.group_id for s in got) == [0, 1, 2]
         source.submit([GenerationRequest([1], "p", 9, 0, seed=9)])
         with pytest.raises(RuntimeError, match="the fleet is gone"):
-            while True:
+            end = time.monotonic() + 5  # a source that swallowed the error fails here, not hangs
+            while time.monotonic() < end:
                 source.drain(0.1)
     finally:
         source.close()

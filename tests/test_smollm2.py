@@ -19,7 +19,7 @@ from launch.train import train
 from launch.checks import check_run_dir
 from rl.run.run_log import read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]  # the real model: the full lane
 
 FP32_TOLERANCE = 1e-3  # mean |learner - rollout| log-prob of the sampled tokens, nats
 BF16_TOLERANCE = 0.05  # measured 0.029-0.042 after a sync (trainer.logprob_warn_threshold is 0.05)

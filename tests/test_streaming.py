@@ -293,6 +293,7 @@ def _drain_all(fleet, keys: set, timeout_s: float = 120.0) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the real model; the default lane's streaming run: test_e2e's streaming mechanics
 def test_weights_loaded_mid_generation_date_every_token_and_faults_are_caught(smollm2):
     """The real AsyncLLM engine (SmolLM2, fp32) in a Ray worker: weights of another policy loaded
     while 4 requests are generating (inflight_kv=recompute) split each sample into tokens of

@@ -17,13 +17,13 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
 @pytest.fixture(scope="module")
-def built_rm(tiny_dir, tmp_path_factory):
+def built_rm(tiny_trained, tmp_path_factory):
     """The built-in tiny RM, built from the tiny policy by the real builder (2 epochs, ZeRO-2)."""
     from examples.preference import build as build_tiny_rm
 
     out = tmp_path_factory.mktemp("tiny_rm")
     t0 = time.perf_counter()
-    summary = build_tiny_rm(str(out), seed=0, policy_path=f"{tiny_dir}/model",
+    summary = build_tiny_rm(str(out), seed=0, policy_path=f"{tiny_trained}/model",
                             overrides=["algorithm.epochs=2", "trainer.zero_stage=2"])
     summary["wall_s"] = time.perf_counter() - t0
     return out, summary
@@ -173,6 +173,7 @@ def test_cli_rejects_bad_config_fast_naming_the_field(override, expected, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a learning curve
 def test_ppo_against_the_reward_model_raises_its_score(built_rm, make_config) -> None:
     """PPO with the critic initialised from the RM (its `score` head becomes the value head)."""
     import statistics

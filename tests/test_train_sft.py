@@ -24,10 +24,10 @@ TINY_TEMPLATE = (
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_dir):
+def tokenizer(tiny_untrained):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(f"{tiny_dir}/model")
+    return AutoTokenizer.from_pretrained(f"{tiny_untrained}/model")
 
 
 def _chat_rows(tiny_dir: str, n: int, turns: int = 1) -> list[dict]:
@@ -103,16 +103,16 @@ def test_chat_template_trains_assistant_turns_only(tokenizer) -> None:
 
 
 @pytest.fixture(scope="module")
-def sft_runs(tiny_dir, tmp_path_factory):
+def sft_runs(tiny_trained, tmp_path_factory):
     """A completion-format run (ZeRO-3, gradient accumulation) and a chat-format run (ZeRO-0)."""
     from launch.train_sft import run
 
     tmp = tmp_path_factory.mktemp("sft")
-    base = [f"model.path={tiny_dir}/model", "run.progress=false", "algorithm.epochs=0.5", "algorithm.lr=2e-3"]
-    completion = run(base + [f"data.train_files=[{tiny_dir}/data/train.jsonl]",
-                             f"data.test_files=[{tiny_dir}/data/test.jsonl]", "data.completion_key=answer",
+    base = [f"model.path={tiny_trained}/model", "run.progress=false", "algorithm.epochs=0.5", "algorithm.lr=2e-3"]
+    completion = run(base + [f"data.train_files=[{tiny_trained}/data/train.jsonl]",
+                             f"data.test_files=[{tiny_trained}/data/test.jsonl]", "data.completion_key=answer",
                              "trainer.zero_stage=3", "trainer.micro_batch_size=32", f"run.dir={tmp}/completion"])
-    chat_file = _write(tmp / "chat.jsonl", _chat_rows(tiny_dir, 3000))
+    chat_file = _write(tmp / "chat.jsonl", _chat_rows(tiny_trained, 3000))
     chat = run(base + ["data.format=chat", f"data.train_files=[{chat_file}]", "data.test_files=[]",
                        "data.test_fraction=0.1", f"run.dir={tmp}/chat"])
     return completion, chat

@@ -40,24 +40,49 @@ def train_flops(config: Mapping[str, Any], lengths: list[int]) -> float:
 
 
 def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 2048,
-                          seconds: float = 0.5) -> float:
-    """This process's measured square-matmul peak in TFLOP/s (with its torch thread count)."""
+                          seconds: float = 0.5, windows: int = 1, budget_s: float | None = None) -> float:
+    """This process's measured square-matmul peak in TFLOP/s (with its torch thread count): the best
+    of `windows` timed windows of `seconds` (each at least one product), stopping once `budget_s`
+    has passed after the first.
+
+    A dtype this host computes far slower than fp32 (bf16 on a CPU without AMX: ~1 GFLOP/s, so one
+    2048-square product takes ~17 s) is probed at a smaller size: a 256-square product first tells
+    the speed, and `size` halves while one product would take over 2 windows. The probe then costs
+    about `budget_s`, not minutes, and its figure is the same order (small products run a little
+    below the peak)."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda":
         size = 8192
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(a, b) -> float:
+        started = time.perf_counter()
+        a @ b
+        sync()
+        return time.perf_counter() - started
+
+    if device.type != "cuda":
+        small = torch.randn(256, 256, dtype=dtype, device=device)
+        timed(small, small)  # the first call pays for thread-pool start and packing
+        per_flop = timed(small, small) / (2.0 * 256**3)
+        while size > 256 and per_flop * 2.0 * size**3 > 2 * seconds:
+            size //= 2
     a = torch.randn(size, size, dtype=dtype, device=device)
     b = torch.randn(size, size, dtype=dtype, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    a @ b  # warm-up: first call pays for thread-pool start and packing
-    sync()
-    done, started = 0, time.perf_counter()
-    while time.perf_counter() - started < seconds:
-        a @ b
-        sync()  # else a GPU queues far more than `seconds` of matmuls before the clock is read
-        done += 1
-    return 2.0 * size**3 * done / (time.perf_counter() - started) / 1e12
+    timed(a, b)  # warm-up at this size
+    best, first = 0.0, time.perf_counter()
+    for _ in range(windows):
+        done, started = 0, time.perf_counter()
+        while done == 0 or time.perf_counter() - started < seconds:
+            a @ b
+            sync()  # else a GPU queues far more than `seconds` of matmuls before the clock is read
+            done += 1
+        best = max(best, 2.0 * size**3 * done / (time.perf_counter() - started) / 1e12)
+        if budget_s is not None and time.perf_counter() - first > budget_s:
+            break
+    return best
 
 
 def memory_bandwidth_gbs(mib: int = 256, repeats: int = 5) -> float:

@@ -29,6 +29,8 @@ ALSO = {
 }
 
 
+# the full lane's: the default lane runs GRPO's code path in test_e2e's mechanics runs
+@pytest.mark.full
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_algorithm_runs(make_config, algorithm):
     overrides = [f"algorithm={algorithm}", "run.steps=6", "task.prompts_per_step=16", "run.save_every=0",

@@ -214,6 +214,7 @@ def test_decoded_token_ids_compile(splits, harness_obj: Path, tmp_path: Path) ->
 # ------------------------------------------------------------------------------- the tiny model
 
 @pytest.mark.slow
+@pytest.mark.full  # the full lane; test_code_e2e runs the task
 def test_build_tiny_code_samples_correct_and_fast_programs(tiny_code) -> None:
     """The default build (~1-2 min on one CPU thread): some correct samples, of several speeds."""
     from datasets import load_dataset

@@ -76,6 +76,7 @@ def test_the_dataset_draws_round_zero_through_the_curriculum(tmp_path, tiny_dir)
 
 
 @pytest.mark.slow
+@pytest.mark.full  # an algorithm feature's run: the full lane
 def test_a_run_sets_flat_prompts_aside_and_its_resume_draws_the_same_prompts(make_config, tiny_dir, tmp_path) -> None:
     """The tiny model on 12 arithmetic prompts, 4 a step (an epoch every 3 steps): prompts whose
     groups were flat are passed over in later epochs (logged), and a run resumed from its step-4

@@ -74,6 +74,7 @@ def test_a_teacher_with_another_tokenizer_is_refused_before_ray_naming_both(tiny
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a learning curve
 def test_a_student_distilled_on_policy_moves_towards_its_teacher(make_config, tiny_dir, tmp_path) -> None:
     """algorithm=opd on the tiny model with a teacher of the same tokenizer (the tiny model with its
     weights perturbed): the teacher's log-probs reach the advantages and the reverse KL falls."""

@@ -303,6 +303,7 @@ def test_hf_backend_zero1_two_ranks_object_store_sync(make_config):
     assert 0 <= metrics[1]["reward/mean"] <= 1.1
 
 
+@pytest.mark.full  # the Hub recipe: the full lane
 def test_a_hub_id_in_the_cache_works_as_model_path(tiny_dir, tmp_path, monkeypatch):
     """The README's recipe (Bring your own model and data): a Qwen2-architecture model (random
     init, its own config) put in a Hugging Face cache as `tiny-org/qwen2-tiny`, and the task's

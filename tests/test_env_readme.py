@@ -22,6 +22,7 @@ def readme_example(first_line: str) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the README's example: the full lane
 def test_readme_environment_trains_and_logs_episodes_and_evaluations(make_config, tiny_dir, tmp_path):
     """The README's environment, run as the README says: whole episodes in samples.jsonl, the
     learner agreeing with the rollout on every model token, eval figures before the first update

@@ -61,6 +61,7 @@ def test_the_data_has_every_problem(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # 164 programs in the sandbox: the full lane
 def test_every_canonical_solution_passes_in_the_sandbox(problems) -> None:
     ids = sorted(problems)
     got = _score(problems, ids, [problems[t]["canonical_solution"] for t in ids])

@@ -130,6 +130,7 @@ def test_yes_prob_needs_single_token_yes_and_no(tmp_path, monkeypatch) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a judge model in the scorer: the full lane
 def test_a_real_model_judges_through_the_scorer(tiny_dir) -> None:
     """The tiny arithmetic model as a judge with verdict=number: its greedy continuation of
     "12+34=" is a number, read as a score out of max_score=100; the same reply under plain

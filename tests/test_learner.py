@@ -50,7 +50,8 @@ def _seq_logprob(model, s: Sample) -> float:
     return float(lp[0, len(s.prompt_ids) - 1 :].sum())
 
 
-@pytest.mark.parametrize("stage,world", [(2, 1), (3, 2), (1, 2)])
+@pytest.mark.parametrize("stage,world", [pytest.param(2, 1, marks=pytest.mark.full), (3, 2),
+                                         pytest.param(1, 2, marks=pytest.mark.full)])  # default lane: ZeRO-3 x 2
 def test_update_follows_the_advantages(ray_local, tiny_dir, tmp_path, stage, world):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -90,6 +91,7 @@ def _varied_batch(tok, model):
     return batch
 
 
+@pytest.mark.full  # DeepSpeed layouts compared: the full lane
 def test_one_update_is_the_same_however_the_work_is_cut(ray_local, tiny_dir, tmp_path):
     """The step's update does not depend on how it is computed: the training forward's own
     log-probs as the old policy's (no scoring pass) or a scored old policy; micro-batches of rows
@@ -145,7 +147,7 @@ def test_one_update_is_the_same_however_the_work_is_cut(ray_local, tiny_dir, tmp
     assert computed["shared prefix, scored old"] < min(computed[k] for k in computed if "shared" not in k), computed
 
 
-@pytest.mark.parametrize("stage,world", [(0, 1), (3, 2)])
+@pytest.mark.parametrize("stage,world", [(0, 1), pytest.param(3, 2, marks=pytest.mark.full)])
 def test_lora_update_trains_and_stores_the_adapters_only(ray_local, tiny_dir, tmp_path, stage, world):
     """model.lora under ZeRO-0 and ZeRO-3 over 2 ranks: only the adapters train (the optimizer
     state in the checkpoint is a few percent of the weights'), the update follows the advantages,
@@ -186,6 +188,7 @@ def test_lora_update_trains_and_stores_the_adapters_only(ray_local, tiny_dir, tm
     assert os.path.exists(tmp_path / "adapter" / "adapter_model.safetensors")
 
 
+@pytest.mark.full  # OPD's teacher: the full lane
 def test_the_teachers_log_probs_are_the_teacher_models_under_hf(ray_local, tiny_dir, tmp_path):
     """On-policy distillation: the learner's teacher engine (algorithm.teacher_path) scores the
     sampled tokens as the teacher model does under plain transformers (fp32, < 1e-5 here; the

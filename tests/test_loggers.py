@@ -131,6 +131,7 @@ def test_unknown_logger_is_a_config_error():
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a run with every logger: the full lane
 def test_a_run_with_every_logger_writes_them_all_and_its_report(make_config):
     """The default task for 3 steps with run.loggers=[tensorboard,jsonl,wandb,mlflow]: each sink
     holds the run's metrics, config and summary, and the run draws report.png at its end."""

@@ -232,6 +232,7 @@ ENGINE_CASE = textwrap.dedent('''
 @pytest.mark.parametrize("stage,lora,layout", [(2, "full", "padded"), (3, "full", "padded"), (2, "lora", "padded"),
                                                (3, "lora", "padded"), (2, "full", "shared"), (3, "full", "shared"),
                                                (3, "lora", "shared")])
+@pytest.mark.full  # DeepSpeed against torch per layout: the full lane
 def test_deepspeed_update_through_chunked_logprobs_equals_torch(stage, lora, layout):
     """The tied embedding gets one gradient (ZeRO-1/2 refuse a second reduction), ZeRO-3 gathers
     the head when it recomputes, a frozen head (LoRA) works under both: the gradients DeepSpeed

@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]  # several Ray nodes and a code run: the full lane
 
 # CPUs of the README's nodes, in its order: the head (the reward worker), the node for the rollout
 # worker and learner rank (their 2 bundles), the benchmark node (2 sandbox workers).

@@ -198,6 +198,7 @@ print(json.dumps({
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the full lane; every default-lane run loads it in vLLM
 def test_vllm_cpu_loads_and_samples_the_prepared_model(tiny_dir: str) -> None:
     """vLLM tokenizes prompts like HF and stops on EOS (from generation_config) with logprobs: the
     session's build of the built-in model, in an engine with the rollout worker's environment."""

@@ -6,7 +6,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]  # a Ray cluster and a submitted job: the full lane
 
 NOISE = ("Setting accelerator to CPU", "Triton not available", "NUMA binding", "Loading safetensors checkpoint shards",
          "Loading weights", "Writing model shards", "Generating train split")

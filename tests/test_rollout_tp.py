@@ -19,7 +19,7 @@ from rollout.protocol import RolloutSpec
 from rollout.vllm_engine import vllm_env
 from rollout.worker import RolloutWorker
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]  # TP=2 in the default lane: the matrix's qwen3_moe runs
 
 
 def _tied_tiny(tiny_dir: str, out: str):

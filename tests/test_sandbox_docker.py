@@ -22,7 +22,7 @@ import pytest
 from sandbox.backend import SandboxUnavailable
 from sandbox.job import COMPILE_LIMITS, Limits
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.full]  # installs and starts a Docker engine: the full lane
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 IMAGE_DIR = os.path.join(ROOT, "sandbox", "image")

@@ -34,6 +34,7 @@ def _held_out(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a learning curve
 def test_tiny_rm_learns_the_preference_on_held_out_pairs(built_rm) -> None:
     out, summary = built_rm
     assert summary["eval/pairwise_accuracy"] > 0.8, summary
@@ -57,6 +58,7 @@ def test_tiny_rm_learns_the_preference_on_held_out_pairs(built_rm) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # builds and serves the RM: the full lane
 def test_served_reward_prefers_chosen_on_held_out_pairs(built_rm) -> None:
     from reward import model_reward
 
@@ -76,6 +78,7 @@ def test_served_reward_prefers_chosen_on_held_out_pairs(built_rm) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # builds and serves the RM: the full lane
 def test_served_reward_through_the_scorer_and_the_cache(built_rm) -> None:
     from reward import model_reward
     from reward.scorer import RewardScorer

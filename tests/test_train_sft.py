@@ -120,6 +120,7 @@ def sft_runs(tiny_trained, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.full  # a learning curve
 def test_sft_lowers_the_loss_and_saves_a_loadable_model(sft_runs, tokenizer, kind) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

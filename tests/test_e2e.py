@@ -42,8 +42,6 @@ def test_lock_step_run_scores_syncs_and_resumes_from_its_checkpoint(make_config,
     """The default job, 4 lock-step steps: every sample of every step is scored, every step's
     weights reach vLLM (learner and vLLM agree after each sync, so the policy they agree on moved),
     and the step-2 checkpoint resumes: the resumed run trains steps 2-3 on the same prompts."""
-    import shutil
-
     from launch.checks import check_run_dir
 
     common = ("task.prompts_per_step=16", "run.save_every=2", "run.log_samples_per_step=1024")
@@ -61,11 +59,7 @@ def test_lock_step_run_scores_syncs_and_resumes_from_its_checkpoint(make_config,
     _assert_saved_model_loads_and_moved(summary["final_model"], cfg.model.path)
 
     run_dir = cfg.run.dir
-    shutil.rmtree(os.path.join(run_dir, "checkpoints", "step_000004"))
-    with open(os.path.join(run_dir, "checkpoints", "latest"), "w") as f:
-        f.write("step_000002")
-    os.makedirs(tmp_path / "first_run")
-    os.replace(os.path.join(run_dir, "samples.jsonl"), tmp_path / "first_run" / "samples.jsonl")
+    _rewind(run_dir, last=4, to=2, first_run=str(tmp_path / "first_run"))
     again = make_config("run.steps=4", *common, "run.resume=true")
     train(again, resume_from=check_run_dir(again))
     after = _samples_by_step(run_dir)
@@ -137,6 +131,18 @@ def _assert_saved_model_loads_and_moved(saved_dir: str, start_dir: str) -> tuple
     return model, tok, start, start_tok
 
 
+def _rewind(run_dir: str, last: int, to: int, first_run: str) -> None:
+    """Make the run resume from its step-`to` checkpoint (the step-`last` one removed) and move its
+    samples.jsonl into `first_run`, so the resumed run's samples can be compared with the first's."""
+    import shutil
+
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{last:06d}"))
+    with open(os.path.join(run_dir, "checkpoints", "latest"), "w") as f:
+        f.write(f"step_{to:06d}")
+    os.makedirs(first_run)
+    os.replace(os.path.join(run_dir, "samples.jsonl"), os.path.join(first_run, "samples.jsonl"))
+
+
 def _samples_by_step(run_dir: str) -> dict[int, list[dict]]:
     out: dict[int, list[dict]] = {}
     with open(os.path.join(run_dir, "samples.jsonl")) as f:
@@ -152,8 +158,6 @@ def test_async_rollouts_learn_and_resume_without_losing_a_prompt(make_config, tm
     version old (the default behaviour_clip correction); over 40 steps the reward still rises. A
     checkpoint halfway keeps the batch generated ahead, so the run resumed from it trains each
     step's prompts exactly once, and that batch as it was generated (not again, from newer weights)."""
-    import shutil
-
     from launch.checks import check_run_dir
 
     half = steps // 2
@@ -174,13 +178,9 @@ def test_async_rollouts_learn_and_resume_without_losing_a_prompt(make_config, tm
 
     # resume from the halfway checkpoint (its batch for that step was generated ahead, one version before)
     run_dir = cfg.run.dir
-    shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{steps:06d}"))
-    with open(os.path.join(run_dir, "checkpoints", "latest"), "w") as f:
-        f.write(f"step_{half:06d}")
     assert os.path.exists(os.path.join(run_dir, "checkpoints", f"step_{half:06d}", "in_flight.pkl"))
     first_run = str(tmp_path / "first_run")
-    os.makedirs(first_run)
-    os.replace(os.path.join(run_dir, "samples.jsonl"), os.path.join(first_run, "samples.jsonl"))
+    _rewind(run_dir, last=steps, to=half, first_run=first_run)
     again = make_config(f"run.steps={half + 2}", *common, "run.resume=true")
     train(again, resume_from=check_run_dir(again))
     before, after = _samples_by_step(first_run), _samples_by_step(run_dir)
@@ -204,7 +204,6 @@ def test_streaming_rollouts_learn_and_resume_without_losing_a_prompt(make_config
     groups is either trained in its two steps or recorded in flight by its final checkpoint:
     nothing lost, nothing repeated."""
     import pickle
-    import shutil
 
     from launch.checks import check_run_dir
 
@@ -230,12 +229,8 @@ def test_streaming_rollouts_learn_and_resume_without_losing_a_prompt(make_config
         return {g.requests[0].group_id for g in state["ready"]} | {r.group_id for r in state["pending"]}
 
     kept = kept_at(half)
-    shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{steps:06d}"))
-    with open(os.path.join(run_dir, "checkpoints", "latest"), "w") as f:
-        f.write(f"step_{half:06d}")
     first_run = str(tmp_path / "first_run")
-    os.makedirs(first_run)
-    os.replace(os.path.join(run_dir, "samples.jsonl"), os.path.join(first_run, "samples.jsonl"))
+    _rewind(run_dir, last=steps, to=half, first_run=first_run)
     again = make_config(f"run.steps={half + 2}", *common, "run.resume=true")
     train(again, resume_from=check_run_dir(again))
     before, after = _samples_by_step(first_run), _samples_by_step(run_dir)

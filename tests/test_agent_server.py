@@ -449,6 +449,7 @@ def fake(tokenizer):
         yield s
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_episode_keys_are_secret_and_every_wrong_key_gets_the_same_404(fake):
     """Keys are unguessable; a key that never existed, a closed one, a malformed one, the old counter
     keys and any other path all get the same bytes, /v1/models included; an agent whose episode is

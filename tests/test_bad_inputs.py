@@ -296,6 +296,7 @@ def _imported(stderr: str) -> set[str]:
     return names
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @pytest.mark.parametrize("case", COMMAND_LINE_CASES)
 def test_bad_input_fails_fast_naming_the_field(case, tiny_dir, tmp_path):
     """The real command line refuses before anything heavy loads: no Ray, vLLM or DeepSpeed is even
@@ -367,6 +368,7 @@ def test_supervised_bad_input_is_refused_naming_the_field(case, tiny_dir, tmp_pa
     _check_error(capsys.readouterr().err, expected)
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @pytest.mark.parametrize("case", SUPERVISED_COMMAND_LINE_CASES)
 def test_supervised_bad_input_fails_naming_the_field(case, tiny_dir, tmp_path):
     module, overrides, expected = _supervised_overrides(case, tiny_dir, tmp_path)

@@ -174,8 +174,13 @@ def test_build_solves_some_episodes(tiny_calc):
 
 
 
-# each run twice: 2 steps that check what flowed (default lane), a learning curve (full lane)
+# each run twice: 2 steps of 8 prompts that check what flowed (default lane), a learning curve of
+# 16-prompt steps (full lane)
 MECHANICS = pytest.param(2, id="mechanics")
+
+
+def _prompts_per_step(steps: int) -> int:
+    return 8 if steps <= 2 else 16
 
 
 @pytest.mark.slow
@@ -192,9 +197,9 @@ def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_pa
 
     out, _ = tiny_calc
     cfg = compose_config(["task=calculator", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
-                          f"eval.files=[{out}/data/test.jsonl]", f"eval.every_steps={steps // 2}", "eval.max_rows=16",
+                          f"eval.files=[{out}/data/test.jsonl]", f"eval.every_steps={steps // 2}", f"eval.max_rows={_prompts_per_step(steps)}",
                           f"run.dir={tmp_path}/run", "run.progress=false", f"run.steps={steps}",
-                          "task.prompts_per_step=16", "run.save_every=0", "run.save_final_model=false"])
+                          f"task.prompts_per_step={_prompts_per_step(steps)}", "run.save_every=0", "run.save_final_model=false"])
     train(cfg)
     *metrics, final = read_metrics(cfg.run.dir)  # the steps, then the evaluation after the last
     assert len(metrics) == steps and all("eval/pass_at_1" in m for m in (metrics[0], metrics[steps // 2], final))
@@ -228,7 +233,7 @@ def test_calculator_agent_written_with_the_openai_client_learns(tiny_calc, tmp_p
     out, _ = tiny_calc
     cfg = compose_config(["task=calculator_agent", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
                           f"run.dir={tmp_path}/run", "run.progress=false", f"run.steps={steps}",
-                          "task.prompts_per_step=16", "run.save_every=0", "run.save_final_model=false",
+                          f"task.prompts_per_step={_prompts_per_step(steps)}", "run.save_every=0", "run.save_final_model=false",
                           "run.log_samples_per_step=8"])
     train(cfg)
     metrics = read_metrics(cfg.run.dir)

@@ -171,6 +171,7 @@ def _measured_wrong(detect: str) -> str:
             'long f(long n) { if (%s) return 0; return 3 * n * (n + 1) / 2 + 5 * n; }' % detect)
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @pytest.mark.parametrize("detect", ["under_valgrind()", "n > 150000"], ids=["valgrind_in_maps", "bench_sized_input"])
 def test_a_harness_candidate_that_skips_the_work_when_measured_earns_nothing(backend, detect):
     cheat = _measured_wrong(detect)
@@ -261,6 +262,7 @@ PY_ROW = {
 }
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_cpu_time_repeats_cannot_reuse_what_an_earlier_repeat_left(backend):
     # Correct every time, but caches its answer in the work dir: with the min over repeats, a
     # cached repeat would pass for a ~10x speed-up (measured without the reset).

@@ -156,6 +156,7 @@ def _all_variants_source(sources: list[str]) -> str:
     return "\n".join(parts)
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @needs_gcc
 def test_every_variant_compiles_and_is_judged_right(harness_obj: Path, tmp_path: Path) -> None:
     """Slow, medium and fast variants pass every visible and hidden test; wrong ones fail one

@@ -123,6 +123,7 @@ def test_position_limit_of_model_configs():
     assert position_limit({"hidden_size": 8}) is None
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @pytest.mark.parametrize(
     "override,expected",
     [("algorithm.lr=oops", "algorithm.lr"), ("trainer.zero_stag=3", "trainer.zero_stag"),
@@ -137,6 +138,7 @@ def test_cli_rejects_bad_input_fast_with_the_field_name(override, expected):
     _fails_fast(override.split(), expected, unloaded=("torch", "ray", "vllm", "deepspeed"))  # the schema needs no torch
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @pytest.mark.parametrize(
     "override,expected",
     [("reward.functions=[{fn: nope_rewards.py:score}]", "reward.functions[0].fn='nope_rewards.py:score'"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pickle
 import zlib
 
+import pytest
 import torch
 
 from tests.members import run_members
@@ -83,6 +84,7 @@ def _member(rank: int, port: int, out) -> None:  # (tests/members.py)
     out.put(pickle.dumps((rank, got)))
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_a_sender_and_two_receivers_in_real_processes() -> None:
     results = run_members(_member, 3, free_port())
     sent = results[0]

@@ -38,37 +38,6 @@ def _assert_reward_rises(metrics: list[dict]) -> None:
     assert gain > 2 * noise and gain > 0.03, rewards
 
 
-def test_lock_step_run_scores_syncs_and_resumes_from_its_checkpoint(make_config, tmp_path):
-    """The default job, 4 lock-step steps: every sample of every step is scored, every step's
-    weights reach vLLM (learner and vLLM agree after each sync, so the policy they agree on moved),
-    and the step-2 checkpoint resumes: the resumed run trains steps 2-3 on the same prompts."""
-    from launch.checks import check_run_dir
-
-    common = ("task.prompts_per_step=16", "run.save_every=2", "run.log_samples_per_step=1024")
-    cfg = make_config("run.steps=4", *common)
-    summary = train(cfg)
-    metrics = read_metrics(cfg.run.dir)
-    assert [m["policy/version_count"] for m in metrics] == [1, 2, 3, 4]
-    per_step = cfg.task.prompts_per_step * cfg.rollout.n
-    before = _samples_by_step(cfg.run.dir)
-    for step, m in enumerate(metrics):
-        assert m["reward/errors_count"] == 0 and 0 <= m["reward/mean"] <= 1
-        assert len(before[step]) == per_step and all(isinstance(r["reward"], float) for r in before[step])
-        assert m["sync/logprob_abs_diff"] < 1e-3  # vLLM samples from the learner's weights...
-    assert all(m["sync/weights_mb"] > 0 for m in metrics[1:]) and metrics[-1]["actor/kl_nats"] > 0  # ...which moved
-    _assert_saved_model_loads_and_moved(summary["final_model"], cfg.model.path)
-
-    run_dir = cfg.run.dir
-    _rewind(run_dir, last=4, to=2, first_run=str(tmp_path / "first_run"))
-    again = make_config("run.steps=4", *common, "run.resume=true")
-    train(again, resume_from=check_run_dir(again))
-    after = _samples_by_step(run_dir)
-    assert sorted(after) == [2, 3]
-    for step in (2, 3):
-        assert sorted(r["prompt_text"] for r in after[step]) == sorted(r["prompt_text"] for r in before[step])
-    assert [m["step"] for m in read_metrics(run_dir)][-2:] == [2, 3]
-
-
 @pytest.mark.full
 def test_default_run_improves_reward_and_saves_a_loadable_model(make_config):
     """The default job at reduced length: reward rises by more than its step-to-step noise."""

@@ -211,6 +211,7 @@ def test_pass_at_k_and_eval_figures_by_hand():
 # ---- real Ray actors ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_environment_workers_record_raises_hangs_and_bad_answers_per_episode(ray_local):
     """Real EnvService actors, loading the class by path: each misbehaving episode gets its own
     error and the others their answers; a hang costs env_timeout_s, not the step."""

@@ -238,15 +238,17 @@ def _critic_state(run_dir: str, step: int) -> dict:
 @pytest.mark.slow
 def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_an_uninterrupted_one(
         base_args, make_config, tmp_path):
-    """PPO (policy + critic): SIGTERM mid-run finishes the step, writes a checkpoint, prints the
-    resume command and exits 143; resumed (keeping the saved run.save_every), it reproduces a run
-    that was never stopped (nor laid out hybrid): the same metrics at every step, the same policy
-    and critic weights."""
+    """PPO (policy + critic), lock-step: SIGTERM mid-run finishes the step, writes a checkpoint,
+    prints the resume command and exits 143; resumed (keeping the saved run.save_every), it
+    reproduces a run that was never stopped (nor laid out hybrid): the same metrics at every step,
+    the same policy and critic weights. The run never stopped is also the default lane's lock-step
+    mechanics check (samples scored, learner = vLLM after every sync, the saved model loads)."""
     import torch
     from safetensors.torch import load_file
 
     from launch.train import train
     from launch.checks import check_run_dir
+    from tests.test_e2e import _assert_saved_model_loads_and_moved
     from rl.run.checkpoint import latest
     from rl.config.schema import ConfigError
 
@@ -258,7 +260,15 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
     common = ["algorithm=ppo", "run.steps=4", "run.save_every=5", "run.save_final_model=true",
               f'reward.functions=[{{fn: "{slow_reward}:exact_answer"}}, {{fn: "reward.builtin:format_number", weight: 0.1}}]']
     straight = make_config(*common, "task.prompts_per_step=8", f"run.dir={tmp_path}/straight")
-    train(straight)
+    summary = train(straight)
+    # The default lane's lock-step mechanics run: every step's samples scored, every step's weights
+    # reached vLLM (learner and vLLM agree after each sync, on a policy that moved), the model saved.
+    a = read_metrics(straight.run.dir)
+    assert [m["policy/version_count"] for m in a] == [1, 2, 3, 4]
+    assert all(m["reward/errors_count"] == 0 and 0 <= m["reward/mean"] and m["sync/logprob_abs_diff"] < 1e-3
+               for m in a), [(m["reward/errors_count"], m["sync/logprob_abs_diff"]) for m in a]
+    assert all(m["sync/weights_mb"] > 0 for m in a[1:]) and a[-1]["actor/kl_nats"] > 0
+    _assert_saved_model_loads_and_moved(summary["final_model"], straight.model.path)
 
     # The stopped run is laid out hybrid (learner rank 0 and rollout worker 0 in one bundle): its
     # learner moves policy, critic and reference states to the host and back around every
@@ -293,7 +303,7 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["latest", f"step_{next_step:06d}",
                                                                           "step_000004"]
 
-    a, b = read_metrics(straight.run.dir), read_metrics(run_dir)
+    b = read_metrics(run_dir)
     assert [m["step"] for m in b] == [0, 1, 2, 3]  # no step lost, none repeated
     for key in ("reward/mean", "rollout/completion_len_tokens", "policy/version_count"):
         assert [m[key] for m in a] == [m[key] for m in b], key

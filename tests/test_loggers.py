@@ -73,6 +73,7 @@ def _wandb_records(run_dir: str) -> dict[str, list[dict]]:
     return out
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_wandb_offline_and_mlflow_file_store_hold_the_runs_metrics_config_and_summary(tmp_path):
     run_dir = str(tmp_path / "run")
     log = RunLog(run_dir, 3, progress=False, config_yaml="algorithm:\n  lr: 0.001\n",

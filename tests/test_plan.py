@@ -6,6 +6,8 @@ Its estimate against the peak memory of a real run is checked on the real model
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -184,14 +186,18 @@ def _run(module: str, overrides: list[str], cwd: Path) -> tuple[subprocess.Compl
     return proc, imported
 
 
-def test_3b_full_finetune_on_24_gib_is_refused_before_anything_starts(tmp_path):
-    """A 3B full fine-tune (float32, default task) on a 24 GiB machine: both launch.plan and
-    launch.train exit 2 with one error line naming the memory and the override that fits; the
-    model folder holds only config.json, so nothing but the plan could have run."""
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
+def test_3b_full_finetune_on_24_gib_is_refused_before_anything_starts(tmp_path, tiny_dir):
+    """A 3B full fine-tune (float32, the tiny task's data) on a 24 GiB machine: both launch.plan
+    and launch.train exit 2 with one error line naming the memory and the override that fits; the
+    model folder holds only config.json and a tokenizer (no weights), so nothing but the plan
+    and the input checks could have run."""
     model = tmp_path / "llama3b"
-    model.mkdir()
+    shutil.copytree(os.path.join(tiny_dir, "model"), model,
+                    ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "config.json", "generation_config.json"))
     (model / "config.json").write_text(json.dumps(LLAMA_3B))
-    overrides = [f"model.path={model}", "cluster.memory_gib=24", f"run.dir={tmp_path}/run", "run.progress=false"]
+    overrides = [f"model.path={model}", "cluster.memory_gib=24", f"run.dir={tmp_path}/run", "run.progress=false",
+                 f"task.train_files=[{tiny_dir}/data/train.jsonl]"]
     for module in ("launch.plan", "launch.train"):
         proc, imported = _run(module, overrides, tmp_path)
         output = proc.stdout + proc.stderr

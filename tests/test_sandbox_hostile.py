@@ -70,6 +70,7 @@ def _leftovers(uids: list[int]) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @pytest.mark.parametrize("lang", [Language.C, Language.PYTHON])
 @pytest.mark.parametrize("case", sorted(EXPECTED))
 def test_hostile_program_status(backend, lang, case):

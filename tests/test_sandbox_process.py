@@ -262,6 +262,7 @@ def test_processes_one_cannot_fork_but_compile_can_use_32(box):
     assert o.stdout == b"forked\n" and not o.process_limit_hit
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @needs_isolation
 @pytest.mark.parametrize("lang", ["c", "python"])
 def test_infinite_loop_hits_cpu_limit(box, lang):
@@ -289,6 +290,7 @@ def test_cpu_limit_is_total_over_processes(box):
     assert o.cpu_s < 2.5
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @needs_isolation
 @pytest.mark.parametrize("lang", ["c", "python"])
 def test_sleep_past_wall_timeout(box, lang):
@@ -584,6 +586,7 @@ SETUP_PROBE = ("import os, resource as r\n"
                " [r.getrlimit(x) for x in (r.RLIMIT_NOFILE, r.RLIMIT_FSIZE, r.RLIMIT_CORE)])\n")
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 @needs_isolation
 @pytest.mark.parametrize("mode", ["session", "bwrap_per_command", "no_helper"])
 def test_same_setup_and_containment_in_every_mode(backend, monkeypatch, mode):

@@ -51,6 +51,7 @@ def _labels_of(ids: list[int], labels: list[int]) -> list[int]:
     return [t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_completion_rows_mask_the_prompt(tiny_dir, tokenizer) -> None:
     from launch.train_sft import compose_config
     from trainer.sft import load_examples
@@ -142,6 +143,7 @@ def test_sft_lowers_the_loss_and_saves_a_loadable_model(sft_runs, tokenizer, kin
     assert text.strip().isdigit(), text  # answers with a number after this short training
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_sft_cli_rejects_bad_config_fast_naming_the_field(tmp_path) -> None:
     start = time.perf_counter()
     for override, expected in [("data.formatt=chat", "data.formatt"), ("data.format=dialog", "data.format='dialog'")]:

@@ -52,6 +52,7 @@ def _member(rank: int, port: int, world: int, out) -> None:  # (tests/members.py
         out.put(pickle.dumps((rank, got)))
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_rank0_broadcasts_every_bucket_to_every_receiver() -> None:
     results = run_members(_member, 3, free_port(), 3)
     assert buckets(METAS) == [[0, 1], [2]] and buckets(MIXED_METAS) == [[0, 1, 2, 3]]
@@ -63,6 +64,7 @@ def test_rank0_broadcasts_every_bucket_to_every_receiver() -> None:
             assert t.dtype == want.dtype and torch.equal(t, want)
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_a_peer_that_never_joins_fails_the_group_in_bounded_time() -> None:
     start = time.perf_counter()
     with pytest.raises(Exception):  # torch's DistStoreError: not every member joined in time
@@ -102,6 +104,7 @@ def _stalled_member(rank: int, ports: tuple[int, int], out) -> None:
         out.put(pickle.dumps((1, {name: t.clone() for name, t in receive(again, METAS)})))
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_a_stopped_receiver_fails_the_senders_broadcast_in_bounded_time_and_a_new_group_works() -> None:
     """The defect NCCL would hide (its plain wait() only queues the broadcast): rank 0 must learn
     that a receiver stopped, within its per-sync wait, so the driver can rebuild the group."""
@@ -153,6 +156,7 @@ def _holding_member(rank: int, port: int, out) -> None:
                           list(it), stats)))
 
 
+@pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
 def test_receive_streams_two_buffers_in_turn_and_copies_what_the_consumer_keeps() -> None:
     ctx = mp.get_context("spawn")
     port, out = free_port(), ctx.Queue()

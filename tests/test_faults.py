@@ -267,7 +267,7 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
     assert [m["policy/version_count"] for m in a] == [1, 2, 3, 4]
     assert all(m["reward/errors_count"] == 0 and 0 <= m["reward/mean"] and m["sync/logprob_abs_diff"] < 1e-3
                for m in a), [(m["reward/errors_count"], m["sync/logprob_abs_diff"]) for m in a]
-    assert all(m["sync/weights_mb"] > 0 for m in a[1:]) and a[-1]["actor/kl_nats"] > 0
+    assert all(m["sync/weights_mb"] > 0 for m in a[1:])  # (that the policy moved: the saved model, below)
     _assert_saved_model_loads_and_moved(summary["final_model"], straight.model.path)
 
     # The stopped run is laid out hybrid (learner rank 0 and rollout worker 0 in one bundle): its

@@ -181,7 +181,8 @@ def start_agents(cfg: TrainConfig, tokenizer, fleet):
         pool.close()
         raise
     return AgentRunner(server, pool, fleet, name=t.agent, prompt_key=t.prompt_key, timeout_s=t.agent_timeout_s,
-                       workers=t.agent_workers, max_len=r.max_model_len, decode=tokenizer.decode)
+                       workers=t.agent_workers, max_len=r.max_model_len, decode=tokenizer.decode,
+                       reward_bound=t.agent_reward_bound)
 
 
 def make_source(fleet, episodes, agents):

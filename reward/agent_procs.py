@@ -14,15 +14,17 @@ replacement of a killed worker would pay again; a fork of the loaded zygote cost
 those pages copy-on-write. (A module that starts threads at import may leave a lock held in the
 forks: such a worker hangs, and the deadline ends its episode.) The zygote reaps the workers and
 reports each exit status; both are child subreapers, so what an agent orphans stays theirs to reap.
-A worker is reused until it dies or is killed: what an episode leaves in its process (globals, cwd,
-threads still running) the next one there sees.
+A worker runs one episode: when its result comes in, the monitor kills its tree (before the result
+reaches the driver), so nothing an episode leaves (threads still calling, globals, cwd, environment,
+children) is seen by another or outlives the episode; the next episode gets a fresh fork of the
+loaded zygote (cost per episode: bench/agent_fork.py, ~a fork, a few ms, plus the cgroups).
 
 Isolation where root can write the v1 `memory` and `pids` hierarchies (detected once per process,
 logged): each worker joins cgroups of its own (sandbox._cgroup.RunCgroups) before its first episode:
 memory (`memory_mb`, swap included where accounted; pages still shared with the zygote stay charged
 to it, so the limit counts what the agent allocates) and pids (`max_processes`). A deadline, `cancel`
-and `close` kill every task in them, whatever session it moved to; after each episode what the agent
-left running is killed; a SIGKILL death with the memory cgroup's OOM/fail counters set is named as
+and `close` kill every task in them, whatever session it moved to; after each episode the worker and
+what the agent left running are killed; a SIGKILL death with the memory cgroup's OOM/fail counters set is named as
 the memory limit.
 Fallback (no cgroups, e.g. non-root): each worker is a session leader with RLIMIT_AS (`memory_mb`
 over the address space it inherits: an allocation past it raises MemoryError) and RLIMIT_NPROC
@@ -325,10 +327,10 @@ class AgentPool:
             if job is not None:
                 self._finish(job, error=f"sent an unreadable result ({exc}): killed")
             return
-        job, w.job = w.job, None
+        job = w.job
         if job is None:
             return
-        self._kill_leftovers(w)
+        self._kill(w)  # retired: the next episode gets a fresh fork of the zygote (issue 47)
         self._drain_output(w)
         value, error = None, None
         if msg[:1] == b"V":
@@ -339,17 +341,6 @@ class AgentPool:
         else:
             error = msg[1:].decode("utf-8", "replace")
         self._finish(job, value, error, w.tail)
-
-    def _kill_leftovers(self, w: _Worker) -> None:
-        """Kill what the episode left running in the worker's cgroups (a detached child, say), so the
-        next episode starts clean. Without cgroups the worker kills its own children."""
-        deadline = time.monotonic() + 1.0
-        while w.cg is not None and any(pid != w.pid for pid in w.cg.pids()):
-            if time.monotonic() > deadline:
-                self._kill(w)
-                return
-            w.cg.kill_except(w.pid)
-            time.sleep(0.0005)
 
     def _read_output(self, w: _Worker) -> bool:
         """Keep the last log_tail_bytes of what the worker's tree prints: the pipe is read as it

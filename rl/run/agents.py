@@ -46,17 +46,22 @@ class AgentProcesses(Protocol):
     def close(self) -> None: ...
 
 
-def episode_reward(value: Any) -> tuple[float | None, str | None]:
-    """An agent's return value as (reward, error): a finite number, or None (no reward of the
-    agent's own: `reward.functions` score the episode); anything else is an error."""
+def episode_reward(value: Any, bound: float = 1e6) -> tuple[float | None, str | None]:
+    """An agent's return value as (reward, error): a real number within +-`bound`
+    (`task.agent_reward_bound`), or None (no reward of the agent's own: `reward.functions` score
+    the episode); anything else is an error. A bool is refused (True is a bug, not 1.0), and so is
+    a huge value: 1e30 overflowed the update and the run learned nothing (issue 47)."""
     if value is None:
         return None, None
-    if isinstance(value, numbers.Real) and math.isfinite(float(value)):
-        return float(value), None
     shown = repr(value)
     shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value)):
+        if abs(float(value)) <= bound:
+            return float(value), None
+        return None, (f"returned {shown}, beyond task.agent_reward_bound={bound:g}: return a reward within "
+                      "+-bound, or raise the bound")
     return None, (f"returned {shown} ({type(value).__name__}): an agent returns the episode's reward, a finite "
-                  "number, or None to leave it to reward.functions")
+                  "number (not a bool), or None to leave it to reward.functions")
 
 
 @dataclass
@@ -67,12 +72,13 @@ class _Running:
 
 class AgentRunner:
     def __init__(self, server: EpisodeServer, pool: AgentProcesses, fleet: Any, *, name: str, prompt_key: str,
-                 timeout_s: float, workers: int, max_len: int, decode: Callable[[list[int]], str] | None = None):
+                 timeout_s: float, workers: int, max_len: int, decode: Callable[[list[int]], str] | None = None,
+                 reward_bound: float = 1e6):
         """`name`: the `task.agent` spec (in error messages); `fleet`: repaired on `repair`;
         `timeout_s`/`workers`: the pool's deadline and size, which bound how long `run` may take."""
         self.server, self.pool, self.fleet = server, pool, fleet
         self.name, self.prompt_key, self.timeout_s, self.workers = name, prompt_key, timeout_s, workers
-        self.max_len, self.decode = max_len, decode
+        self.max_len, self.decode, self.reward_bound = max_len, decode, reward_bound
         self._cond = threading.Condition()
         self._running: dict[str, _Running] = {}  # by episode key
         self._done: dict[Hashable, list[Sample]] = {}  # by owner
@@ -85,7 +91,13 @@ class AgentRunner:
             key, url = self.server.open_episode(req.seed, req.metadata, req.temperature)
             with self._cond:
                 self._running[key] = _Running(req, owner)
-            self.pool.start(key, url, {self.prompt_key: req.prompt_text, **req.metadata})
+            try:
+                self.pool.start(key, url, {self.prompt_key: req.prompt_text, **req.metadata})
+            except BaseException:  # not started: its episode must not stay open for good (issue 47)
+                with self._cond:
+                    self._running.pop(key, None)
+                self.server.close_episode(key)
+                raise
 
     def drain(self, wait_s: float) -> list[Sample]:
         """The streamed episodes finished since the last call (waiting up to `wait_s`)."""
@@ -151,7 +163,7 @@ class AgentRunner:
         cause = lost or (outcome.error if outcome is not None else "no outcome")
         reward = None
         if cause is None:
-            reward, cause = episode_reward(outcome.value)
+            reward, cause = episode_reward(outcome.value, self.reward_bound)
         model_turns = [t for t in sample.turns or () if t.role == "model"]
         if cause is None and sample.error is None and not model_turns:
             cause = "the episode sampled no token (every call returned an empty completion)"

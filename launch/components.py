@@ -174,7 +174,7 @@ def start_agents(cfg: TrainConfig, tokenizer, fleet):
                      dict(t.agent_kwargs))
     server = AgentServer(tokenizer, generate, host=t.agent_host, port=t.agent_port, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, max_model_len=r.max_model_len,
-                         observation_role=t.observation_role)
+                         observation_role=t.observation_role, max_calls=t.agent_max_calls)
     try:
         server.start()
     except BaseException:

@@ -142,6 +142,9 @@ class AgentPool:
         self._done: list[tuple[Hashable, AgentOutcome]] = []
         self._broken: str | None = None
         self._closed = False
+        # called with a job's id as it finishes (the monitor's thread, before `results` has it): the
+        # agent server ends the episode there, so no call of its agent lands after (issue 47)
+        self.on_end: Callable[[Hashable], None] | None = None
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
@@ -445,6 +448,11 @@ class AgentPool:
     def _finish(self, job: _Job, value: Any = None, error: str | None = None, tail: bytes = b"") -> None:
         if self._jobs.get(job.id) is job:
             del self._jobs[job.id]
+        if self.on_end is not None:
+            try:
+                self.on_end(job.id)
+            except Exception:  # noqa: BLE001 - the outcome must still be reported
+                log.exception("%s: ending episode %r failed", self.name, job.id)
         if job.cancelled:
             return
         self._done.append((job.id, AgentOutcome(value, None if error is None else f"{self.name} {error}",

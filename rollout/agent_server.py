@@ -189,6 +189,8 @@ class _Episode:
     chat: _Chat | None = None
     text: tuple[str, RecordedCall] | None = None  # last /completions call: its prompt text and record
     done: bool = False  # closed: nothing more is recorded
+    waiting: int = 0  # its requests in flight or waiting their turn (at most max_pending_per_episode)
+    refused: str | None = None  # the first cap it ran into (logged once per episode, not per request)
 
 
 class AgentServer:
@@ -207,7 +209,11 @@ class AgentServer:
     `read_timeout_s` after it opened or after its last response; a body not all come
     `read_timeout_s` after the server began reading it (at once, unless the episode's previous call
     is still running) is a 408; headers still incomplete past MAX_HEADER_BYTES are a 400; past
-    `max_connections` connections or requests in flight, a request gets a 503 at once.
+    `max_connections` connections or requests in flight, a request gets a 503 at once. Fair share
+    (issue 47): an episode may have `max_pending_per_episode` requests in flight or waiting (more get
+    a 429 at once, so one agent's flood cannot fill the server's slots) and `max_calls` recorded calls
+    (`task.agent_max_calls`; more get a 429 and the episode is an error naming it); each episode's
+    first refusal is logged, not each request.
     The default body limit, max(1 MiB, 64 bytes a token of max_model_len (else of 64k tokens)),
     holds a full context of text at ~10 characters a token, each JSON-escaped to 6 bytes: a longer
     body could not fit the context anyway.
@@ -217,12 +223,14 @@ class AgentServer:
                  host: str = "127.0.0.1", port: int = 0, max_new_tokens: int = 256, temperature: float = 1.0,
                  top_p: float = 1.0, max_model_len: int | None = None, model_name: str = "policy",
                  max_concurrent_calls: int = 256, observation_role: str = "tool", max_body_bytes: int | None = None,
-                 read_timeout_s: float = 30.0, keep_alive_s: float = 5.0, max_connections: int = 1024):
+                 read_timeout_s: float = 30.0, keep_alive_s: float = 5.0, max_connections: int = 1024,
+                 max_calls: int = 1000, max_pending_per_episode: int = 4):
         self.tokenizer, self.generate = tokenizer, generate
         self.host, self._port = host, port
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, float(temperature), float(top_p)
         self.max_model_len, self.model_name = max_model_len, model_name
         self.max_concurrent_calls, self.max_connections = max_concurrent_calls, max_connections
+        self.max_calls, self.max_pending_per_episode = max_calls, max_pending_per_episode
         self.max_body_bytes = max_body_bytes if max_body_bytes is not None else \
             max(1 << 20, 64 * (max_model_len or 1 << 16))
         self.read_timeout_s, self.keep_alive_s = read_timeout_s, keep_alive_s
@@ -326,6 +334,28 @@ class AgentServer:
             ep.done = True
             return list(ep.calls)
 
+    def end_episode(self, key: str) -> None:
+        """The agent returned, died or was killed: from now on its calls are refused (404) and nothing
+        more is recorded; `close_episode` still returns what was. Unknown key: nothing (issue 47)."""
+        with self._lock:
+            ep = self._episodes.get(key)
+            if ep is not None:
+                ep.done = True
+
+    def refusal(self, key: str) -> str | None:
+        """The cap the episode ran into, if any (the runner makes it the sample's error)."""
+        with self._lock:
+            ep = self._episodes.get(key)
+            return None if ep is None else ep.refused
+
+    def _refuse(self, ep: _Episode, why: str, close: bool = False) -> ApiError:
+        with self._lock:
+            first, ep.refused = ep.refused is None, ep.refused or why
+        if first:
+            log.warning("agent server: an episode (seed_base %d) %s; its further refusals are not logged",
+                        ep.seed_base, why)
+        return ApiError(429, why, code="rate_limit_exceeded", close=close)
+
     def open_count(self) -> int:
         with self._lock:
             return len(self._episodes)
@@ -357,9 +387,15 @@ class AgentServer:
             ep = self._episode(key)
             if self._limiter is None:  # made on the server's event loop
                 self._limiter = anyio.CapacityLimiter(self.max_concurrent_calls)
-            async with ep.turn:
-                raw = await read_body(request, self.max_body_bytes, self.read_timeout_s)
-                out = await anyio.to_thread.run_sync(self._call, completions, ep, raw, limiter=self._limiter)
+            if ep.waiting >= self.max_pending_per_episode:
+                raise self._refuse(ep, f"had over {self.max_pending_per_episode} requests in flight at once", close=True)  # body unread
+            ep.waiting += 1
+            try:
+                async with ep.turn:
+                    raw = await read_body(request, self.max_body_bytes, self.read_timeout_s)
+                    out = await anyio.to_thread.run_sync(self._call, completions, ep, raw, limiter=self._limiter)
+            finally:
+                ep.waiting -= 1
             if isinstance(out, dict):
                 return JSONResponse(out)
             return StreamingResponse(out, media_type="text/event-stream")
@@ -389,6 +425,8 @@ class AgentServer:
         check_values(body, "")
         if ep.done:
             raise _not_found()
+        if len(ep.calls) >= self.max_calls:
+            raise self._refuse(ep, f"made over task.agent_max_calls={self.max_calls} calls")
         return self._completion(ep, body) if completions else self._chat(ep, body)
 
     # ---- one call -------------------------------------------------------------------------------

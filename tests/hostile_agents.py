@@ -7,17 +7,20 @@ broken worker or a poisoned connection)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
 
+_CURRENT: dict[str, Any] = {}  # this process's episode URL: a module global, as a careless agent keeps one
 GOOD = {"model": "policy", "messages": [{"role": "user", "content": "2+2="}], "max_tokens": 4}
 FORK_BOMB_CAP = 400  # forks the bomb stops at by itself (about), so that a pool without a limit cannot hurt the host
 
@@ -105,6 +108,16 @@ def act(base_url: str, row: dict[str, Any], out_dir: str | None = None, closed_u
         vocab: int = 0, **_: Any) -> Any:
     case = row.get("case", "good")
     client = httpx.Client(timeout=60.0)
+    _CURRENT["url"] = base_url
+    if case == "leaky_thread" and "thread" not in _CURRENT:  # one per process, posting to the current URL
+        def post_forever() -> None:
+            with httpx.Client(timeout=60.0) as c:
+                while True:
+                    with contextlib.suppress(httpx.HTTPError):
+                        _call(c, _CURRENT["url"], GOOD)
+                    time.sleep(0.02)
+        _CURRENT["thread"] = threading.Thread(target=post_forever, daemon=True)
+        _CURRENT["thread"].start()
     if case == "raise_before_call":
         raise RuntimeError("the agent gave up before calling")
     if case == "never_call":
@@ -141,8 +154,9 @@ def act(base_url: str, row: dict[str, Any], out_dir: str | None = None, closed_u
         time.sleep(10_000)
     elif case.startswith("reward_"):
         _call(client, base_url, GOOD)
-        return {"reward_nan": float("nan"), "reward_inf": float("inf"), "reward_str": "high"}[case]
-    elif case != "good":
+        return {"reward_nan": float("nan"), "reward_inf": float("inf"), "reward_str": "high", "reward_true": True,
+                "reward_huge": 1e30, "reward_neg_huge": -1e30}[case]
+    elif case != "good" and case != "leaky_thread":
         status, error, extra = _request_case(case, base_url, client, closed_url, vocab)
         _note(out_dir, case, status=status, param=error.get("param"), code=error.get("code"), **extra)
         if status == 200:  # it was the episode's call (recorded): nothing more to ask

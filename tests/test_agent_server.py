@@ -622,7 +622,7 @@ def test_close_episode_never_waits_and_calls_in_flight_are_bounded(tokenizer):
             running[0] -= 1
         return Sample(request.prompt_ids, [5], [-0.1], "stop", 0, "", "x", 0, 0)
 
-    with AgentServer(tokenizer, slow, max_concurrent_calls=2) as s:
+    with AgentServer(tokenizer, slow, max_concurrent_calls=2, max_pending_per_episode=8) as s:
         (flooder, flood_url), (other, other_url), (kept, kept_url) = (s.open_episode(seed_base=i) for i in range(3))
         answers: dict[str, list[int]] = {flooder: [], other: [], kept: []}
 
@@ -764,3 +764,50 @@ def test_a_thinking_template_s_conversation_continues_token_exactly(caplog):
     assert tok.decode(observation) == tok.decode(tok("\n<|im_start|>user\nok<|im_end|>\n<|im_start|>assistant\n",
                                                      add_special_tokens=False).input_ids)
     assert "rendered afresh" not in caplog.text
+
+
+def test_an_ended_episode_refuses_later_calls_and_records_nothing(fake):
+    """Issue 47: the pool ends an episode on the server as its agent returns (end_episode), before the
+    driver closes it: a late call (a thread the agent left) gets a 404 and changes nothing."""
+    key, url = fake.open_episode(seed_base=0)
+    assert httpx.post(f"{url}/completions", json={"prompt": [1, 2]}).status_code == 200
+    fake.end_episode(key)
+    late = [httpx.post(f"{url}/completions", json={"prompt": [1, 2, 3]}).status_code for _ in range(3)]
+    assert late == [404] * 3
+    [call] = fake.close_episode(key)
+    assert call.prompt_ids == [1, 2]
+
+
+def test_fair_share_caps_calls_and_requests_per_episode_and_logs_once(tokenizer, caplog):
+    """Issue 47: past max_calls (task.agent_max_calls) a 429 naming the field, and the episode's
+    refusal says so; past max_pending_per_episode requests at once a 429 at once, while another
+    episode is served; each episode's refusals are logged once, not per request."""
+    release = threading.Event()
+
+    def slow(request: GenerationRequest) -> Sample:
+        release.wait(10)
+        return Sample(request.prompt_ids, [5], [-0.1], "stop", 0, "", "x", 0, 0)
+
+    with AgentServer(tokenizer, slow, max_calls=2, max_pending_per_episode=2) as s:
+        release.set()
+        (key, url), (flooder, flood_url), (other, other_url) = (s.open_episode(seed_base=i) for i in range(3))
+        codes = [httpx.post(f"{url}/completions", json={"prompt": [1] * (i + 1)}).status_code for i in range(5)]
+        assert codes == [200, 200, 429, 429, 429]
+        assert "task.agent_max_calls=2" in s.refusal(key) and len(s.close_episode(key)) == 2
+        release.clear()
+        answers: list[int] = []
+        threads = [threading.Thread(target=lambda: answers.append(
+            httpx.post(f"{flood_url}/completions", json={"prompt": [1]}, timeout=20).status_code)) for _ in range(10)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 5
+        while answers.count(429) < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(answers) == [429] * 8  # at once, the 2 admitted still waiting on generate
+        release.set()
+        assert httpx.post(f"{other_url}/completions", json={"prompt": [1]}).status_code == 200
+        for t in threads:
+            t.join(timeout=20)
+        assert sorted(answers) == [200] * 2 + [429] * 8 and "requests in flight" in s.refusal(flooder)
+    refusals = [r for r in caplog.records if "further refusals are not logged" in r.getMessage()]
+    assert len(refusals) == 2, [r.getMessage() for r in refusals]

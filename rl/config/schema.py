@@ -200,6 +200,7 @@ class TaskConfig:
     # An agent's reward must be a real number (not a bool) with |reward| <= this; past it the sample
     # is an error naming the agent and the value (a 1e30 reward overflows the update, issue 47).
     agent_reward_bound: float = 1e6
+    agent_max_calls: int = 1000  # model calls one episode may make; past it a 429 and the sample is an error
     # The agent server's address. Loopback (the default) serves this machine's processes only; any
     # other address (0.0.0.0: every interface) lets whoever reaches it call the policy being trained
     # with an episode's key (keys are unguessable, 192 random bits, and die with their episode).
@@ -393,6 +394,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "task.agent_memory_mb": (64, True, None, "2048"),
     "task.agent_max_processes": (1, True, None, "64"),
     "task.agent_reward_bound": (0, False, None, "1e6"),
+    "task.agent_max_calls": (1, True, None, "1000"),
     "task.agent_port": (0, True, 65535, "0 (a free port)"),
     "rollout.temperature": (0, False, 2, "1.0"),  # vLLM refuses a temperature above 2
     "eval.temperature": (0, True, 2, "1.0 (0 = greedy)"),

@@ -28,6 +28,8 @@ from rl.data.types import GenerationRequest, Sample
 class EpisodeServer(Protocol):
     def open_episode(self, seed_base: int, metadata: dict | None = None,
                      temperature: float | None = None) -> tuple[str, str]: ...
+    def end_episode(self, key: str) -> None: ...
+    def refusal(self, key: str) -> str | None: ...
     def close_episode(self, key: str) -> list[RecordedCall]: ...
 
 
@@ -38,7 +40,10 @@ class Outcome(Protocol):
 
 
 class AgentProcesses(Protocol):
-    """`reward.agent_procs.AgentPool`: agents in killable processes."""
+    """`reward.agent_procs.AgentPool`: agents in killable processes; `on_end(job_id)` is called as
+    each agent returns, dies or is killed, before its outcome is in `results`."""
+
+    on_end: Callable[[Hashable], None] | None
 
     def start(self, job_id: Hashable, base_url: str, row: dict[str, Any]) -> None: ...
     def results(self, wait_s: float) -> list[tuple[Hashable, Outcome]]: ...
@@ -79,6 +84,7 @@ class AgentRunner:
         self.server, self.pool, self.fleet = server, pool, fleet
         self.name, self.prompt_key, self.timeout_s, self.workers = name, prompt_key, timeout_s, workers
         self.max_len, self.decode, self.reward_bound = max_len, decode, reward_bound
+        pool.on_end = lambda key: server.end_episode(str(key))  # on the server, before the driver sees it
         self._cond = threading.Condition()
         self._running: dict[str, _Running] = {}  # by episode key
         self._done: dict[Hashable, list[Sample]] = {}  # by owner
@@ -156,11 +162,14 @@ class AgentRunner:
         if running is None:
             return  # closed meanwhile
         req = running.request
+        refused = self.server.refusal(key)
         calls = self.server.close_episode(key)
         sample = episode_sample(calls, prompt_ids=req.prompt_ids, prompt_text=req.prompt_text,
                                 group_id=req.group_id, sample_index=req.sample_index, metadata=req.metadata,
                                 max_len=self.max_len, decode=self.decode)
         cause = lost or (outcome.error if outcome is not None else "no outcome")
+        if cause is None and refused and "task.agent_max_calls" in refused:
+            cause = refused
         reward = None
         if cause is None:
             reward, cause = episode_reward(outcome.value, self.reward_bound)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from rl.run import checkpoint
-from rl.run.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
+from rl.run.faults import ActorFailure, NotLearning, RewardsFailing, RunStopped, StopRequest
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -74,7 +74,7 @@ def supervise(cfg: Any, run: Callable[[Any, bool], Any], overrides: list[str], r
             print(f"Stopped by {err.reason} after step {err.next_step}, checkpoint written. "
                   + resume_hint(cfg.run.dir, overrides, cfg.run.save_every), flush=True)
             sys.exit(128 + signal.Signals[err.reason].value)
-        except (ActorFailure, RewardsFailing) as err:
+        except (ActorFailure, RewardsFailing, NotLearning) as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             if isinstance(err, ActorFailure) and restarts < cfg.run.max_restarts:
                 restarts += 1

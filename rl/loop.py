@@ -33,7 +33,7 @@ from rl.config.schema import AlgorithmConfig, TrainConfig
 from rl.data.episodes import with_episode_rewards
 from rl.algo.estimate import estimate_advantages
 from rl.run.evaluate import due, evaluate
-from rl.run.faults import ActorFailure, RewardsFailing, RunStopped, StopRequest
+from rl.run.faults import ActorFailure, NotLearning, RewardsFailing, RunStopped, StopRequest
 from rl.plan.flops import step_cost
 from rl.algo.kl_control import KL_CONTROLLERS, kl_controller_from_dict
 from rl.run.pipeline import RolloutPipeline
@@ -241,6 +241,7 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, s
     kl_ctrl = kl_controller_from_dict(kl_state) if kl_state else make_kl_controller(a)
     version = start_step
     failing: list[str] = []  # the first reward error of each step, in a row, whose rewards all failed
+    skipped, last_finite = 0, None  # steps in a row whose every update the learner skipped; the last other's figures
     score = partial(score_samples, cfg, rewards)
     rollouts = make_rollouts(cfg, data, source, score, start_step, in_flight)
     handover = GpuHandover.of(cfg, fleet, learner)
@@ -262,12 +263,19 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, fleet: Fleet, s
             history.append(metrics)
             done = step + 1
             failing = failing + [scored[0].error] if all(s.error is not None for s in scored) else []
+            if metrics.get("actor/skipped_updates_count", 0) >= metrics.get("actor/updates_count", 1):
+                skipped += 1
+            else:
+                skipped, last_finite = 0, {k: metrics[k] for k in ("actor/grad_norm", "actor/loss_nats", "reward/mean")
+                                           if k in metrics}
             stopping = stop is not None and stop.reason is not None
             if (run.save_every and (done % run.save_every == 0 or done == run.steps)) or stopping \
-                    or len(failing) >= cfg.reward.max_failed_steps:
+                    or len(failing) >= cfg.reward.max_failed_steps or skipped >= cfg.trainer.max_skipped_steps:
                 save(done)
             if len(failing) >= cfg.reward.max_failed_steps:
                 raise RewardsFailing(len(failing), failing[0], done)
+            if skipped >= cfg.trainer.max_skipped_steps:
+                raise NotLearning(skipped, done, last_finite)
             if stopping and done < run.steps:
                 raise RunStopped(stop.reason, done)
         if eval_data is not None and cfg.eval.every_steps > 0 and start_step < run.steps:

@@ -186,6 +186,7 @@ CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
     "agent_memory_tiny": (_overrides("task.agent_memory_mb=1"), ["task.agent_memory_mb=1", ">= 64"]),
     "agent_port_out_of_range": (_overrides("task.agent_port=70000"), ["task.agent_port=70000", "in [0, 65535]"]),
     "agent_reward_bound_zero": (_overrides("task.agent_reward_bound=0"), ["task.agent_reward_bound=0.0", "> 0"]),
+    "max_skipped_steps_zero": (_overrides("trainer.max_skipped_steps=0"), ["trainer.max_skipped_steps=0", ">= 1"]),
     "agent_max_calls_zero": (_overrides("task.agent_max_calls=0"), ["task.agent_max_calls=0", ">= 1"]),
     # rollout settings vLLM itself would refuse inside the worker
     "temperature_above_two": (_overrides("rollout.temperature=3"), ["rollout.temperature=3.0", "in (0, 2]"]),

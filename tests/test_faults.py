@@ -348,3 +348,28 @@ def test_a_checkpoint_pickled_before_rl_had_sub_packages_still_loads(tmp_path):
     assert b"rl.data.types" not in old_layout and b"rl.types" in old_layout
     (tmp_path / "in_flight.pkl").write_bytes(old_layout)
     assert load_in_flight(str(tmp_path)) == ahead
+
+
+HUGE_REWARD = '''
+def huge(prompts, completions, **kwargs):
+    return [1e30 if i % 2 else -1e30 for i in range(len(completions))]
+'''
+
+
+@pytest.mark.slow
+def test_a_run_whose_every_update_is_skipped_stops_naming_the_cause(make_config, tmp_path, capfd):
+    """Issue 47: rewards of +-1e30 under dr_grpo (no std normalization) make every update's gradients
+    overflow; DeepSpeed skips each step, saying so only in its log. The step line says so, and after
+    trainer.max_skipped_steps such steps the run stops with NotLearning (before: rc=0, nothing learned)."""
+    from launch.train import train
+    from rl.run.faults import NotLearning
+
+    reward_file = tmp_path / "huge.py"
+    reward_file.write_text(HUGE_REWARD)
+    cfg = make_config("run.steps=4", "task.prompts_per_step=4", "algorithm=dr_grpo", "trainer.max_skipped_steps=2",
+                      f'reward.functions=[{{fn: "{reward_file}:huge"}}]')
+    with pytest.raises(NotLearning, match=r"skipped every update for 2 steps in a row \(trainer.max_skipped_steps=2\)"):
+        train(cfg)
+    metrics = read_metrics(cfg.run.dir)
+    assert len(metrics) == 2 and all(m["actor/skipped_updates_count"] == m["actor/updates_count"] for m in metrics)
+    assert "updates skipped (gradients not finite)" in capfd.readouterr().out

@@ -137,6 +137,7 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     updates = max(total.pop("_updates", 0.0) / len(results), 1.0)  # optimizer steps (same on every rank)
     critic_tokens = max(total.pop("_critic_tokens", 0.0), 1.0)
     critic_updates = max(total.pop("_updates/critic", 0.0) / len(results), 1.0)
+    skipped = total.pop("_skipped", 0.0) / len(results)  # updates DeepSpeed skipped (same on every rank)
     out: dict[str, float] = {}
     if "_is/w_sum" in total:
         out["is/ess_frac"] = effective_sample_size(total.pop("_is/w_sum"), total.pop("_is/w_sq_sum"), tokens)
@@ -162,4 +163,5 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
         else:  # actor/loss_nats: the ranks' parts add up to each update's loss
             out[k] = v / updates
     out["actor/updates_count"] = updates
+    out["actor/skipped_updates_count"] = skipped
     return out

@@ -9,6 +9,7 @@ as sums so the group can reduce them exactly.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
 
@@ -240,9 +241,13 @@ class LearnerWorker:
                 _accumulate(self.engine, plan,
                             lambda rows: self._backward(batch.select(rows), norm, kl_coef, sums, first_pass=epoch == 0))
                 grad_norm = self.engine.get_global_grad_norm()
+                finite = grad_norm is None or math.isfinite(float(grad_norm))
                 sums["_updates"] += 1
                 sums["actor/lr_per_update"] += float(self.engine.get_lr()[0])
-                sums["actor/grad_norm"] += float(grad_norm) if grad_norm is not None else 0.0
+                sums["actor/grad_norm"] += float(grad_norm) if grad_norm is not None and finite else 0.0
+                # DeepSpeed skips a step whose gradients overflowed (fp16's loss scale), saying so only
+                # in its log; a non-finite norm is the same failure (issue 47: the loop stops on it)
+                sums["_skipped"] += float(not self.engine.was_step_applied() or not finite)
         return dict(sums)
 
     def _backward(self, mb: TrainBatch, norm: LossNormalizer, kl_coef: float, sums: dict[str, float],

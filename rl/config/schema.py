@@ -242,6 +242,9 @@ class TrainerConfig:
     # by length first, so variable-length batches do not pay for padding (still at most
     # micro_batch_size rows each)
     max_tokens_per_micro_batch: int = 0
+    # steps in a row whose every update the learner skipped (non-finite gradients, DeepSpeed's
+    # overflow skip) before the run stops naming the cause (rl/run/faults.py NotLearning)
+    max_skipped_steps: int = 3
     # each micro-batch's rows packed end to end into rows of its longest one (trainer/packing.py):
     # the layers see no padding; used only if the model gives packed rows their padded values
     padding_free: bool = True
@@ -400,6 +403,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "eval.temperature": (0, True, 2, "1.0 (0 = greedy)"),
     "reward.timeout_s": (0, False, None, "60"),
     "reward.max_failed_steps": (1, True, None, "3"),
+    "trainer.max_skipped_steps": (1, True, None, "3"),
     "sandbox.num_workers": (0, True, None, "0 (jobs run in the reward worker) or 2"),
     "sandbox.num_cpus_per_worker": (0, False, None, "1.0"),
     "sandbox.max_retries": (0, True, None, "2"),

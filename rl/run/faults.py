@@ -53,6 +53,21 @@ class RewardsFailing(RuntimeError):
         )
 
 
+class NotLearning(RuntimeError):
+    """Every update of `steps` steps in a row was skipped (non-finite gradients, DeepSpeed's overflow
+    skip): the weights stopped changing, which must not pass for a finished run (issue 47)."""
+
+    def __init__(self, steps: int, next_step: int, last_finite: dict[str, float] | None):
+        self.next_step = next_step
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in (last_finite or {}).items()) or "none: no update was ever applied"
+        super().__init__(
+            f"the learner skipped every update for {steps} steps in a row (trainer.max_skipped_steps={steps}): "
+            "its gradients were not finite (DeepSpeed: OVERFLOW, skipping step), so the weights did not change. "
+            "Look for huge or non-finite rewards/advantages (e.g. task.agent_reward_bound, reward scale) or a "
+            f"learning rate too high; the last step with finite figures: {shown}"
+        )
+
+
 @dataclass
 class StopRequest:
     """Set by the entry point's signal handler, read by the loop at the end of every step."""

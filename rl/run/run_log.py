@@ -36,6 +36,9 @@ def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
     split = [f"{name} {metrics[k]:.2f}" for k, name in TIME_KEYS if k in metrics and metrics[k] > 0]
     if split and "time/step_s" in metrics:
         parts[-1] += f" ({' '.join(split)})"
+    if metrics.get("actor/skipped_updates_count"):  # never silent (issue 47)
+        parts.append(f"{int(metrics['actor/skipped_updates_count'])} of {int(metrics.get('actor/updates_count', 1))} "
+                     "updates skipped (gradients not finite)")
     if metrics.get("reward/errors_count"):
         agents = (f" ({int(metrics['agent/errors_count'])} agents failed, {int(metrics['agent/timeouts_count'])} "
                   "of them killed at task.agent_timeout_s)") if metrics.get("agent/errors_count") else ""

@@ -60,7 +60,7 @@ import threading
 import time
 import traceback
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 from reward.loader import RewardLoadError, load_agent_function
@@ -120,6 +120,7 @@ class _Worker:
     job: _Job | None = None
     doomed: bool = False
     tail: bytes = b""
+    inbox: bytearray = field(default_factory=bytearray)  # its reply so far
 
 
 class AgentPool:
@@ -314,22 +315,36 @@ class AgentPool:
             self._spawn()
 
     def _on_result(self, w: _Worker) -> None:
-        """A worker's reply: b"V" + the pickled value, or b"E" + why the episode failed. Its size is
-        checked before its body is read, so an oversized one is never allocated here."""
+        """A worker's reply: b"V" + the pickled value, or b"E" + why the episode failed. Read as it
+        comes, never waiting (the monitor holds the pool's lock here: issue 47); its size is checked
+        from its header, so an oversized one is never allocated here."""
         if w.doomed:
             self._unregister(w.sock)
             return
         try:
-            msg = _recv_msg(w.sock, self.limits.max_result_bytes + 4 * _ERROR_CHARS)
-        except EOFError:  # it is dying: its exit report says why
+            chunk = w.sock.recv(1 << 20, socket.MSG_DONTWAIT)
+        except (BlockingIOError, TimeoutError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:  # it is dying: its exit report says why
             self._unregister(w.sock)
             return
-        except OSError as exc:  # over the limit or stalled mid-message: the stream is unusable
+        w.inbox += chunk
+        if len(w.inbox) < 8:
+            return
+        (size,) = struct.unpack("!Q", w.inbox[:8])
+        limit = self.limits.max_result_bytes + 4 * _ERROR_CHARS
+        if size > limit:  # the stream is unusable
             job = w.job
             self._kill(w)
             if job is not None:
-                self._finish(job, error=f"sent an unreadable result ({exc}): killed")
+                self._finish(job, error=f"sent an unreadable result (a {size}-byte message, over the {limit}-byte "
+                                        "limit): killed")
             return
+        if len(w.inbox) < 8 + size:
+            return
+        msg, w.inbox = bytes(w.inbox[8:8 + size]), bytearray()
         job = w.job
         if job is None:
             return

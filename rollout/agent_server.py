@@ -46,8 +46,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl.data.agent_calls import RecordedCall
-from rollout.http_limits import (MAX_HEADER_BYTES, AnswerFaults, ApiError, Connection, check_text, check_values,
-                                 loads, read_body)
+from rollout.http_limits import (MAX_HEADER_BYTES, AnswerFaults, ApiError, Connection, ConnectionBudget, check_text,
+                                 check_values, loads, read_body)
 from rl.data.dataset import derive_seed
 from rl.data.episodes import ObservationEncoder
 from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls, text_outside_tool_calls
@@ -210,10 +210,13 @@ class AgentServer:
     `read_timeout_s` after the server began reading it (at once, unless the episode's previous call
     is still running) is a 408; headers still incomplete past MAX_HEADER_BYTES are a 400; past
     `max_connections` connections or requests in flight, a request gets a 503 at once. Fair share
-    (issue 47): an episode may have `max_pending_per_episode` requests in flight or waiting (more get
-    a 429 at once, so one agent's flood cannot fill the server's slots) and `max_calls` recorded calls
-    (`task.agent_max_calls`; more get a 429 and the episode is an error naming it); each episode's
-    first refusal is logged, not each request.
+    (issue 47): an episode may have `max_pending_per_episode` requests in flight or waiting and
+    `max_connections_per_episode` connections (more get a 429 at once and the connection closed, so
+    one agent's flood cannot fill the server's slots) and `max_calls` recorded calls
+    (`task.agent_max_calls`; more get a 429 and the episode is an error naming it); connections
+    that have named no live episode (keyless, wrong keys) are kept apart, at most
+    `max_unclaimed_connections`, the oldest idle closed past that (`http_limits.ConnectionBudget`);
+    each episode's first refusal is logged, not each request.
     The default body limit, max(1 MiB, 64 bytes a token of max_model_len (else of 64k tokens)),
     holds a full context of text at ~10 characters a token, each JSON-escaped to 6 bytes: a longer
     body could not fit the context anyway.
@@ -224,13 +227,15 @@ class AgentServer:
                  top_p: float = 1.0, max_model_len: int | None = None, model_name: str = "policy",
                  max_concurrent_calls: int = 256, observation_role: str = "tool", max_body_bytes: int | None = None,
                  read_timeout_s: float = 30.0, keep_alive_s: float = 5.0, max_connections: int = 1024,
-                 max_calls: int = 1000, max_pending_per_episode: int = 4):
+                 max_calls: int = 1000, max_pending_per_episode: int = 4, max_connections_per_episode: int = 8,
+                 max_unclaimed_connections: int = 256):
         self.tokenizer, self.generate = tokenizer, generate
         self.host, self._port = host, port
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, float(temperature), float(top_p)
         self.max_model_len, self.model_name = max_model_len, model_name
         self.max_concurrent_calls, self.max_connections = max_concurrent_calls, max_connections
         self.max_calls, self.max_pending_per_episode = max_calls, max_pending_per_episode
+        self._connections = ConnectionBudget(max_unclaimed_connections, max_connections_per_episode)
         self.max_body_bytes = max_body_bytes if max_body_bytes is not None else \
             max(1 << 20, 64 * (max_model_len or 1 << 16))
         self.read_timeout_s, self.keep_alive_s = read_timeout_s, keep_alive_s
@@ -276,7 +281,8 @@ class AgentServer:
         # arriving; limit_concurrency answers 503 past max_connections connections or requests in flight
         config = uvicorn.Config(
             self.app, log_config=None, log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=5, http=functools.partial(Connection, headers_timeout_s=self.read_timeout_s),
+            timeout_graceful_shutdown=5, http=functools.partial(Connection, headers_timeout_s=self.read_timeout_s,
+                                                             budget=self._connections),
             timeout_keep_alive=self.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             limit_concurrency=self.max_connections)
         self._server = uvicorn.Server(config)
@@ -385,6 +391,10 @@ class AgentServer:
 
         async def run(completions: bool, key: str, request: Request) -> Response:
             ep = self._episode(key)
+            client = (request.client.host, request.client.port) if request.client else None
+            if not self._connections.claim(client, key):
+                raise self._refuse(ep, f"had over {self._connections.per_episode} connections open at once",
+                                   close=True)  # body unread
             if self._limiter is None:  # made on the server's event loop
                 self._limiter = anyio.CapacityLimiter(self.max_concurrent_calls)
             if ep.waiting >= self.max_pending_per_episode:

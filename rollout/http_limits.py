@@ -9,6 +9,7 @@ import asyncio
 import json
 import logging
 import math
+from collections import Counter, OrderedDict
 from typing import Any
 
 import anyio
@@ -110,8 +111,73 @@ class AnswerFaults:
                            code="internal_error").response()(scope, receive, send)
 
 
+class ConnectionBudget:
+    """Who holds the server's connections, so one agent's flood cannot deny the others (issue 47).
+
+    A connection is *unclaimed* until a request names a live episode (keyless, or only wrong keys
+    so far): at most `max_unclaimed` are kept, and past that the oldest idle one is closed. A flood
+    of connections that send nothing thus evicts itself, while a well-behaved client, which sends
+    its request as soon as it connects, is never the oldest idle one. A request to a live episode
+    claims its connection for that episode; an episode may hold `per_episode` connections, and a
+    request past that is refused (the app answers 429 and closes it). Called on the server's event
+    loop only (connections open, close and requests start there): no lock."""
+
+    def __init__(self, max_unclaimed: int = 256, per_episode: int = 8):
+        self.max_unclaimed, self.per_episode = max_unclaimed, per_episode
+        self._unclaimed: OrderedDict[Connection, None] = OrderedDict()  # oldest first
+        self._by_client: dict[tuple[str, int], Connection] = {}
+        self._owner: dict[Connection, str] = {}
+        self._held: Counter[str] = Counter()
+        self.evicted = 0
+
+    def opened(self, conn: Connection) -> None:
+        if conn.client is not None:
+            self._by_client[conn.client] = conn
+        self._unclaimed[conn] = None
+        if len(self._unclaimed) > self.max_unclaimed:
+            victim = next((c for c in self._unclaimed if c is not conn and c.idle()), None)
+            if victim is not None:
+                if self.evicted == 0:
+                    log.warning("agent server: over %d connections sent no request to a live episode; the oldest "
+                                "idle ones are closed (logged once)", self.max_unclaimed)
+                self.evicted += 1
+                self._unclaimed.pop(victim)
+                victim.close_idle()
+
+    def closed(self, conn: Connection) -> None:
+        if conn.client is not None and self._by_client.get(conn.client) is conn:
+            del self._by_client[conn.client]
+        self._unclaimed.pop(conn, None)
+        self._release(conn)
+
+    def claim(self, client: tuple[str, int] | None, key: str) -> bool:
+        """The connection `client` came on now serves episode `key`; False if that episode already
+        holds `per_episode` others (the caller refuses the request and closes the connection)."""
+        conn = self._by_client.get(client) if client is not None else None
+        if conn is None or self._owner.get(conn) == key:
+            return True  # (a client not served through `Connection`, e.g. an in-process test client)
+        self._release(conn)
+        self._unclaimed.pop(conn, None)
+        if self._held[key] >= self.per_episode:
+            return False
+        self._owner[conn] = key
+        self._held[key] += 1
+        return True
+
+    def held(self, key: str) -> int:
+        return self._held.get(key, 0)
+
+    def _release(self, conn: Connection) -> None:
+        key = self._owner.pop(conn, None)
+        if key is not None:
+            self._held[key] -= 1
+            if self._held[key] <= 0:
+                del self._held[key]
+
+
 class Connection(H11Protocol):
-    """uvicorn's h11 connection with a deadline for a request's headers.
+    """uvicorn's h11 connection with a deadline for a request's headers, counted in a
+    `ConnectionBudget` (which may close it while it is idle).
 
     uvicorn closes a connection left idle `timeout_keep_alive` after a response, but arms nothing
     when a connection opens, and cancels that timer at the first byte: a client that connects and
@@ -120,15 +186,25 @@ class Connection(H11Protocol):
     whose next request's headers have not come `headers_timeout_s` after it opened or after the
     last response is closed. (The body's deadline is the app's: `read_body`.)"""
 
-    def __init__(self, *args: Any, headers_timeout_s: float, **kwargs: Any):
+    def __init__(self, *args: Any, headers_timeout_s: float, budget: ConnectionBudget | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._headers_timeout_s = headers_timeout_s
         self._headers_deadline: asyncio.TimerHandle | None = None
+        self._budget = budget
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._await_headers()
+        if self._budget is not None:
+            self._budget.opened(self)
+
+    def idle(self) -> bool:
+        """No request under way (none yet, or the last one answered)."""
+        return not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete)
+
+    def close_idle(self) -> None:
+        self.timeout_keep_alive_handler()  # as uvicorn closes a connection left idle
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -138,6 +214,8 @@ class Connection(H11Protocol):
         super().connection_lost(exc)
         if self._headers_deadline is not None:
             self._headers_deadline.cancel()
+        if self._budget is not None:
+            self._budget.closed(self)
 
     def _await_headers(self) -> None:
         if self._headers_deadline is not None:

@@ -118,6 +118,15 @@ def act(base_url: str, row: dict[str, Any], out_dir: str | None = None, closed_u
                     time.sleep(0.02)
         _CURRENT["thread"] = threading.Thread(target=post_forever, daemon=True)
         _CURRENT["thread"].start()
+    if case == "connection_flood":  # 1,000 connections opened and held, sending nothing (issue 47)
+        where, held = urlsplit(base_url), []
+        with contextlib.suppress(OSError):  # (past this process's open-file limit: as many as it gets)
+            for _ in range(1000):
+                held.append(socket.create_connection((where.hostname, where.port), timeout=5))
+        time.sleep(3.0)  # while the other episodes run
+        for sock in held:
+            sock.close()
+        return None
     if case == "raise_before_call":
         raise RuntimeError("the agent gave up before calling")
     if case == "never_call":

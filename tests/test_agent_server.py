@@ -811,3 +811,40 @@ def test_fair_share_caps_calls_and_requests_per_episode_and_logs_once(tokenizer,
         assert sorted(answers) == [200] * 2 + [429] * 8 and "requests in flight" in s.refusal(flooder)
     refusals = [r for r in caplog.records if "further refusals are not logged" in r.getMessage()]
     assert len(refusals) == 2, [r.getMessage() for r in refusals]
+
+
+def test_a_connection_flood_costs_only_the_flooder_and_is_logged_once(tokenizer, caplog):
+    """Issue 47: 600 connections that name no live episode, on a server of 200 slots, leave another
+    episode's calls answered (before: a 503, as 4 agents opening 1,000 each made of 5 good episodes
+    in 8): such connections are kept apart, the oldest idle closed past `max_unclaimed_connections`.
+    An episode already holding `max_connections_per_episode` gets a 429 on one more, named in its
+    refusal; the flood's evictions are logged once, not per connection."""
+    def generate(request: GenerationRequest) -> Sample:
+        return Sample(request.prompt_ids, [5], [-0.1], "stop", 0, "", "x", 0, 0)
+
+    with AgentServer(tokenizer, generate, max_connections=200, max_unclaimed_connections=32,
+                     max_connections_per_episode=2, keep_alive_s=30.0) as s:
+        (good, good_url), (flooder, flood_url) = s.open_episode(seed_base=0), s.open_episode(seed_base=1)
+        idle = [socket.create_connection((s.host, s.port), timeout=5) for _ in range(300)]
+        wrong = [socket.create_connection((s.host, s.port), timeout=5) for _ in range(300)]
+        ask = (b"POST /episodes/nope/v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+               b"content-length: 14\r\n\r\n{\"prompt\": [1]}")
+        try:
+            for sock in wrong:  # keep-alive connections that only asked a wrong key
+                sock.sendall(ask)
+            answers = {sock.recv(12) for sock in wrong}
+            assert answers <= {b"HTTP/1.1 404", b""}, answers  # b"": closed meanwhile, as the oldest idle
+            assert httpx.post(f"{good_url}/completions", json={"prompt": [1, 2]}, timeout=10).status_code == 200
+            clients = [httpx.Client(timeout=10) for _ in range(3)]  # one connection each, kept alive
+            codes = [c.post(f"{flood_url}/completions", json={"prompt": [1]}).status_code for c in clients]
+            assert codes == [200, 200, 429], codes
+            assert "connections open at once" in s.refusal(flooder) and s.refusal(good) is None
+            assert httpx.post(f"{good_url}/completions", json={"prompt": [1, 2, 3]}, timeout=10).status_code == 200
+            for c in clients:
+                c.close()
+        finally:
+            for sock in idle + wrong:
+                sock.close()
+        assert len(s.close_episode(good)) == 2 and len(s.close_episode(flooder)) == 2
+    evictions = [r for r in caplog.records if "oldest idle ones are closed" in r.getMessage()]
+    assert len(evictions) == 1, [r.getMessage() for r in evictions]

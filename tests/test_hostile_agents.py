@@ -61,6 +61,8 @@ CASES: dict[str, tuple[str | None, dict | None]] = {
     "reward_true": ("returned True (bool)", None),
     "reward_huge": ("returned 1e+30, beyond task.agent_reward_bound=1e+06", None),
     "reward_neg_huge": ("returned -1e+30, beyond task.agent_reward_bound=1e+06", None),
+    # issue 47: 4 agents holding 1,000 idle connections each, beside the first good episodes
+    "connection_flood": ("made no model call", None),
 }
 
 
@@ -131,7 +133,10 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
                          max_len=512, decode=None)
     me = psutil.Process()
     rss_before = me.memory_info().rss
-    order = sorted(CASES, key=lambda c: c != "leaky_thread")  # first: the episodes after it share its worker
+    # first the leaky thread (before issue 47 the episodes after it shared its worker), then 4 floods
+    # of connections with 2 good episodes beside them, then the rest
+    order = ["leaky_thread", *["connection_flood"] * 4, "good", "good",
+             *[c for c in CASES if c not in ("leaky_thread", "connection_flood")]]
     requests = [GenerationRequest([1, 2], "2+2=", i, 0, seed=i, metadata={"case": case})
                 for i, case in enumerate(order)]
     started = time.monotonic()
@@ -142,9 +147,9 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
         agents = _agent_processes()
     finally:
         runner.close()
-    print(f"{len(CASES)} hostile agents in {elapsed:.1f} s; driver RSS +{rss_growth:.0f} MiB")
+    print(f"{len(order)} hostile agents in {elapsed:.1f} s; driver RSS +{rss_growth:.0f} MiB")
 
-    assert [s.group_id for s in samples] == list(range(len(CASES)))  # every episode came back
+    assert [s.group_id for s in samples] == list(range(len(order)))  # every episode came back
     for case, s in zip(order, samples):
         error, request = CASES[case]
         if error == "*":
@@ -185,6 +190,47 @@ def _pids_limited() -> bool:
     from reward.agent_procs import _cgroups_usable
 
     return _cgroups_usable() or os.getuid() != 0
+
+
+@pytest.mark.slow  # a real engine and agent process
+def test_a_call_after_the_agent_returned_is_refused_and_recorded_nowhere(served, tmp_path):
+    """Issue 47: the episode ends on the server as its agent returns (the pool's monitor, before the
+    driver drains the outcome): a call made with its key after that (a thread or process it left,
+    or anyone holding the key) gets a 404, and the episode holds only the agent's own call."""
+    import httpx
+
+    from reward.agent_procs import AgentLimits, AgentPool
+    from rl.run.agents import AgentRunner
+    from tests.hostile_agents import GOOD
+
+    server, failures, vocab = served
+    spec = f"{HOSTILE}:act"
+    pool = AgentPool(spec, str(tmp_path), workers=1, limits=AgentLimits(timeout_s=8.0, memory_mb=1024,
+                                                                         max_processes=MAX_PROCESSES),
+                     kwargs={"out_dir": str(tmp_path), "vocab": vocab})
+
+    class Fleet:
+        def repair(self) -> None:
+            pass
+
+    runner = AgentRunner(server, pool, Fleet(), name=spec, prompt_key="prompt", timeout_s=8.0, workers=1,
+                         max_len=512, decode=None)
+    urls, ended = {}, threading.Event()
+    start, end = pool.start, pool.on_end
+    pool.start = lambda key, url, row: (urls.setdefault(key, url), start(key, url, row))[1]
+    pool.on_end = lambda key: (end(key), ended.set())
+    try:
+        runner.submit([GenerationRequest([1, 2], "2+2=", 0, 0, seed=0, metadata={"case": "good"})])
+        assert ended.wait(30), "the pool never ended the episode as its agent returned"
+        [url] = urls.values()
+        late = httpx.post(f"{url}/chat/completions", json=GOOD, timeout=30)  # the driver has not drained it yet
+        assert late.status_code == 404, late.text
+        [sample] = runner.drain(30)
+    finally:
+        runner.close()
+    assert sample.error is None, sample.error
+    assert [t.reward for t in sample.turns if t.role == "model"] == [1.0]  # its one call, nothing after
+    assert not failures and server.open_count() == 0
 
 
 E2E_CASES = ["good", "raise_before_call", "call_then_hang", "segfault", "reward_nan", "sys_exit", "temperature_0",

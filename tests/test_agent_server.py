@@ -443,9 +443,11 @@ class FakePolicy:
 
 @pytest.fixture(scope="module")
 def fake(tokenizer):
-    """The server with short deadlines in front of a FakePolicy (its `generate`)."""
+    """The server with short deadlines in front of a FakePolicy (its `generate`). It keeps more
+    unclaimed connections than the 322 of the deadline test, so there the deadlines close them,
+    not the connection budget (tested on its own: test_a_connection_flood_costs_only_the_flooder...)."""
     with AgentServer(tokenizer, FakePolicy(tokenizer), max_new_tokens=MAX_NEW, temperature=1.0, top_p=1.0,
-                     max_model_len=1024, read_timeout_s=1.0, keep_alive_s=0.5) as s:
+                     max_model_len=1024, read_timeout_s=1.0, keep_alive_s=0.5, max_unclaimed_connections=1024) as s:
         yield s
 
 

@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from examples import builtin_dir, ensure_builtin
 from launch.components import load_agent, reward_specs
@@ -295,33 +295,15 @@ def require_reward_columns(cfg: DictConfig, scorer, data) -> None:
                           f"them to every row, or choose a reward function that does not need them")
 
 
-# Keys that may change when a run is resumed (extend it with more steps, watch it differently,
-# let it survive more faults). Those not given again on the resuming command line keep their
-# saved values.
-RESUMABLE_CHANGES = ("run.steps", "run.resume", "run.progress", "run.save_every", "run.keep_checkpoints",
-                     "run.max_restarts", "run.call_timeout_s", "run.call_timeout_factor", "run.start_timeout_s",
-                     "rollout.max_restarts", "rollout.max_retries", "sandbox.max_retries", "reward.max_failed_steps")
-
-
-def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(node, dict):
-        out: dict[str, Any] = {}
-        for k, v in node.items():
-            out.update(_flat(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: node}
-
-
 def check_run_dir(cfg: DictConfig, overrides: list[str] | None = None):
     """Refuse to write over a finished or running run; on resume, find its checkpoint and check
     the config is the one it was started with. Returns (checkpoint path, LoopState) or None.
 
     `overrides` (the command line's): on resume, a resumable key not among them takes its saved
     value (a run saved every 5 steps keeps saving every 5). None: take `cfg` as it is."""
-    from rl.run import checkpoint
+    from rl.run.checkpoint import find_resume
 
     require_writable(cfg.run.dir)
-    saved_path = os.path.join(cfg.run.dir, "config.yaml")
     if not cfg.run.resume:
         if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")):
             raise ConfigError(
@@ -329,27 +311,7 @@ def check_run_dir(cfg: DictConfig, overrides: list[str] | None = None):
                 "or choose another run.dir"
             )
         return None
-    found = checkpoint.latest(cfg.run.dir)
-    if found is None or not os.path.exists(saved_path):
-        raise ConfigError(f"run.resume=true but run.dir={cfg.run.dir} holds no checkpoint to resume from")
-    saved = _flat(OmegaConf.to_container(OmegaConf.load(saved_path)))
-    if overrides is not None:
-        given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-        for key in RESUMABLE_CHANGES:
-            if key not in given and key != "run.resume" and key in saved:
-                OmegaConf.update(cfg, key, saved[key])
-    now = _flat(OmegaConf.to_container(cfg, resolve=True))
-    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
-    if changed:
-        raise ConfigError(
-            "run.resume=true with a config that differs from the saved run in: "
-            + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in changed)
-            + f"; pass the original overrides again (see {saved_path}). Only {', '.join(RESUMABLE_CHANGES)} may change"
-        )
-    if found[1].next_step >= cfg.run.steps:
-        raise ConfigError(f"run.steps={cfg.run.steps}: the run already finished step {found[1].next_step}; "
-                          "raise run.steps to train further")
-    return found
+    return find_resume(cfg, overrides)
 
 
 def check_inputs(cfg: DictConfig, overrides: list[str]):

@@ -93,21 +93,12 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             in_flight = None
             handover = GpuHandover.of(config, fleet, learner)  # who holds the GPUs (rl/run/colocation.py)
             if resume_from is not None:
-                path, state = resume_from
-                if data.curriculum is not None and state.curriculum is not None:
-                    data.curriculum.load(state.curriculum)  # the same prompts as the run that was stopped
-                learner.load_checkpoint(os.path.join(path, "learner"))
-                handover.to_sync()
-                weights.sync(state.policy_version)  # engines started from model.path
-                in_flight = checkpoint.load_in_flight(path)
-                stream = (in_flight or {}).get("streaming")
-                ahead = (f" ({len(stream['ready'])} finished group(s) kept, {len(stream['pending'])} request(s) "
-                         "in flight sent again)" if stream else
-                         f" ({len(in_flight)} batch(es) generated ahead kept)" if in_flight else "")
-                log.write(f"Resumed {cfg.run.dir} from {path}: next step {start_step + 1}{ahead}")
+                in_flight, resumed = checkpoint.restore(*resume_from, config, learner, weights, handover,
+                                                        data.curriculum)
+                log.write(resumed)
             handover.to_rollout()
             source = make_source(fleet, episodes, agents)
-            run_loop(config, pad_id_of(tokenizer), data, fleet, source, rewards, learner, weights, log,
+            run_loop(config, pad_id_of(tokenizer), data, source, rewards, learner, weights, log, handover,
                      start_step=start_step, kl_state=kl_state, stop=stop, in_flight=in_flight, eval_data=eval_data)
             summary = reward_trend(read_metrics(cfg.run.dir))
             if cfg.run.save_final_model:

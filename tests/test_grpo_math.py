@@ -107,7 +107,7 @@ def test_unknown_aggregation_names_the_field():
 
 
 def test_logprob_mismatch_warning_is_loud_only_above_threshold():
-    from rl.loop import logprob_mismatch_warning
+    from rl.run.step_metrics import logprob_mismatch_warning
 
     assert logprob_mismatch_warning(3, 0.01, 0.05) is None
     text = logprob_mismatch_warning(3, 0.2, 0.05)

@@ -6,7 +6,9 @@ higher one. Every import counts, also one inside a function.
 
 `rl` itself imports no Ray, DeepSpeed or vLLM. Inside it, its sub-packages point one way too:
 
-    rl.wire, rl.config, rl.data  <-  rl.algo (math; may read config), rl.plan, rl.run  <-  rl.loop
+    rl.wire, rl.config, rl.data  <-  rl.algo (math; may read config), rl.plan  <-  rl.run  <-  rl.loop
+
+(`rl.run` holds the loop's stages, which compose the math: scoring, collecting, step metrics)
 
 and `rl.algo`, the algorithm math, imports no I/O at all (files, processes, sockets, pickling),
 only tensors. Run alone: `python -m pytest tests/test_layers.py`.
@@ -38,7 +40,7 @@ RL_ALLOWED = {
     "rl.data": set(),
     "rl.algo": {"rl.config"},
     "rl.plan": {"rl.wire"},
-    "rl.run": {"rl.config", "rl.data"},
+    "rl.run": {"rl.config", "rl.data", "rl.algo", "rl.plan"},
     "rl.loop": {"rl.wire", "rl.config", "rl.data", "rl.algo", "rl.plan", "rl.run"},
 }
 PURE_MATH_MAY_IMPORT = {"__future__", "dataclasses", "typing", "math", "torch"}

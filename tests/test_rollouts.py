@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rl.data.types import GenerationRequest, Sample, ScoredSample, Turn
-from rl.loop import score_samples
+from rl.run.scoring import score_samples
 from rl.run.pipeline import RolloutPipeline
 from rl.run.rollouts import EnvEpisodes, LockStep
 from tests.conftest import compose_config

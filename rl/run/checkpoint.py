@@ -1,4 +1,8 @@
-"""Run-directory checkpoints: atomic on disk, found again by `latest`, pruned to the newest k.
+"""A run's lifecycle in one place: its checkpoints found (`find_resume`: the newest, and the config
+checked against the saved one), restored (`restore`: learner, weights, curriculum, rollouts in
+flight, their mode checked), and saved (`save_step` at a step boundary; `save`, `latest` on disk).
+
+Run-directory checkpoints are atomic on disk, found again by `latest`, pruned to the newest k.
 
 A checkpoint is `<run>/checkpoints/step_<N>/` holding the learner's own state (written by the
 learner into `learner/`), `loop.json` (the next step to run and the policy version) and, with
@@ -13,8 +17,13 @@ import json
 import os
 import pickle
 import shutil
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
+
+from omegaconf import OmegaConf
+
+from rl.config.schema import ConfigError
 
 
 @dataclass(frozen=True)
@@ -90,3 +99,93 @@ MOVED_MODULES = {"rl.types": "rl.data.types", "rl.episodes": "rl.data.episodes",
 class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         return super().find_class(MOVED_MODULES.get(module, module), name)
+
+
+# Keys that may change when a run is resumed (extend it with more steps, watch it differently,
+# let it survive more faults); every other one must equal the saved run's. Those not given again
+# on the resuming command line keep their saved values.
+RESUMABLE_CHANGES = ("run.steps", "run.resume", "run.progress", "run.save_every", "run.keep_checkpoints",
+                     "run.max_restarts", "run.call_timeout_s", "run.call_timeout_factor", "run.start_timeout_s",
+                     "rollout.max_restarts", "rollout.max_retries", "sandbox.max_retries", "reward.max_failed_steps")
+
+
+def _flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for k, v in node.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def find_resume(cfg: Any, overrides: list[str] | None = None) -> tuple[str, LoopState]:
+    """`run.resume=true`: the run's newest checkpoint, once its config is checked to be the saved
+    one (ConfigError naming what differs). `overrides` (the command line's): a resumable key not
+    among them takes its saved value (a run saved every 5 steps keeps saving every 5); None: take
+    `cfg` (an OmegaConf config) as it is."""
+    saved_path = os.path.join(cfg.run.dir, "config.yaml")
+    found = latest(cfg.run.dir)
+    if found is None or not os.path.exists(saved_path):
+        raise ConfigError(f"run.resume=true but run.dir={cfg.run.dir} holds no checkpoint to resume from")
+    saved = _flat(OmegaConf.to_container(OmegaConf.load(saved_path)))
+    if overrides is not None:
+        given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+        for key in RESUMABLE_CHANGES:
+            if key not in given and key != "run.resume" and key in saved:
+                OmegaConf.update(cfg, key, saved[key])
+    now = _flat(OmegaConf.to_container(cfg, resolve=True))
+    changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k) and k not in RESUMABLE_CHANGES)
+    if changed:
+        raise ConfigError(
+            "run.resume=true with a config that differs from the saved run in: "
+            + ", ".join(f"{k} ({saved.get(k)!r} -> {now.get(k)!r})" for k in changed)
+            + f"; pass the original overrides again (see {saved_path}). Only {', '.join(RESUMABLE_CHANGES)} may change"
+        )
+    if found[1].next_step >= cfg.run.steps:
+        raise ConfigError(f"run.steps={cfg.run.steps}: the run already finished step {found[1].next_step}; "
+                          "raise run.steps to train further")
+    return found
+
+
+def check_in_flight_mode(in_flight: dict | None, streaming: bool) -> None:
+    """Rollouts in flight resume only in the mode that recorded them."""
+    if in_flight and streaming != ("streaming" in in_flight):
+        was = "streaming" if "streaming" in in_flight else "batch"
+        raise ValueError(f"the checkpoint holds rollouts in flight of rollout.mode={was}: resume it with "
+                         f"rollout.mode={was}")
+
+
+def restore(path: str, state: LoopState, cfg: Any, learner: Any, weights: Any, handover: Any,
+            curriculum: Any = None) -> tuple[dict, str]:
+    """Put a checkpoint back: the curriculum's state (the same prompts as the run that stopped),
+    the learner's, the engines' weights (they started from model.path), and the rollouts it
+    recorded in flight (their mode checked). Returns (in flight, what to tell the user)."""
+    in_flight = load_in_flight(path)
+    check_in_flight_mode(in_flight, cfg.rollout.mode == "streaming")
+    if curriculum is not None and state.curriculum is not None:
+        curriculum.load(state.curriculum)
+    learner.load_checkpoint(os.path.join(path, "learner"))
+    handover.to_sync()
+    weights.sync(state.policy_version)
+    stream = (in_flight or {}).get("streaming")
+    ahead = (f" ({len(stream['ready'])} finished group(s) kept, {len(stream['pending'])} request(s) "
+             "in flight sent again)" if stream else
+             f" ({len(in_flight)} batch(es) generated ahead kept)" if in_flight else "")
+    return in_flight, f"Resumed {cfg.run.dir} from {path}: next step {state.next_step + 1}{ahead}"
+
+
+def due(run: Any, done: int) -> bool:
+    """A checkpoint after `done` steps: every `run.save_every` steps and after the last (0: none)."""
+    return bool(run.save_every) and (done % run.save_every == 0 or done == run.steps)
+
+
+def save_step(run_dir: str, next_step: int, kl_ctrl: dict, curriculum: Any, learner: Any, rollouts: Any,
+              handover: Any, keep: int, with_in_flight: bool = True) -> str:
+    """The checkpoint at a step boundary (the policy version is the step): the learner's state
+    (resident for it, when the GPU is shared), the KL controller's and the curriculum's, and the
+    rollouts in flight (`with_in_flight=False`: the fleet is broken, so batches made ahead are
+    made again on resume)."""
+    state = LoopState(next_step, next_step, kl_ctrl, curriculum.to_dict() if curriculum is not None else None)
+    ahead = rollouts.in_flight(whole=with_in_flight)
+    with handover.learner_resident() if with_in_flight else nullcontext():
+        return save(run_dir, state, learner.save_checkpoint, keep, in_flight=ahead)

@@ -108,3 +108,28 @@ def evaluate(settings: EvalConfig, data: PromptDataset, generate: Callable[[list
                            answer_extractor(settings.answer))
     metrics["time/eval_s"] = time.perf_counter() - t0
     return metrics
+
+
+class Evaluation:
+    """The evaluation stage of a run: before the first update, every `eval.every_steps`, and the
+    trained policy's own row after the last step; nothing without `eval.files` (`data` None)."""
+
+    def __init__(self, settings: EvalConfig, data: PromptDataset | None,
+                 generate: Callable[[list[GenerationRequest]], list[Sample]],
+                 score: Callable[[list[Sample]], list[ScoredSample]]):
+        self.settings, self.data, self.generate, self.score = settings, data, generate, score
+
+    def before(self, step: int) -> dict[str, float]:
+        """Step `step`'s evaluation, made before its update, if one is due (else {})."""
+        if self.data is None or not due(self.settings, step):
+            return {}
+        return evaluate(self.settings, self.data, self.generate, self.score)
+
+    def after(self, log, start_step: int, steps: int) -> None:
+        """The trained policy's evaluation: a row of its own in `log`, at step `steps`."""
+        if self.data is None or self.settings.every_steps <= 0 or start_step >= steps:
+            return
+        final = evaluate(self.settings, self.data, self.generate, self.score)
+        log.metrics(steps, final, advance=False, echo=False)
+        log.write(f"evaluation after step {steps}: " + " | ".join(
+            f"{k.removeprefix('eval/')} {v:.3f}" for k, v in final.items() if not k.endswith("_count")))

@@ -8,7 +8,7 @@ training (colocated: they take turns; split with one step off-policy: they overl
 optimizer steps a GRPO step makes. The ratio is predicted / published step time. What the
 planner does not model (KV-cache reads at long contexts, pipeline bubbles, FP8, stragglers) and
 what is assumed where a figure was not published is stated per row. No GPU is needed: this is the
-planner's arithmetic. Results: bench/results/peer_predictions.json, the table in bench/README.md.
+planner's arithmetic. Results: bench/results/peer_predictions.json, the table in docs/benchmarks.md.
 
     python -m bench.peer_predictions [--out bench/results/peer_predictions.json]
 """

@@ -88,7 +88,7 @@ def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
     import torch
 
     # the best of eight short probes of 1024-square matmuls: on a shared host (oneDNN bf16 most of
-    # all) the speed varies by second and by size, and this size varies least (bench/README.md);
+    # all) the speed varies by second and by size, and this size varies least (docs/benchmarks.md);
     # a probe that shares the cores with another process (a run still shutting down) reads low,
     # the best one does not
     peak = s.peak_tflops or measure_matmul_tflops(getattr(torch, s.dtype), size=1024, seconds=0.06, windows=8,

@@ -8,7 +8,7 @@ nothing would fail). Llama and the MoE run their full-weight case with
 tokenizer has tokens past its embedding (the run must not mind). The padding-free check's verdict
 is compared with the truth on rows longer than the sliding windows.
 
-Time: ~25 s per run, 16 runs, ~7 min in all on 2 cores (the stated figure is in the README). The
+Time: ~25 s per run, 16 runs, ~7 min in all on 2 cores (the stated figure is in docs/models-and-data.md). The
 default lane runs the MoE's two; the full lane (`pytest -m full`) the other 14. The
 bf16 figures: `python -m bench.arch_matrix`.
 """

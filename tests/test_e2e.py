@@ -269,7 +269,7 @@ def test_hf_backend_zero1_two_ranks_object_store_sync(make_config):
 
 @pytest.mark.full  # the Hub recipe: the full lane
 def test_a_hub_id_in_the_cache_works_as_model_path(tiny_dir, tmp_path, monkeypatch):
-    """The README's recipe (Bring your own model and data): a Qwen2-architecture model (random
+    """The docs' recipe (docs/models-and-data.md): a Qwen2-architecture model (random
     init, its own config) put in a Hugging Face cache as `tiny-org/qwen2-tiny`, and the task's
     prompts as the Hub dataset `tiny-org/arith` (config `main`, parquet shards as the Hub keeps
     them), train through vLLM and DeepSpeed when model.path and task.train_files name their ids

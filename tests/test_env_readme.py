@@ -1,4 +1,4 @@
-"""The README's environment example, run as the README says (through train(), on the test
+"""The docs' environment example (docs/environments-and-agents.md), run as the docs say (through train(), on the test
 session's shared Ray)."""
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def readme_example(first_line: str) -> str:
-    """The README's python block that starts with `first_line` (so the README's example is what runs)."""
-    text = open(os.path.join(HERE, "..", "README.md")).read()
+    """The docs page's python block that starts with `first_line` (so the documented example is what runs)."""
+    text = open(os.path.join(HERE, "..", "docs", "environments-and-agents.md")).read()
     for block in text.split("```python\n")[1:]:
         code = block.split("```")[0]
         if code.startswith(first_line):
             return code
-    raise AssertionError(f"no python block starting with {first_line!r} in README.md")
+    raise AssertionError(f"no python block starting with {first_line!r} in docs/environments-and-agents.md")
 
 
 @pytest.mark.slow
-@pytest.mark.full  # the README's example: the full lane
+@pytest.mark.full  # the docs' example: the full lane
 def test_readme_environment_trains_and_logs_episodes_and_evaluations(make_config, tiny_dir, tmp_path):
-    """The README's environment, run as the README says: whole episodes in samples.jsonl, the
+    """The docs' environment, run as the docs say: whole episodes in samples.jsonl, the
     learner agreeing with the rollout on every model token, eval figures before the first update
     and every 2 steps, in metrics.jsonl and TensorBoard."""
     import json

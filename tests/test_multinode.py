@@ -1,4 +1,4 @@
-"""The README's "Run on a Ray cluster" block, run as written on one machine: a head and two worker
+"""The docs' "Run on a Ray cluster" block (docs/clusters-and-gpus.md), run as written on one machine: a head and two worker
 nodes started with `ray start` (one advertising `benchmark`), the code task submitted with
 `ray job submit`. The rollout workers and learner rank land in one placement group, the sandbox
 workers on the `benchmark` node, and the run finishes every step."""
@@ -17,17 +17,17 @@ from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]  # several Ray nodes and a code run: the full lane
 
-# CPUs of the README's nodes, in its order: the head (the reward worker), the node for the rollout
+# CPUs of the docs' nodes (docs/clusters-and-gpus.md), in its order: the head (the reward worker), the node for the rollout
 # worker and learner rank (their 2 bundles), the benchmark node (2 sandbox workers).
 NODE_CPUS = (1, 2, 2)
-# What this test changes in the job: the tiny size of a CI run (the rest is the README's command).
+# What this test changes in the job: the tiny size of a CI run (the rest is the docs' command).
 TINY = ("run.steps=2", "task.prompts_per_step=4", "sandbox.slots_per_worker=1")
 
 
 def readme_commands() -> list[list[str]]:
     """The commands of the first ```bash block under "## Run on a Ray cluster" (one per line after
     joining `\\`-continued lines; comments dropped)."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "clusters-and-gpus.md"), encoding="utf-8") as f:
         text = f.read()
     section = text.split("## Run on a Ray cluster", 1)[1]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
@@ -97,7 +97,7 @@ def test_readme_cluster_commands_place_the_roles_and_run_the_code_task(tiny_code
         spot += f" bundle {a['bundle']}" if a["bundle"] is not None else ""
         assert spot in printed[f"Placement: {a['role']}"], (spot, printed)
 
-    # The README's logs: `ray job logs <id>` gives the driver's output again; each node keeps its
+    # The docs' logs: `ray job logs <id>` gives the driver's output again; each node keeps its
     # processes' logs in session_latest/logs (here under each node's --temp-dir).
     job_id = re.search(r"Job '(raysubmit_\w+)' succeeded", logs).group(1)
     again = ray_cluster.ray("job", "logs", f"--address={ray_cluster.dashboard}", job_id)

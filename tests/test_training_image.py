@@ -93,7 +93,7 @@ def test_image_has_the_sandbox_tools_and_runs_the_default_job_by_default(image):
     assert lines[5:7] == ["/opt/rlpost/sandbox/__init__.py", "OK"], p.stdout
 
 
-# What the README gives a container for the code task's process sandbox (bubblewrap namespaces, a
+# What docs/clusters-and-gpus.md gives a container for the code task's process sandbox (bubblewrap namespaces, a
 # fresh /proc, per-run cgroups, its own seccomp filter); they weaken the container's own confinement.
 SANDBOX_OPTS = ["--cap-add=SYS_ADMIN", "--security-opt", "seccomp=unconfined", "--security-opt",
                 "apparmor=unconfined", "--security-opt", "systempaths=unconfined",

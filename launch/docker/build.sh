@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build a training image (see README, "Training images"):
+# Build a training image (see docs/clusters-and-gpus.md, "Training images"):
 #
 #   launch/docker/build.sh [cpu|cuda] [-- DOCKER_BUILD_ARGS...]     # default: cpu
 #   launch/docker/build.sh wheels                                   # only fill .whl/cpu

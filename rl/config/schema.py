@@ -81,8 +81,8 @@ class AlgorithmConfig:
     off_policy_steps: int = 0
     # Behaviour (rollout engine) vs learner policy mismatch (rl/algo/importance.py):
     # behaviour_clip: with off_policy_steps > 0, PPO's clipped ratio is pi_learner / pi_rollout, a
-    #   trust region around the policy that sampled (measured best with off_policy_steps=1, README
-    #   "Speed"); on-policy it leaves PPO's ratio against the learner's old policy as it is;
+    #   trust region around the policy that sampled (measured best with off_policy_steps=1,
+    #   docs/speed-and-planner.md); on-policy it leaves PPO's ratio against the learner's old policy as it is;
     # token_tis: ratio against the learner's pre-update policy, each token weighted by
     #   min(pi_learner_old / pi_rollout, tis_cap); token_mis: the ratio, tokens above mis_cap get
     #   no loss; icepop: the ratio, tokens outside [icepop_low, icepop_high] get no loss;
@@ -294,7 +294,7 @@ class ClusterConfig:
 
 @dataclass
 class SandboxConfig:
-    """Where untrusted programs (code rewards) run: see sandbox/ and README "Code rewards"."""
+    """Where untrusted programs (code rewards) run: see sandbox/ and docs/code-rewards.md."""
 
     backend: str = "process"      # process (bubblewrap+cgroups), docker, or unsafe_local (NO isolation)
     num_workers: int = 0          # sandbox Ray actors; 0 = a code reward runs jobs in its own process

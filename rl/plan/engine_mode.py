@@ -1,7 +1,7 @@
 """`rollout.enforce_eager=auto`: compile the rollout engine only where the run is long enough.
 
 vLLM's compiled decoding (torch.compile, and CUDA graphs on a GPU) is faster per token but costs
-start-up time at every engine start. Measured on the CPU (bench/README.md, `bench.rollout`'s
+start-up time at every engine start. Measured on the CPU (docs/benchmarks.md, `bench.rollout`'s
 notes: SmolLM2-135M bf16, 32 requests x 128 tokens, a 2-core host): compiled 960 tok/s against
 eager 760 (1.26x), after 57 s of start-up against 3.8 s. Compiling pays once the run's eager
 generation time T satisfies T x (1 - 1/1.26) > 53 s, i.e. T > ~257 s: about 48 rollouts of that

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 from rl.plan.flops import forward_flops_per_token
 
-# Each figure below was measured on this repo's 2-core CPU hosts (bench/README.md), as a fraction
+# Each figure below was measured on this repo's 2-core CPU hosts (docs/benchmarks.md), as a fraction
 # of the matmul peak measured in the same process where it is an efficiency:
 # - the learner: SmolLM2-135M, one GRPO step of 64 rows (bench.shared_prefix), FLOPs counted as
 #   the learner does the work (the layers over the tokens it computes, the LM head over the

@@ -1,6 +1,6 @@
 """One step's metrics line, from what the step did: rewards, advantages, the update, the sync,
 the times of its phases, the policy's staleness, cost and episodes. What metrics.jsonl, the
-loggers and the step line show (README: "What a run directory holds")."""
+loggers and the step line show (docs/faults-and-run-dirs.md)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Build the docker sandbox image without any registry (see shared/PLATFORM.md):
+# Build the docker sandbox image without any registry (for hosts that cannot pull images; the
+# docker backend is described in docs/code-rewards.md):
 # debootstrap a minimal Debian bookworm with the toolchain into a temp dir and `docker import` it.
 #
 #   sudo sandbox/image/build_rootfs.sh [--force]

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Start a local Docker engine for the docker sandbox backend (see shared/PLATFORM.md).
+# Start a local Docker engine for the docker sandbox backend (docs/code-rewards.md), on a host
+# where none runs.
 #
 #   sudo sandbox/image/start_dockerd.sh
 #

@@ -183,6 +183,11 @@ def _prompts_per_step(steps: int) -> int:
     return 8 if steps <= 2 else 16
 
 
+def _eval_every(steps: int) -> int:
+    """Evaluations before the first update and after the last (mechanics), and halfway (learning)."""
+    return steps if steps <= 2 else steps // 2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("steps", [MECHANICS, pytest.param(40, id="learning", marks=pytest.mark.full)])
 def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_path, steps):
@@ -197,12 +202,14 @@ def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_pa
 
     out, _ = tiny_calc
     cfg = compose_config(["task=calculator", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
-                          f"eval.files=[{out}/data/test.jsonl]", f"eval.every_steps={steps // 2}", f"eval.max_rows={_prompts_per_step(steps)}",
+                          f"eval.files=[{out}/data/test.jsonl]", f"eval.every_steps={_eval_every(steps)}",
+                          f"eval.max_rows={_prompts_per_step(steps)}",
                           f"run.dir={tmp_path}/run", "run.progress=false", f"run.steps={steps}",
                           f"task.prompts_per_step={_prompts_per_step(steps)}", "run.save_every=0", "run.save_final_model=false"])
     train(cfg)
     *metrics, final = read_metrics(cfg.run.dir)  # the steps, then the evaluation after the last
-    assert len(metrics) == steps and all("eval/pass_at_1" in m for m in (metrics[0], metrics[steps // 2], final))
+    every = _eval_every(steps)
+    assert len(metrics) == steps and all("eval/pass_at_1" in m for m in (metrics[0], *metrics[every::every], final))
     for m in metrics:
         assert m["reward/errors_count"] == 0 and m["episode/errors_count"] == 0
         assert 0 < m["reward/mean"] < 1 and m["episode/turns_mean"] > 1.5

@@ -285,6 +285,7 @@ def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(ti
 
 
 @pytest.mark.slow
+@pytest.mark.full  # a long hostile case (a whole run); the default lane keeps the hostile-agent run above
 def test_a_step_where_no_agent_made_a_call_names_the_agent_s_error(tiny_calc, tmp_path):
     """Every agent raises before its first call: each step is all error samples (no token was
     sampled), the learner's batch is still a batch, and after reward.max_failed_steps such steps

@@ -213,10 +213,13 @@ def test_3b_full_finetune_on_24_gib_is_refused_before_anything_starts(tmp_path, 
         assert {"hydra", "launch", "rl"} <= imported, "no import log: the check below would pass vacuously"
         heavy = imported & {"ray", "vllm", "deepspeed"}
         assert not heavy, f"{module} refused only after importing {sorted(heavy)}"
-    # the suggested overrides make the plan fit
+    # the suggested overrides make the plan fit (the planner's own verdict, in this process)
+    from launch.plan import plan_run
+    from tests.conftest import compose_config
+
     fix = error.split("; ")[1].split(" would fit")[0].split()
-    proc, _ = _run("launch.plan", overrides + fix, tmp_path)
-    assert proc.returncode == 0 and "Verdict: fits." in proc.stdout, proc.stdout + proc.stderr
+    plan, _ = plan_run(compose_config(overrides + fix))
+    assert plan.fits, (fix, plan.problems)
 
 
 def test_preflight_can_be_skipped():

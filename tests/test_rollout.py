@@ -30,7 +30,8 @@ def test_split_keeps_groups_whole(tiny_dir):
     assert not {r.group_id for r in chunks[0]} & {r.group_id for r in chunks[1]}
 
 
-@pytest.mark.parametrize("backend", ["vllm", "hf"])
+# vLLM's case is the full lane's (24 s): every default-lane run checks vLLM's log-probs against the learner's
+@pytest.mark.parametrize("backend", [pytest.param("vllm", marks=pytest.mark.full), "hf"])
 def test_fleet_generates_groups_with_logprobs(ray_local, tiny_dir, backend):
     tok, reqs = _requests(tiny_dir)
     env = {"OMP_NUM_THREADS": "1"}

@@ -149,6 +149,7 @@ def _delta_syncs(sync, learner, fleet, version: int):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # 55 s; the default lane syncs both ways end to end (test_e2e: ZeRO-3 collective, HF object store)
 def test_collective_and_object_store_sync_a_real_learner_into_a_real_fleet_across_a_replacement(
         ray_local, make_config) -> None:
     import ray

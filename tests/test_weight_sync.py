@@ -265,7 +265,7 @@ def _model_27m(tied: bool, tmp_root) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.full)], ids=["untied", "tied"])
 def test_sync_into_vllm_holds_two_buckets_not_a_second_model(tmp_path, monkeypatch, tied) -> None:
     """The 27m shape (104 MiB of float32; 88 MiB tied) synced into a live vLLM engine: with the
     stream the peak extra RSS is the receiver's two bucket buffers plus vLLM's own work on the

@@ -55,7 +55,12 @@ def test_algorithm_runs(make_config, algorithm):
     assert statistics.fmean(rewards[-3:]) > statistics.fmean(rewards[:3]) - 0.1, rewards
     if algorithm == "ppo":
         assert all(math.isfinite(m["critic/value_loss"]) for m in metrics)
-        assert metrics[-1]["critic/value_error"] < metrics[0]["critic/value_error"]  # the critic learns
+        # the critic learns: its absolute error falls against the untrained head's (V ~ 0, whose
+        # error is the mean |return|, about the mean reward). Not the raw error: with a 0/1 reward
+        # below 0.5 on average V = 0 is the best constant, so learning the mean can raise it while
+        # the reward rises (one AMD run: 0.393 -> 0.460, while error / reward fell 0.97 -> 0.84).
+        ratio = [m["critic/value_error"] / m["reward/mean"] for m in metrics]
+        assert statistics.fmean(ratio[-2:]) < statistics.fmean(ratio[:2]), ratio
     if algorithm in ("reinforce_pp", "grpo"):
         coefs = [m["actor/kl_coef"] for m in metrics]
         assert coefs[-1] != coefs[0] and all(c > 0 for c in coefs), coefs

@@ -105,7 +105,7 @@ def test_code_agent_task_learns_end_to_end(tiny_code_agent, tmp_path):
 
     out, _ = tiny_code_agent
     cfg = compose_config(["task=code_agent", f"model.path={out}/model", f"task.train_files=[{out}/data/train.jsonl]",
-                          f"eval.files=[{out}/data/test.jsonl]", "eval.every_steps=6", "eval.max_rows=16", "eval.n=1",
+                          f"eval.files=[{out}/data/test.jsonl]", "eval.every_steps=6", "eval.max_rows=16", "eval.n=4",
                           f"run.dir={tmp_path}/run",
                           "run.progress=false", "run.steps=6", "task.prompts_per_step=8", "run.save_every=0",
                           "run.save_final_model=false"])
@@ -118,8 +118,10 @@ def test_code_agent_task_learns_end_to_end(tiny_code_agent, tmp_path):
     rewards = [m["reward/mean"] for m in metrics]
     assert sum(rewards[3:]) / 3 > rewards[0] + 0.05, rewards  # the last 3 steps against the untrained policy
     before, after = metrics[0], final  # untrained, and after 6 updates
-    for key in ("eval/greedy_mean_reward", "eval/sampled_mean_reward"):
-        assert after[key] > before[key] + 0.1, (key, before[key], after[key])
+    # greedy: 16 episodes; sampled: 4 per row (64), since one sample per row measured noise
+    # (0.32 -> 0.14 in one full-lane run while the training reward rose 0.46 -> 0.74)
+    for key, margin in (("eval/greedy_mean_reward", 0.1), ("eval/sampled_mean_reward", 0.05)):
+        assert after[key] > before[key] + margin, (key, before[key], after[key])
     rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
     revised = [r for r in rows if len(r["turns"]) >= 3]
     assert revised, "no episode with a revision logged"

@@ -293,6 +293,7 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
     import ray
 
     import launch.components
+    from launch.cluster import Cluster
     from launch.console import actor_env
     from launch.placement import make_placement
     from rl.run.faults import Deadlines
@@ -314,7 +315,9 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
         learner = LearnerGroup(LearnerSpec.from_config(config, threads), config.trainer.num_workers, num_cpus=1,
                                num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0),
                                actor_options=placement.learner, deadlines=deadlines)
-        weights = make_weight_sync(config.trainer.weight_sync, learner, fleet, deadlines)
+        weights = Cluster(fleet, learner, make_weight_sync(config.trainer.weight_sync, learner.group, learner.metas,
+                                                           fleet.group, config.rollout.tensor_parallel_size, deadlines))
+        weights.join()
         worker = fleet.workers[0]
         gpu = c.gpus_per_rollout_worker > 0
         walls, splits, peaks, gpu_peaks = [], [], [], []

@@ -92,12 +92,13 @@ def engines_start_first(c) -> bool:
     return c.placement_mode == "hybrid" or 0 < c.gpus_per_learner < 1 or 0 < c.gpus_per_rollout_worker < 1
 
 
-def build_components(cfg: TrainConfig, log=print):
-    """The rollout fleet, reward service, learner group, the weight sync between learner and fleet,
-    and their placement that the typed config
-    describes, all keeping the run's deadlines (`run.call_timeout_s`...) and reporting to `log`.
-    The rollout workers and learner ranks go into one placement group (`cluster.placement`), one
-    bundle each; it lives until Ray shuts down (the driver's end removes it on a cluster too)."""
+def build_components(cfg: TrainConfig, log=print, started: dict[str, Any] | None = None):
+    """The rollout fleet, reward service, learner group, the weight sync between learner and fleet
+    (not joined yet: the `Cluster` joins it) and their placement that the typed config describes,
+    all keeping the run's deadlines (`run.call_timeout_s`...) and reporting to `log`. The rollout
+    workers and learner ranks go into one placement group (`cluster.placement`), one bundle each;
+    it lives until Ray shuts down (the driver's end removes it on a cluster too). `started`
+    collects each part as it starts ("fleet", "learner", "rewards"), so a failure later can end them."""
     from launch.console import actor_env, rollout_env
     from launch.placement import make_placement
     from reward.service import RewardService
@@ -116,20 +117,23 @@ def build_components(cfg: TrainConfig, log=print):
     if cfg.rollout.backend == "vllm":
         env.update(vllm_env(cfg.rollout.kv_cache_gib, threads, cfg.rollout.enforce_eager))
     placement = make_placement(cfg, log)
-    fleet = RolloutFleet(RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker,
-                         env_vars=env, actor_options=placement.rollout, deadlines=deadlines, log=log,
-                         wait=False)  # the engines start while the learner does...
+    started = {} if started is None else started
+    fleet = started["fleet"] = RolloutFleet(
+        RolloutSpec.from_config(cfg, threads), num_cpus=1, num_gpus=c.gpus_per_rollout_worker, env_vars=env,
+        actor_options=placement.rollout, deadlines=deadlines, log=log,
+        wait=False)  # the engines start while the learner does...
     if engines_start_first(c):  # ...except where they may share a GPU with it
         fleet.wait_started()
     if c.placement_mode == "hybrid":  # the learner needs the engines asleep (level 1 keeps their weights:
         fleet.sleep(1)                # no sync comes before the first rollout)
-    learner = LearnerGroup(LearnerSpec.from_config(cfg, learner_threads), cfg.trainer.num_workers, num_cpus=1,
+    learner = started["learner"] = LearnerGroup(LearnerSpec.from_config(cfg, learner_threads), cfg.trainer.num_workers, num_cpus=1,
                            num_gpus=c.gpus_per_learner, env_vars=actor_env(learner_threads, c.gpus_per_learner > 0),
                            actor_options=placement.learner, deadlines=deadlines)
-    rewards = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
+    rewards = started["rewards"] = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
                             base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
     fleet.wait_started()  # the engines took longest to start: the learner and rewards started meanwhile
-    weights = make_weight_sync(cfg.trainer.weight_sync, learner, fleet, deadlines,
+    weights = make_weight_sync(cfg.trainer.weight_sync, learner.group, learner.metas, fleet.group,
+                               cfg.rollout.tensor_parallel_size, deadlines,
                                cfg.trainer.delta_sync_max_fraction if cfg.trainer.delta_sync else None)
     if cfg.model.lora.rank > 0:
         counts, lora = learner.parameter_counts(), cfg.model.lora
@@ -150,9 +154,10 @@ def load_agent(cfg) -> Any:
     return load_agent_function(cfg.task.agent, os.getcwd(), dict(cfg.task.agent_kwargs), field="task.agent")
 
 
-def start_agents(cfg: TrainConfig, tokenizer, fleet):
+def start_agents(cfg: TrainConfig, tokenizer, fleet, repairs):
     """The agent server in front of the fleet (on `task.agent_host`), the processes that run the
-    agents and the runner of `task.agent` episodes (None without task.agent)."""
+    agents and the runner of `task.agent` episodes (None without task.agent); `repairs` (the
+    `Cluster`) replaces rollout workers lost under an agent's call."""
     if not cfg.task.agent:
         return None
     import logging
@@ -180,33 +185,42 @@ def start_agents(cfg: TrainConfig, tokenizer, fleet):
     except BaseException:
         pool.close()
         raise
-    return AgentRunner(server, pool, fleet, name=t.agent, prompt_key=t.prompt_key, timeout_s=t.agent_timeout_s,
+    return AgentRunner(server, pool, repairs, name=t.agent, prompt_key=t.prompt_key, timeout_s=t.agent_timeout_s,
                        workers=t.agent_workers, max_len=r.max_model_len, decode=tokenizer.decode,
                        reward_bound=t.agent_reward_bound)
 
 
-def make_source(fleet, episodes, agents):
+def make_source(fleet, repairs, episodes, agents):
     """Where samples come from (rl/run/rollouts.py): agent episodes, environment episodes, or the
-    fleet's single completions."""
+    fleet's single completions; `repairs` (the `Cluster`) replaces lost rollout workers while
+    they wait."""
     from rl.run.rollouts import Completions, EnvEpisodes
 
     if agents is not None:
         return agents
-    return EnvEpisodes(episodes, fleet) if episodes is not None else Completions(fleet)
+    return EnvEpisodes(episodes, fleet, repairs) if episodes is not None else Completions(fleet, repairs)
 
 
-def start_envs(cfg: TrainConfig, tokenizer):
-    """The environment actors and what the loop needs to run episodes (None without task.env)."""
+def start_env_service(cfg: TrainConfig):
+    """The environment actors of `task.env` (None without one)."""
     if not cfg.task.env:
         return None
     from reward.envs import EnvService
-    from rl.data.episodes import Episodes, Limits, ObservationEncoder
     from rl.run.faults import Deadlines
 
-    t, r = cfg.task, cfg.rollout
-    envs = EnvService(t.env, dict(t.env_kwargs), num_workers=t.env_workers, timeout_s=t.env_timeout_s,
+    t = cfg.task
+    return EnvService(t.env, dict(t.env_kwargs), num_workers=t.env_workers, timeout_s=t.env_timeout_s,
                       base_dir=os.getcwd(), deadlines=Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor,
                                                                 cfg.run.start_timeout_s))
+
+
+def make_episodes(cfg: TrainConfig, tokenizer, envs):
+    """What the loop needs to run `task.env` episodes on the environment actors (None without)."""
+    if envs is None:
+        return None
+    from rl.data.episodes import Episodes, Limits, ObservationEncoder
+
+    t, r = cfg.task, cfg.rollout
     limits = Limits(t.max_turns, r.max_new_tokens, t.max_episode_tokens or r.max_model_len, r.max_model_len)
     encoder = ObservationEncoder(tokenizer, t.chat_template, t.observation_role, t.max_observation_tokens)
     return Episodes(envs, encoder, limits, t.prompt_key)

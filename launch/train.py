@@ -17,7 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.checks import check_inputs, load_inputs
 from launch.cli import INPUT_ERRORS, fail
-from launch.components import build_components, make_source, start_agents, start_envs, start_ray, start_sandbox_pool
+from launch.cluster import Cluster
+from launch.components import make_episodes, make_source, start_agents, start_ray
 from launch.console import quiet_driver
 from rl.run.colocation import GpuHandover
 from rl.config.schema import TrainConfig
@@ -80,25 +81,25 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                  config=OmegaConf.to_container(cfg, resolve=True),
                  sink_options={"project": cfg.run.project, "mlflow_tracking_uri": cfg.run.mlflow_tracking_uri})
     owns_ray = start_ray(cfg)
-    fleet = rewards = learner = weights = sandboxes = episodes = agents = placement = None
+    cluster = agents = None
     failed, stop = False, StopRequest()
     with stop_on_signals(stop, log.write):  # until Ray is down: a second signal stops at once
         try:
-            sandboxes = start_sandbox_pool(cfg)
-            fleet, rewards, learner, weights, placement = build_components(config, log.write)
-            episodes = start_envs(config, tokenizer)
-            agents = start_agents(config, tokenizer, fleet)
-            report_placement(cfg.run.dir, fleet, learner, rewards, sandboxes, log.write, placement,
-                             episodes.envs if episodes else None)
+            cluster = Cluster.start(cfg, config, log.write)  # every actor group, the weight sync joined
+            fleet, learner, rewards = cluster.fleet, cluster.learner, cluster.rewards
+            episodes = make_episodes(config, tokenizer, cluster.envs)
+            agents = start_agents(config, tokenizer, fleet, cluster)
+            report_placement(cfg.run.dir, fleet, learner, rewards, cluster.sandboxes, log.write, cluster.placement,
+                             cluster.envs)
             in_flight = None
-            handover = GpuHandover.of(config, fleet, learner)  # who holds the GPUs (rl/run/colocation.py)
+            handover = GpuHandover.of(config, cluster, learner)  # who holds the GPUs (rl/run/colocation.py)
             if resume_from is not None:
-                in_flight, resumed = checkpoint.restore(*resume_from, config, learner, weights, handover,
+                in_flight, resumed = checkpoint.restore(*resume_from, config, learner, cluster, handover,
                                                         data.curriculum)
                 log.write(resumed)
             handover.to_rollout()
-            source = make_source(fleet, episodes, agents)
-            run_loop(config, pad_id_of(tokenizer), data, source, rewards, learner, weights, log, handover,
+            source = make_source(fleet, cluster, episodes, agents)
+            run_loop(config, pad_id_of(tokenizer), data, source, rewards, learner, cluster, log, handover,
                      start_step=start_step, kl_state=kl_state, stop=stop, in_flight=in_flight, eval_data=eval_data)
             summary = reward_trend(read_metrics(cfg.run.dir))
             if cfg.run.save_final_model:
@@ -124,17 +125,12 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             if agents is not None:  # the agents killed first (never waited on), then their server
                 agents.close()
                 agents.server.stop()
-            if weights is not None:
-                weights.close()
-            for part in (learner, rewards, fleet, episodes.envs if episodes else None):
-                if part is not None:
-                    part.shutdown()
-            if sandboxes is not None:
-                sandboxes.close()
+            if cluster is not None:
+                cluster.shutdown()
             if owns_ray or failed:  # a failed start may have left actors that no handle here reaches
                 ray.shutdown()
-            elif placement is not None:
-                ray.util.remove_placement_group(placement.group)
+            elif cluster is not None and cluster.placement is not None:
+                ray.util.remove_placement_group(cluster.placement.group)
 
 
 def print_summary(summary: dict[str, Any], run_dir: str) -> None:

@@ -18,7 +18,8 @@ import ray
 from ray.exceptions import RayTaskError
 
 from rl.data.env import StepResult, as_step_result
-from rl.run.faults import Calls, Deadlines, fan_out
+from rl.run.actor_group import ActorGroup
+from rl.run.faults import Deadlines
 from reward.loader import RewardLoadError, load_environment
 from reward.scorer import RewardCallTimeout, call_with_timeout
 
@@ -92,9 +93,10 @@ class EnvService:
                  base_dir: str | None = None, num_cpus_per_worker: float = 0.25,
                  deadlines: Deadlines | None = None) -> None:
         base_dir = os.path.abspath(base_dir or os.getcwd())
-        actor = ray.remote(EnvWorker).options(num_cpus=num_cpus_per_worker, max_restarts=-1)
-        self.workers = [actor.remote(spec, kwargs, timeout_s, base_dir) for _ in range(num_workers)]
-        self.timeout_s, self.deadlines = timeout_s, deadlines or Deadlines()
+        self.group = ActorGroup(ray, EnvWorker, num_workers, role="environment worker",
+                                args=lambda i: (spec, kwargs, timeout_s, base_dir),
+                                options={"num_cpus": num_cpus_per_worker, "max_restarts": -1}, deadlines=deadlines)
+        self.timeout_s, self.deadlines = timeout_s, self.group.deadlines
         try:
             for ref in [w.load.remote() for w in self.workers]:
                 ray.get(ref, timeout=self.deadlines.start_s)
@@ -103,6 +105,11 @@ class EnvService:
             if isinstance(exc.cause, RewardLoadError):
                 raise RewardLoadError(str(exc.cause)) from None
             raise ValueError(f"an environment worker failed to load task.env={spec!r}: {exc.cause}") from None
+
+    @property
+    def workers(self) -> list[Any]:
+        """The actors' handles, by index (episode `key` lives on `workers[key % len(workers)]`)."""
+        return self.group.handles
 
     def _spread(self, keys: list[int], *columns: list[Any]) -> dict[int, tuple[list[int], list[list[Any]]]]:
         parts: dict[int, tuple[list[int], list[list[Any]]]] = {}
@@ -119,8 +126,8 @@ class EnvService:
         parts = self._spread(keys, *columns)
         refs = {w: getattr(self.workers[w], method).remote(ks, *cols) for w, (ks, cols) in parts.items()}
         deadline = max(self.deadlines.of(f"env {method}"), 2 * self.timeout_s + 30)
-        calls = fan_out(refs, deadline, Calls.ray(ray), propagate_raised=True,
-                        kill=lambda w: ray.kill(self.workers[w], no_restart=False))  # Ray starts it again
+        calls = self.group.gather(refs, f"env {method}", deadline, kill_hung=True,  # Ray starts it again
+                                  propagate_raised=True)
         out: dict[int, Any] = {}
         for w in calls.keys:
             if w in calls.results:
@@ -129,7 +136,7 @@ class EnvService:
             why, text = (("stopped answering", calls.hung[w]) if w in calls.hung
                          else ("died", str(calls.errors[w]).splitlines()[0]))
             out.update({k: f"environment worker {w} {why}: {text}" for k in parts[w][0]})
-        if refs and not calls.hung:
+        if refs and not calls.hung:  # (also after a death, unlike gather's own record)
             self.deadlines.record(f"env {method}", calls.elapsed_s)
         return out
 
@@ -148,6 +155,4 @@ class EnvService:
         return ray.get([w.where.remote() for w in self.workers])
 
     def shutdown(self) -> None:
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
-        self.workers = []
+        self.group.shutdown()

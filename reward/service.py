@@ -16,7 +16,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, RuntimeEnvSetupError
 
-from rl.run.faults import Calls, Deadlines, fan_out
+from rl.run.actor_group import ActorGroup
+from rl.run.faults import Deadlines
 from rl.data.types import Sample, ScoredSample
 from reward.loader import RewardLoadError
 from reward.scorer import RewardFunctionSpec, RewardScorer
@@ -70,12 +71,12 @@ class RewardService:
         # actors may run in another working directory.
         base_dir = os.path.abspath(base_dir if base_dir is not None else os.getcwd())
         # A call runs each function once per batch, then once per sample of a failing batch.
-        self._deadlines, self._least_s = deadlines or Deadlines(), 2 * timeout_s * max(len(functions), 1) + 30
+        self._least_s = 2 * timeout_s * max(len(functions), 1) + 30
         options: dict[str, Any] = {"num_cpus": num_cpus_per_worker, "max_restarts": -1}
         if runtime_env is not None:
             options["runtime_env"] = runtime_env
-        actor_cls = ray.remote(RewardWorker).options(**options)
-        self._workers = [actor_cls.remote(functions, timeout_s, base_dir) for _ in range(num_workers)]
+        self.group = ActorGroup(ray, RewardWorker, num_workers, role="reward worker",
+                                args=lambda i: (functions, timeout_s, base_dir), options=options, deadlines=deadlines)
         try:
             self.names: list[str] = self._check_loaded()
         except BaseException:
@@ -84,7 +85,7 @@ class RewardService:
 
     def _check_loaded(self) -> list[str]:
         """Every worker must load every function; surface the loader's message, not Ray's."""
-        refs = [w.load.remote() for w in self._workers]
+        refs = [w.load.remote() for w in self.group.handles]
         names: list[str] = []
         for i, ref in enumerate(refs):
             try:
@@ -109,15 +110,14 @@ class RewardService:
         """Score on all workers. A worker that dies mid-chunk (e.g. user code crashed the
         process) or does not answer by the deadline marks that chunk's samples with an error;
         Ray restarts the actor (a silent one is killed first)."""
-        chunks = _split(samples, len(self._workers))
-        refs = {i: w.score.remote(c) for i, (w, c) in enumerate(zip(self._workers, chunks)) if c}
-        deadline, started = max(self._deadlines.of("reward"), self._least_s), time.monotonic()
+        chunks = _split(samples, len(self.group))
+        refs = {i: w.score.remote(c) for i, (w, c) in enumerate(zip(self.group.handles, chunks)) if c}
+        deadline, started = max(self.group.deadlines.of("reward"), self._least_s), time.monotonic()
         # a silent worker is stopped or stuck: killed, Ray starts it again
-        out = fan_out(refs, deadline, Calls.ray(ray), propagate_raised=True,
-                      kill=lambda i: ray.kill(self._workers[i], no_restart=False))
+        out = self.group.gather(refs, "reward", deadline, kill_hung=True, propagate_raised=True)
         scored: list[ScoredSample] = []
         for i in out.keys:
-            worker, chunk, error = self._workers[i], chunks[i], None
+            worker, chunk, error = self.group.handles[i], chunks[i], None
             if i in out.results:
                 scored.extend(out.results[i])
             elif i in out.hung:
@@ -133,17 +133,15 @@ class RewardService:
                 error = f"reward worker died while scoring: {_first_lines(out.errors[i])}"
             if error is not None:
                 scored.extend(ScoredSample(sample=s, reward=None, error=error) for s in chunk)
-        if refs and not out.hung:  # (the retries of restarting workers count too)
-            self._deadlines.record("reward", time.monotonic() - started)
+        if refs and not out.hung:  # (the retries of restarting workers count too, and so does a call whose worker died)
+            self.group.deadlines.record("reward", time.monotonic() - started)
         return scored
 
     def where(self) -> list[dict]:
-        return ray.get([w.where.remote() for w in self._workers])
+        return ray.get([w.where.remote() for w in self.group.handles])
 
     def shutdown(self) -> None:
-        for w in self._workers:
-            ray.kill(w, no_restart=True)
-        self._workers = []
+        self.group.shutdown()
 
     def __enter__(self) -> "RewardService":
         return self

@@ -42,7 +42,8 @@ from rl.run.step_metrics import StepTimes, logprob_mismatch_warning, step_metric
 
 
 class Weights(Protocol):
-    """The weight sync (trainer/sync/): learner -> rollout workers."""
+    """The weight sync from the learner to the rollout workers, with the repairs it needs (the
+    driver's `Cluster`, launch/cluster.py, over trainer/sync/)."""
 
     bytes_per_sync: float  # the whole weights (a delta sync sends less)
 

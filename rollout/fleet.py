@@ -2,13 +2,12 @@
 `generate_one`) or as a stream (`submit`/`drain`), and keeps the fleet whole.
 
 One fault regime for every call: a worker that dies, stops answering or raises is noted broken
-(`_fail`) and gets no more requests; `repair` replaces it with a new one, which rejoins the
-weight-sync group and loads the current weights (`after_replace`, set by the weight sync,
-trainer/sync/), and its unfinished requests are
-sent again (each request carries its own seed, so a retried request samples the same tokens).
-Only the thread that owns the fleet (the driver's, which also runs the weight syncs) repairs; a
-call on another thread (batches made ahead, agents' calls, environment episodes in a stream)
-waits for it, so a replacement never races a weight sync.
+(`_fail`) and gets no more requests; `repair` replaces it with a new one and returns which, and
+its unfinished requests are sent again (each request carries its own seed, so a retried request
+samples the same tokens). The fleet never repairs itself: the driver's `Cluster`
+(launch/cluster.py) is the only caller of `repair`, and it brings the replaced workers up to date
+through the weight sync before it calls `synced()`. Until then a replaced worker takes no
+requests, and a call that lost its worker waits (with a deadline) for its replacement.
 Replacements are bounded by `rollout.max_restarts` per run, retries of a call by `max_retries`.
 A request the engine refuses is not a fault: it comes back as a sample with its `error`."""
 
@@ -20,9 +19,9 @@ import time
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import GetTimeoutError
 
-from rl.run.faults import ActorFailure, Calls, Deadlines, fan_out
+from rl.run.actor_group import ActorGroup, OverActors
+from rl.run.faults import ActorFailure, Deadlines
 from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 from rollout.worker import RolloutWorker
@@ -44,7 +43,7 @@ def split_by_group(requests: list[GenerationRequest], parts: int) -> list[list[G
     return chunks
 
 
-class RolloutFleet:
+class RolloutFleet(OverActors):
     def __init__(
         self,
         spec: RolloutSpec,
@@ -68,9 +67,8 @@ class RolloutFleet:
             base["runtime_env"] = {"env_vars": env_vars}
         n = spec.rollout.num_workers
         self.spec, self.deadlines, self.log = spec, deadlines or Deadlines(), log
-        self._options = [{**base, **(actor_options[i] if actor_options else {})} for i in range(n)]
-        self._remote = ray.remote(RolloutWorker)
-        self._version = 0  # the policy version every worker holds (set by the weight sync)
+        self.group = ActorGroup(ray, RolloutWorker, n, role="rollout worker", args=lambda i: (spec, i),
+                                options=base, per_actor=actor_options, deadlines=self.deadlines)
         self.restarts = 0
         # Streaming (`submit`/`drain`): each worker's requests in flight by (group, sample), with the
         # time they were sent; requests of replaced workers waiting to be sent again; workers that
@@ -81,63 +79,27 @@ class RolloutFleet:
         self._broken: dict[int, tuple[Any, str, str]] = {}  # worker -> (its handle then, why, during what)
         self._unsynced: set[int] = set()
         self._turn = itertools.count()
-        self._owner = threading.get_ident()  # in a stream, the only thread that replaces workers
         self._repaired = threading.Condition(self._lock)
-        # Set by the weight sync when it joins: bring replaced workers up to date (trainer/sync/).
-        self.after_replace: Callable[[], None] | None = None
-        self.workers = [self._start(i) for i in range(n)]
-        self.where: list[dict[str, Any]] = [{} for _ in range(n)]
         if wait:
             self.wait_started()
 
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @version.setter
-    def version(self, version: int) -> None:
-        """Set by the weight sync once every worker holds `version`: replaced workers are up to date."""
-        self._version = version
-        with self._lock:
-            self._unsynced.clear()
-
     def wait_started(self) -> None:
         """Wait for every worker's engine to be up (start-up errors surface here)."""
-        self._started(range(len(self.workers)))
-
-    def _start(self, i: int):
-        return self._remote.options(**self._options[i]).remote(self.spec, i)
-
-    def _started(self, indices) -> None:
-        """Wait for the workers to be up (surfacing start-up errors here) and note where they run."""
-        refs = {i: self.workers[i].where.remote() for i in indices}
-        try:
-            for i, ref in refs.items():
-                self.where[i] = ray.get(ref, timeout=self.deadlines.start_s)
-        except GetTimeoutError:
-            raise ActorFailure("rollout worker", "start-up", f"not up after {self.deadlines.start_s:.0f} s "
-                               "(run.start_timeout_s); is there a free CPU/GPU for it?") from None
-
-    def name(self, i: int) -> str:
-        pid = self.where[i].get("pid")
-        return f"rollout worker {i}" + (f" (pid {pid})" if pid else "")
+        self.group.started()
 
     def wait(self, refs: dict[int, Any], kind: str,
              errors: dict[int, str] | None = None) -> tuple[dict[int, Any], dict[int, str]]:
         """Results of calls on workers (by index) that finish within the deadline of `kind`, and
         why the others failed (the process died, or it did not answer in time). `errors` given:
         a call that raised inside a live worker is noted there (else its error propagates)."""
-        if not refs:
-            return {}, {}
-        out = fan_out(refs, self.deadlines.of(kind), Calls.ray(ray), propagate_raised=errors is None)
+        out = self.group.gather(refs, kind, propagate_raised=errors is None)
         if errors is not None:
             errors.update(out.raised)
-        if not out.failed:
-            self.deadlines.record(kind, out.elapsed_s)
         return out.results, out.failed
 
     def replace(self, failed: dict[int, str], phase: str) -> None:
-        """Kill the failed workers and start new ones in their place (same seed, same bundle)."""
+        """Kill the failed workers and start new ones in their place (same seed, same bundle);
+        they take no requests until `synced()`."""
         limit = self.spec.rollout.max_restarts
         for i, why in failed.items():
             self.restarts += 1
@@ -145,15 +107,21 @@ class RolloutFleet:
                 raise ActorFailure(self.name(i), phase, f"{why}; all rollout.max_restarts={limit} replacements used")
             self.log(f"WARNING: {self.name(i)} failed during {phase}: {why}; replacing it "
                      f"(replacement {self.restarts} of rollout.max_restarts={limit})")
-            ray.kill(self.workers[i], no_restart=True)
             with self._lock:
-                self.workers[i] = self._start(i)
+                self.group.restart(i)
                 self._lost += [req for req, _ in self._outstanding[i].values()]  # streaming: sent again
                 self._outstanding[i] = {}
                 self._broken.pop(i, None)
                 self._unsynced.add(i)
-        self._started(failed)
+        self.group.started(list(failed))
         self.log(f"Replaced: {', '.join(self.name(i) for i in failed)} up")
+
+    def synced(self) -> None:
+        """Every worker holds the current weights (the weight sync says so after a sync): the
+        replaced ones take requests again, and the calls waiting for them go on."""
+        with self._repaired:
+            self._unsynced.clear()
+            self._repaired.notify_all()
 
     def _fail(self, i: int, handle: Any, why: str, phase: str) -> None:
         """Note worker `i` (as `handle`, unless replaced since) broken during `phase`: `repair`
@@ -167,12 +135,9 @@ class RolloutFleet:
         return [i for i in range(len(self.workers)) if i not in self._broken and i not in self._unsynced]
 
     def _await_repair(self, failed: dict[int, Any]) -> None:
-        """The failed workers replaced and up to date: here on the owner's thread (the driver's,
-        which also runs the weight syncs, so a replacement never races a sync), else by the owner,
-        waited for at most the start-up deadline plus a call's (the owner may be mid-update)."""
-        if threading.get_ident() == self._owner:
-            self.repair()
-            return
+        """Wait until the failed workers are replaced and up to date (by the `Cluster`, which
+        polls for broken workers on the driver's thread), at most the start-up deadline plus a
+        call's (the driver may be mid-update)."""
         wait_s = self.deadlines.start_s + self.deadlines.floor_s
         with self._repaired:
             ok = self._repaired.wait_for(lambda: all(self.workers[i] is not h and i not in self._unsynced
@@ -232,11 +197,11 @@ class RolloutFleet:
 
     def generate_one(self, request: GenerationRequest) -> Sample:
         """One request on the next worker in turn that holds the current weights (an agent's call:
-        many threads call at once). A worker that fails is replaced by the owner's thread and the
+        many threads call at once). A worker that fails is replaced by the driver's Cluster and the
         request sent again, as any blocking call's; a request the engine refuses comes back with
         its `error`."""
         with self._repaired:  # (the fleet's lock)
-            if not self._able() and threading.get_ident() != self._owner:
+            if not self._able():
                 self._repaired.wait_for(self._able, timeout=self.deadlines.start_s + self.deadlines.floor_s)
             choice = self._able() or [next(self._turn) % len(self.workers)]  # (none: the call fails and waits)
             i = choice[next(self._turn) % len(choice)]
@@ -285,23 +250,17 @@ class RolloutFleet:
                     handles[i].resume.remote()
         return samples
 
-    def repair(self) -> None:
-        """Replace the workers noted broken (their requests are sent again) and bring them up to
-        date (`after_replace`); wakes the calls waiting for it. A no-op when none is broken."""
+    def repair(self) -> list[int]:
+        """Replace the workers noted broken (their requests are sent again) and return which were
+        replaced: they take no requests until the weight sync has brought them up to date and
+        `synced()` is called (the `Cluster` does both). A no-op returning [] when none is broken."""
         with self._lock:
             broken = {i: (why, phase) for i, (handle, why, phase) in self._broken.items()
                       if self.workers[i] is handle}
             self._broken.clear()
         for phase in sorted({phase for _, phase in broken.values()}):
             self.replace({i: why for i, (why, p) in broken.items() if p == phase}, phase)
-        if broken:
-            if self.after_replace is not None:
-                self.after_replace()
-            else:  # no weight sync to bring them up to date: they hold what they started with
-                with self._lock:
-                    self._unsynced -= set(broken)
-        with self._repaired:
-            self._repaired.notify_all()
+        return sorted(broken)
 
     def sleep(self, level: int | None = None) -> None:
         self._on_all({i: (lambda w: w.sleep.remote(level)) for i in range(len(self.workers))}, "sleep")
@@ -310,5 +269,4 @@ class RolloutFleet:
         self._on_all({i: (lambda w: w.wake.remote(tags)) for i in range(len(self.workers))}, "wake")
 
     def shutdown(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
+        self.group.shutdown()

@@ -20,15 +20,13 @@ import threading
 import time
 
 from rl.wire import weight_sync
+from rl.wire.collective import CollectiveReceiver
 
 
 class SyncExtension:
     # Set by `rlpost_join` (class defaults, so a worker that never joined has them too).
-    _rlpost_group = None
-    _rlpost_backend = "gloo"
-    _rlpost_metas: list = []
+    _rlpost_receiver = None
     _rlpost_merger = None
-    _rlpost_delta = None
 
     def rlpost_join(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
                     metas: list[weight_sync.WeightMeta], lora_spec=None, delta: bool = False) -> None:
@@ -36,14 +34,14 @@ class SyncExtension:
         a replacement is closed first). `lora_spec` (a RolloutSpec with `model.lora`): syncs carry
         adapters, merged here into base weights this worker keeps (read once, at its first join).
         `delta`: syncs send changes, applied to a copy of the weights this worker keeps."""
-        self.rlpost_close()
-        self._rlpost_group = weight_sync.init_group(host, port, first_rank + self.rank, world_size, backend)
-        self._rlpost_backend, self._rlpost_metas = backend, metas
-        self._rlpost_delta = weight_sync.DeltaReceiver() if delta else None
         if lora_spec is not None and self._rlpost_merger is None:
             from rollout.worker import adapter_merger
 
             self._rlpost_merger = adapter_merger(lora_spec)
+        if self._rlpost_receiver is None:
+            self._rlpost_receiver = CollectiveReceiver()
+        self._rlpost_receiver.join(host, port, first_rank + self.rank, world_size, backend, metas, delta,
+                                   self._rlpost_merger)
 
     def rlpost_join_pickled(self, payload: bytes) -> None:
         """`rlpost_join` with its arguments pickled: AsyncLLM's RPC to its engine-core process encodes
@@ -76,30 +74,18 @@ class SyncExtension:
             threading.Thread(target=watch, name="rlpost-watch-parent", daemon=True).start()
 
     def rlpost_close(self) -> None:
-        weight_sync.close_group(self._rlpost_group)
-        self._rlpost_group = None
+        if self._rlpost_receiver is not None:
+            self._rlpost_receiver.close()
 
     def rlpost_receive(self) -> dict[str, float]:
         """Take rank 0's broadcast and load it bucket by bucket as it arrives (this rank's shard of
         each tensor is kept); returns this worker's `receive_s` and `bytes`."""
-        if self._rlpost_group is None:
+        if self._rlpost_receiver is None or not self._rlpost_receiver.joined:
             raise RuntimeError(f"rlpost_receive in vLLM worker {self.rank} before rlpost_join: the fleet was not "
                                "connected to the weight-sync group")
-        device = self.device if self._rlpost_backend == "nccl" else "cpu"  # gloo moves host tensors
-        stats: dict[str, float] = {"receive_s": 0.0, "bytes": 0.0}
-        started = time.perf_counter()
-        receive = weight_sync.receive if self._rlpost_delta is None else self._rlpost_delta.receive
-        tensors = receive(self._rlpost_group, self._rlpost_metas, device, stats=stats)
-        merger = self._rlpost_merger
-        try:
-            self.reload_weights(weights_iterator=tensors if merger is None else merger.merged(tensors))
-        finally:
-            # A load that failed part-way still takes the remaining buckets, so rank 0's broadcast
-            # completes (and the group stays usable) instead of waiting out its timeout.
-            for _ in tensors:
-                pass
+        stats = self._rlpost_receiver.receive(lambda tensors: self.reload_weights(weights_iterator=tensors),
+                                              self.device)
         self.rlpost_after_reload()
-        stats["total_s"] = time.perf_counter() - started
         return stats
 
     def rlpost_record_fixups(self) -> int:

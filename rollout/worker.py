@@ -1,4 +1,5 @@
-"""`RolloutWorker`: a Ray actor owning one generation engine and its end of the weight-sync group."""
+"""`RolloutWorker`: a Ray actor owning one generation engine and its ends of the weight sync
+(`rl/wire/collective.py`, `rl/wire/object_store.py`; vLLM's own for CUDA IPC)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 
 from rl.wire import weight_sync
 from rl.plan.devices import actor_device
+from rl.wire.collective import CollectiveReceiver
 from rl.wire.lora import AdapterMerger, kept_weight_names
+from rl.wire.object_store import StateReceiver
 from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 
@@ -72,11 +75,9 @@ class RolloutWorker:
         # them joins the weight-sync group and loads the broadcast itself (rollout/vllm_worker.py)
         self._in_workers = not getattr(self.engine, "in_process", True)
         # LoRA base weights: kept here when the model runs here, else by each vLLM worker (and here
-        # only if an object-store sync comes, `_merged`)
+        # only if an object-store sync comes, `_lora_merger`)
         self._merger = None if self._in_workers else adapter_merger(spec)
-        self._group, self._group_backend, self._joined = None, "gloo", False
-        self._delta: weight_sync.DeltaReceiver | None = None
-        self._metas: list[weight_sync.WeightMeta] = []
+        self._receiver, self._joined = CollectiveReceiver(), False
         self.last_sync: dict[str, float] = {}
 
     def generate(self, requests: list[GenerationRequest]) -> list[Sample]:
@@ -111,22 +112,21 @@ class RolloutWorker:
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
                          metas: list[weight_sync.WeightMeta], delta: bool = False) -> None:
         """Join the weight-sync group at ranks `rank` .. `rank + rollout.tensor_parallel_size - 1`:
-        this process alone without tensor parallelism, else each vLLM worker at `rank` + its rank.
-        `delta`: syncs send changes (`trainer.delta_sync`), applied to a kept copy of the weights."""
+        this process alone without tensor parallelism, else each vLLM worker at `rank` + its rank
+        (each with its own `rl.wire.collective.CollectiveReceiver`). `delta`: syncs send changes
+        (`trainer.delta_sync`), applied to a kept copy of the weights."""
         if self._in_workers:
             lora = self.spec if self.spec.model.lora.rank > 0 else None
             self.engine.join_weight_sync(host, port, rank, world_size, backend, metas, lora, delta)
         else:
-            weight_sync.close_group(self._group)  # a group of the fleet before a replacement
-            self._group = weight_sync.init_group(host, port, rank, world_size, backend)
-            self._delta = weight_sync.DeltaReceiver() if delta else None
-        self._group_backend, self._metas, self._joined = backend, metas, True
+            self._receiver.join(host, port, rank, world_size, backend, metas, delta, self._lora_merger())
+        self._joined = True
 
     def receive_weights(self, version: int) -> dict[str, float]:
-        """Take rank 0's broadcast and load it bucket by bucket as it arrives (two bucket buffers
-        in memory, not a second copy of the model). Returns the sync's figures: bytes (taken by all
-        `ranks` of a tensor-parallel engine together), total_s, receive_s (in the broadcasts),
-        load_s (the rest: loading into the engine) and the `version` the engine now holds."""
+        """Take rank 0's broadcast and load it bucket by bucket as it arrives. Returns the sync's
+        figures: bytes (taken by all `ranks` of a tensor-parallel engine together), total_s,
+        receive_s (in the broadcasts), load_s (the rest: loading into the engine) and the
+        `version` the engine now holds."""
         if not self._joined:
             raise RuntimeError("receive_weights before join_weight_sync: the fleet was not connected")
         started = time.perf_counter()
@@ -135,17 +135,7 @@ class RolloutWorker:
             stats = {"receive_s": max(s["receive_s"] for s in per_rank), "bytes": sum(s["bytes"] for s in per_rank),
                      "ranks": len(per_rank), "delta_mismatch": sum(s.get("delta_mismatch", 0.0) for s in per_rank)}
         else:
-            device = self.device if self._group_backend == "nccl" else "cpu"  # gloo moves host tensors
-            stats = {"receive_s": 0.0, "bytes": 0.0}
-            receive = weight_sync.receive if self._delta is None else self._delta.receive
-            tensors = receive(self._group, self._metas, device, stats=stats)
-            try:
-                self.engine.update_weights(self._merged(tensors), version)
-            finally:
-                # A load that failed part-way still takes the remaining buckets, so rank 0's broadcast
-                # completes (and the group stays usable) instead of waiting out its timeout.
-                for _ in tensors:
-                    pass
+            stats = self._receiver.receive(lambda tensors: self.engine.update_weights(tensors, version), self.device)
         stats["total_s"] = time.perf_counter() - started
         stats["load_s"] = stats["total_s"] - stats["receive_s"]
         self.last_sync = stats
@@ -159,15 +149,15 @@ class RolloutWorker:
         """Load weights from Ray's object store (merged here with LoRA; with tensor parallelism they
         then cross to every vLLM worker as a list, each keeping its shard). Returns the bytes
         taken and the `version` the engine now holds."""
-        self.engine.update_weights(self._merged(state.items()), version)
-        return {"bytes": float(sum(t.numel() * t.element_size() for t in state.values())),
-                "version": self.engine.version}
+        stats = StateReceiver.receive(state, lambda tensors: self.engine.update_weights(tensors, version),
+                                      self._lora_merger())
+        return {**stats, "version": self.engine.version}
 
-    def _merged(self, tensors):
-        """Full weights as sent, or LoRA adapters merged into the kept base weights."""
+    def _lora_merger(self):
+        """With LoRA, the base weights syncs are merged into (read once, kept); else None."""
         if self._merger is None and self.spec.model.lora.rank > 0:
             self._merger = adapter_merger(self.spec)
-        return tensors if self._merger is None else self._merger.merged(tensors)
+        return self._merger
 
     def sleep(self, level: int | None = None) -> None:
         self.engine.sleep(level)

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from rl.run.actor_group import ActorGroup
 from rl.run.faults import Calls, fan_out
 from sandbox.backend import Backend
 from sandbox.job import COMPILE_LIMITS, Job, Method, Result, Status
@@ -105,12 +106,13 @@ class SandboxPool:
         options: dict = {"num_cpus": settings.num_cpus_per_worker, "max_concurrency": 2, "max_restarts": -1}
         if settings.resource:
             options["resources"] = {settings.resource: 1}
-        actor = ray.remote(SandboxWorker)
         self.max_retries = settings.max_retries
-        self.workers = [actor.options(name=worker_name(i), **options).remote(settings)
-                        for i in range(settings.num_workers)]
+        self.group = ActorGroup(ray, SandboxWorker, settings.num_workers, role="sandbox worker",
+                                args=lambda i: (settings,), options=options,
+                                per_actor=[{"name": worker_name(i)} for i in range(settings.num_workers)])
         try:
-            # A host without isolation fails here, with the backend's own message.
+            # A host without isolation fails here, with the backend's own message (at once: a
+            # list's ray.get raises the first error, where a fan-out would wait for them all).
             self.placement = ray.get([w.ready.remote() for w in self.workers], timeout=start_timeout_s or _start_timeout(settings))
         except ray.exceptions.GetTimeoutError as exc:
             self.close()
@@ -127,6 +129,11 @@ class SandboxPool:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def workers(self) -> list:
+        """The actors' handles, worker i named `worker_name(i)`."""
+        return self.group.handles
 
     def run(self, jobs: list[Job]) -> list[Result]:
         return _dispatch(self.workers, jobs, self.max_retries)
@@ -146,17 +153,16 @@ class SandboxPool:
         started next in the same Ray (another run of one session) takes the same names."""
         import ray
 
-        for w in self.workers:
-            ray.kill(w, no_restart=True)
+        n = len(self.group)
+        self.group.shutdown()
         deadline = time.monotonic() + timeout_s
-        for i in range(len(self.workers)):
+        for i in range(n):
             while time.monotonic() < deadline:
                 try:
                     ray.get_actor(worker_name(i))
                 except ValueError:  # dead: its name is free
                     break
                 time.sleep(0.05)
-        self.workers = []
 
 
 def _start_timeout(settings: SandboxSettings) -> float:

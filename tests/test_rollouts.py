@@ -122,7 +122,8 @@ def test_environment_episodes_stream_batch_by_batch_and_a_failed_batch_raises():
         def repair(self):
             self.repaired += 1
 
-    source = EnvEpisodes(Episodes(), Fleet())
+    fleet = Fleet()
+    source = EnvEpisodes(Episodes(), fleet, fleet)
     try:
         source.submit([GenerationRequest([1], "p", g, 0, seed=g) for g in (0, 1)])
         source.submit([GenerationRequest([1], "p", 2, 0, seed=2)])
@@ -138,3 +139,30 @@ def test_environment_episodes_stream_batch_by_batch_and_a_failed_batch_raises():
                 source.drain(0.1)
     finally:
         source.close()
+
+
+def test_a_blocking_run_waits_on_a_helper_thread_while_this_thread_repairs():
+    """`repaired_while`: the work (a fleet call that lost its worker) waits for the replacement,
+    which only the caller's thread makes; the caller polls `repair` until the work ends, and the
+    work's error reaches the caller. Without the polling the work would wait forever."""
+    from rl.run.rollouts import Completions, repaired_while
+
+    class Repairs:
+        def __init__(self):
+            self.threads, self.done = set(), threading.Event()
+
+        def repair(self):
+            self.threads.add(threading.get_ident())
+            self.done.set()  # the replacement is up: the waiting call goes on
+
+    class Fleet:
+        def generate(self, requests):
+            assert threading.current_thread() is not threading.main_thread()
+            assert repairs.done.wait(10), "nobody repaired"
+            return ["sample"] * len(requests)
+
+    repairs = Repairs()
+    assert Completions(Fleet(), repairs).run([1, 2]) == ["sample", "sample"]
+    assert repairs.threads == {threading.get_ident()}  # repaired on the caller's thread only
+    with pytest.raises(ValueError, match="the engine's own error"):
+        repaired_while(lambda: (_ for _ in ()).throw(ValueError("the engine's own error")), repairs, poll_s=0.01)

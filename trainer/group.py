@@ -1,8 +1,9 @@
 """`LearnerGroup`: N `LearnerWorker` Ray actors forming one DeepSpeed data-parallel job.
 
 The driver sees one object: `train_step(batch)` shards the batch over the ranks and reduces their
-metric sums. The weight sync (`trainer/sync/`) reaches the ranks through `workers`, `metas` and
-`call`; the group itself knows nothing of rollout workers.
+metric sums. The ranks are an `ActorGroup` (rl/run/actor_group.py); the weight sync
+(`trainer/sync/`) reaches them through that group and `metas`; the learner knows nothing of
+rollout workers.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import torch
 
 from rl.wire import weight_sync
 from rl.algo.importance import effective_sample_size
-from rl.run.faults import ActorFailure, Calls, Deadlines, fan_out
+from rl.run.actor_group import ActorGroup, OverActors
+from rl.run.faults import ActorFailure, Deadlines
 from rl.data.types import TrainBatch
 from trainer.learner import LearnerWorker
 from trainer.learner_setup import LearnerSpec
@@ -26,7 +28,7 @@ def shard_rows(n_rows: int, world_size: int) -> list[torch.Tensor]:
 
 
 
-class LearnerGroup:
+class LearnerGroup(OverActors):
     """A rank that dies or stops answering ends the run (`ActorFailure`, naming the rank and the
     phase): its ZeRO shards are gone, so the run resumes from its latest checkpoint."""
 
@@ -47,32 +49,26 @@ class LearnerGroup:
         options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
         if env_vars:
             options["runtime_env"] = {"env_vars": env_vars}
-        remote_cls = ray.remote(LearnerWorker)
         # per-rank options (a placement bundle, a GPU share) override the common ones
-        self.workers = [remote_cls.options(**{**options, **(actor_options[r] if actor_options else {})})
-                        .remote(spec, r, num_workers) for r in range(num_workers)]
-        self.where: list[dict[str, Any]] = [{} for _ in range(num_workers)]
-        self.where = self.call([w.where.remote() for w in self.workers], "start-up", self.deadlines.start_s)
+        self.group = ActorGroup(ray, LearnerWorker, num_workers, role="learner rank",
+                                args=lambda r: (spec, r, num_workers), options=options, per_actor=actor_options,
+                                deadlines=self.deadlines)
+        self.group.started()
         master_addr, master_port = self.call([self.workers[0].node_address.remote()], "start-up")[0]
         self.call([w.setup.remote(master_addr, master_port) for w in self.workers], "set-up", self.deadlines.start_s)
         self.metas: list[weight_sync.WeightMeta] = self.call([self.workers[0].weight_metas.remote()], "set-up")[0]  # (what a sync sends)
-
-    def name(self, rank: int) -> str:
-        pid = self.where[rank].get("pid")
-        return f"learner rank {rank}" + (f" (pid {pid})" if pid else "")
 
     def call(self, refs: list, kind: str, deadline: float | None = None, tolerate_errors: bool = False) -> list:
         """One result per rank within the deadline of `kind`; a dead or silent rank is an
         ActorFailure. `tolerate_errors`: an exception raised inside a live rank gives None (its
         peer in a collective failed, which the caller handles)."""
-        out = fan_out(dict(enumerate(refs)), deadline or self.deadlines.of(kind), Calls.ray(ray))
+        out = self.group.gather(dict(enumerate(refs)), kind, deadline)
         failed = out.failed
         for rank in out.keys:  # the first rank in order that failed names the failure
             if rank in failed:
                 raise ActorFailure(self.name(rank), kind, failed[rank]) from None
             if rank in out.raised and not tolerate_errors:
                 raise out.errors[rank]
-        self.deadlines.record(kind, out.elapsed_s)
         return [out.results.get(rank) for rank in out.keys]
 
     def score(self, batch: TrainBatch) -> TrainBatch:
@@ -122,8 +118,7 @@ class LearnerGroup:
         self.call([w.save_pretrained.remote(path, adapter_path) for w in self.workers], "save_pretrained")
 
     def shutdown(self) -> None:
-        for w in self.workers:
-            ray.kill(w)
+        self.group.shutdown()
 
 
 def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:

@@ -76,12 +76,13 @@ class _Running:
 
 
 class AgentRunner:
-    def __init__(self, server: EpisodeServer, pool: AgentProcesses, fleet: Any, *, name: str, prompt_key: str,
+    def __init__(self, server: EpisodeServer, pool: AgentProcesses, repairs: Any, *, name: str, prompt_key: str,
                  timeout_s: float, workers: int, max_len: int, decode: Callable[[list[int]], str] | None = None,
                  reward_bound: float = 1e6):
-        """`name`: the `task.agent` spec (in error messages); `fleet`: repaired on `repair`;
+        """`name`: the `task.agent` spec (in error messages); `repairs`: what replaces lost rollout workers
+        (the driver's `Cluster`), on `repair`;
         `timeout_s`/`workers`: the pool's deadline and size, which bound how long `run` may take."""
-        self.server, self.pool, self.fleet = server, pool, fleet
+        self.server, self.pool, self.repairs = server, pool, repairs
         self.name, self.prompt_key, self.timeout_s, self.workers = name, prompt_key, timeout_s, workers
         self.max_len, self.decode, self.reward_bound = max_len, decode, reward_bound
         pool.on_end = lambda key: server.end_episode(str(key))  # on the server, before the driver sees it
@@ -126,7 +127,7 @@ class AgentRunner:
                 got = len(self._done.get(owner, []))
             if got == len(requests) or time.monotonic() > deadline:
                 break
-            self.repair()  # a rollout worker lost under an agent's call: replaced here (see rollout.fleet)
+            self.repair()  # a rollout worker lost under an agent's call: replaced (launch/cluster.py)
             self._pump(0.2)
         with self._cond:
             done = {(s.group_id, s.sample_index): s for s in self._done.pop(owner, [])}
@@ -139,7 +140,7 @@ class AgentRunner:
         return [done[(r.group_id, r.sample_index)] for r in requests]
 
     def repair(self) -> None:
-        self.fleet.repair()
+        self.repairs.repair()
 
     def close(self) -> None:
         """Kill every agent (never waits on one) and close their episodes."""

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import nullcontext
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Protocol, TypeVar
 
 from rl.data.episodes import Episodes
 from rl.data.types import GenerationRequest, Sample, ScoredSample
@@ -49,6 +50,30 @@ class Rollouts(Protocol):
     def close(self) -> None: ...
 
 
+class Repairs(Protocol):
+    def repair(self) -> None:
+        """Replace lost rollout workers and bring them up to date (the driver's `Cluster`)."""
+
+
+T = TypeVar("T")
+
+
+def repaired_while(work: Callable[[], T], repairs: Repairs, poll_s: float = 0.2) -> T:
+    """`work()` on a helper thread while this thread keeps the fleet whole (`repairs.repair()`
+    every `poll_s`): a fleet call that lost its worker waits for the replacement, which only the
+    repairer makes. Every wait inside `work` has its own deadline, so this ends with it."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="repaired")
+    try:
+        future = pool.submit(work)
+        while True:
+            try:
+                return future.result(timeout=poll_s)
+            except FutureTimeout:
+                repairs.repair()
+    finally:
+        pool.shutdown(wait=False)
+
+
 class LockStep:
     """On-policy: each step's batch is generated and scored when the step asks for it."""
 
@@ -71,13 +96,13 @@ class LockStep:
 
 class Completions:
     """Single completions: the fleet itself (`rollout.fleet.RolloutFleet` or any object with its
-    `generate`, `submit`, `drain` and `repair`)."""
+    `generate`, `submit` and `drain`); `repairs` replaces its lost workers."""
 
-    def __init__(self, fleet: Any):
-        self.fleet = fleet
+    def __init__(self, fleet: Any, repairs: Repairs):
+        self.fleet, self.repairs = fleet, repairs
 
     def run(self, requests: list[GenerationRequest]) -> list[Sample]:
-        return self.fleet.generate(requests)
+        return repaired_while(lambda: self.fleet.generate(requests), self.repairs)
 
     def submit(self, requests: list[GenerationRequest]) -> None:
         self.fleet.submit(requests)
@@ -86,7 +111,7 @@ class Completions:
         return self.fleet.drain(wait_s)
 
     def repair(self) -> None:
-        self.fleet.repair()
+        self.repairs.repair()
 
     def close(self) -> None:
         pass
@@ -98,17 +123,20 @@ class EnvEpisodes:
     stream, each submitted batch runs in a thread of its own; its waits are the fleet's and the
     environments' (each with its deadline)."""
 
-    def __init__(self, episodes: Episodes, fleet: Any, max_batches: int = 8):
-        self.episodes, self.fleet = episodes, fleet
+    def __init__(self, episodes: Episodes, fleet: Any, repairs: Repairs, max_batches: int = 8):
+        self.episodes, self.fleet, self.repairs = episodes, fleet, repairs
         self._pool = ThreadPoolExecutor(max_batches, thread_name_prefix="episodes")
         self._lock = threading.Condition()
         self._futures: list[Future] = []
 
     def run(self, requests: list[GenerationRequest]) -> list[Sample]:
+        return repaired_while(lambda: self._episodes(requests), self.repairs)
+
+    def _episodes(self, requests: list[GenerationRequest]) -> list[Sample]:
         return self.episodes.run(requests, self.fleet.generate)
 
     def submit(self, requests: list[GenerationRequest]) -> None:
-        future = self._pool.submit(self.run, requests)
+        future = self._pool.submit(self._episodes, requests)
         future.add_done_callback(lambda _: self._notify())
         with self._lock:
             self._futures.append(future)
@@ -126,7 +154,7 @@ class EnvEpisodes:
         return [s for f in done for s in f.result()]
 
     def repair(self) -> None:
-        self.fleet.repair()
+        self.repairs.repair()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

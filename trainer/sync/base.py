@@ -1,71 +1,86 @@
-"""The weight sync's contract: one strategy per transport, each owning its four moves.
+"""The weight sync's contract: one strategy per transport, each owning its moves.
 
-    join()          make whatever the transport needs with the current rollout workers
+    join()          make whatever the transport needs with the current rollout workers; returns
+                    the workers that failed meanwhile (gone or silent)
     push(version)   send the learner's weights to every worker as policy `version` (with delta
                     syncs only what changed since the last push, unless `full`)
-    verify(...)     every worker says it holds `version` and took the bytes that were sent
-    rejoin()        after the fleet replaced workers: join again and push the current version
+    sync(version)   `push`, checked: every worker holds `version` and took the bytes that were
+                    sent; a delta a worker refused is sent whole, a receive that raised in a live
+                    worker is joined again and pushed once more; returns the workers that failed
 
-The driver holds a `WeightSync`; the learner only exports tensors (`trainer/weights.py`, through
-a `Sender` the strategy places in each learner rank), and the fleet only replaces workers and
-calls `after_replace` (which the strategy sets at `join`): neither knows the other. `sync` is
-the loop around `push` that the training loop calls: a worker that fails meanwhile is replaced,
-the transport joined again and the push redone, within the fleet's `rollout.max_restarts`.
+A strategy reaches each side through a narrow port, an `rl.run.actor_group.ActorGroup`: its
+`handles`, `gather` (every wait has a deadline), `kill` and `name`. It never replaces a worker and
+sets nothing on the fleet: the driver's `Cluster` (launch/cluster.py) replaces the workers a sync
+reports failed, joins again and syncs again, and tells the fleet when every worker is up to date.
+Each transport's two ends (the learner's sender, the rollout side's receiver) live side by side in
+rl/wire/ (collective.py, object_store.py); CUDA IPC's receiver is vLLM's own (trainer/sync/ipc.py).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from rl.run.faults import ActorFailure, Deadlines
+from rl.run.faults import ActorFailure, Deadlines, FanOut
 
 
-class Receivers(Protocol):
-    """What a weight sync needs of the rollout fleet (`rollout.fleet.RolloutFleet` is one)."""
+class Port(Protocol):
+    """What a weight sync may do with one side's actors (`rl.run.actor_group.ActorGroup` is one)."""
 
-    workers: list[Any]  # Ray handles of `rollout.worker.RolloutWorker`
+    handles: list[Any]
     where: list[dict[str, Any]]
-    after_replace: Callable[[], None] | None
-    version: int
-    spec: Any  # rollout.protocol.RolloutSpec: its rollout.tensor_parallel_size says how many ranks an engine has
 
     def name(self, i: int) -> str: ...
-    def wait(self, refs: dict[int, Any], kind: str,
-             errors: dict[int, str] | None = None) -> tuple[dict[int, Any], dict[int, str]]: ...
-    def replace(self, failed: dict[int, str], phase: str) -> None: ...
+    def gather(self, refs: dict[int, Any], kind: str, deadline_s: float | None = None, *,
+               kill_hung: bool = False, propagate_raised: bool = False) -> FanOut[int]: ...
+    def kill(self, i: int, restart: bool = False) -> None: ...
 
 
-class Senders(Protocol):
-    """What a weight sync needs of the learner (`trainer.group.LearnerGroup` is one): its ranks'
-    handles, the exported weights' metas, and a bounded wait on calls to its ranks."""
+@dataclass
+class Pushed:
+    """What one push did: bytes sent to each worker, each worker's report, the workers that
+    failed (gone or silent: to replace) and those whose receive raised (alive: a new join may do)."""
 
-    workers: list[Any]  # Ray handles of `trainer.learner.LearnerWorker`
-    where: list[dict[str, Any]]
-    metas: list  # rl.wire.weight_sync.WeightMeta, in the order every sync sends them
+    sent: float
+    reports: dict[int, dict] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)
+    broken: dict[int, str] = field(default_factory=dict)
 
-    def call(self, refs: list, kind: str, deadline: float | None = None, tolerate_errors: bool = False) -> list: ...
+
+@dataclass
+class Synced:
+    """The outcome of `sync`: the bytes sent to each worker, or the workers that failed (the
+    `Cluster` replaces them and syncs again)."""
+
+    sent: float = 0.0
+    failed: dict[int, str] = field(default_factory=dict)
 
 
 class WeightSync:
-    """Base of the strategies: the `sync` loop, `verify` and the wiring to the fleet.
+    """Base of the strategies. `learner`: the learner ranks' port; `metas`: the exported weights'
+    metadata, in the order every sync sends them; `rollout`: the rollout workers' port;
+    `ranks_per_engine`: processes that hold weights per rollout worker (its tensor-parallel size).
     `sender`: the class of the learner side, one placed in every learner rank at `join`."""
 
     sender: type
 
-    def __init__(self, learner: Senders, fleet: Receivers, deadlines: Deadlines | None = None):
-        self.learner, self.fleet = learner, fleet
+    def __init__(self, learner: Port, metas: list, rollout: Port, ranks_per_engine: int = 1,
+                 deadlines: Deadlines | None = None):
+        self.learner, self.metas, self.rollout = learner, metas, rollout
+        self.ranks_per_engine = ranks_per_engine
         self.deadlines = deadlines or Deadlines()
         self.delta_fallbacks = 0  # delta syncs a worker's checksum refused (then sent whole)
+        self._senders_placed = False
 
     # --- what each strategy provides -------------------------------------------------------
 
-    def _join(self) -> None:
-        """Make the transport with the current workers (a no-op where there is nothing to make)."""
+    def _join(self) -> dict[int, str]:
+        """Make the transport with the current workers (a no-op where there is nothing to make);
+        the workers that failed meanwhile."""
+        return {}
 
-    def push(self, version: int, full: bool = False) -> tuple[float, dict[int, dict], dict[int, str], dict[int, str]]:
-        """Send the weights (`full`: whole, where the strategy sends deltas): (bytes sent, each
-        worker's report, workers that failed (gone or silent: to replace), workers whose receive
-        raised (alive: a new join may do))."""
+    def push(self, version: int, full: bool = False) -> Pushed:
+        """Send the weights (`full`: whole, where the strategy sends deltas)."""
         raise NotImplementedError
 
     # --- shared ----------------------------------------------------------------------------
@@ -73,22 +88,34 @@ class WeightSync:
     @property
     def bytes_per_sync(self) -> float:
         """Bytes one sync sends to each worker: the whole model, or with LoRA the adapters."""
-        return float(sum(m.nbytes for m in self.learner.metas))
+        return float(sum(m.nbytes for m in self.metas))
 
     def make_sender(self):
-        """The learner side placed in every learner rank at `join`."""
+        """The learner side placed in every learner rank at the first `join`."""
         return self.sender()
 
-    def join(self) -> None:
-        """Connect the learner and the current workers; from now on the fleet calls `rejoin` once
-        it has replaced a worker."""
-        self.fleet.after_replace = self.rejoin
-        self.learner.call([w.attach_sender.remote(self.make_sender()) for w in self.learner.workers], "weight-sync join")
-        self._join()
+    def on_learner(self, refs: list, kind: str, tolerate_errors: bool = False) -> list:
+        """One result per learner rank within the deadline of `kind`; a dead or silent rank is an
+        ActorFailure (its ZeRO shards are gone: the run resumes from a checkpoint).
+        `tolerate_errors`: an error raised inside a live rank gives None (its peer in the
+        collective failed, which the caller handles)."""
+        out = self.learner.gather(dict(enumerate(refs)), kind)
+        for rank in out.keys:
+            if rank in out.failed:
+                raise ActorFailure(self.learner.name(rank), kind, out.failed[rank]) from None
+            if rank in out.raised and not tolerate_errors:
+                raise out.errors[rank]
+        return [out.results.get(rank) for rank in out.keys]
 
-    def rejoin(self) -> None:
-        self._join()
-        self.sync(self.fleet.version)
+    def join(self) -> dict[int, str]:
+        """Connect the learner and the current rollout workers (again after a replacement);
+        returns the rollout workers that failed meanwhile (the caller replaces them and joins
+        again)."""
+        if not self._senders_placed:
+            self.on_learner([w.attach_sender.remote(self.make_sender()) for w in self.learner.handles],
+                            "weight-sync join")
+            self._senders_placed = True
+        return self._join()
 
     def verify(self, version: int, reports: dict[int, dict], sent: float) -> None:
         """Every worker holds `version` and, where it counts them, took every byte that was sent
@@ -96,39 +123,38 @@ class WeightSync:
         for i, report in reports.items():
             held = report.get("version")
             if held != version:
-                raise ActorFailure(self.fleet.name(i), "weight sync", f"it holds policy version {held} after "
+                raise ActorFailure(self.rollout.name(i), "weight sync", f"it holds policy version {held} after "
                                    f"loading version {version}")
             got, want = report.get("bytes"), sent * report.get("ranks", 1)
             if got is not None and got != want:
-                raise ActorFailure(self.fleet.name(i), "weight sync", f"it took {got:,.0f} bytes of the "
+                raise ActorFailure(self.rollout.name(i), "weight sync", f"it took {got:,.0f} bytes of the "
                                    f"{want:,.0f} sent")
 
-    def sync(self, version: int) -> float:
-        """Push the current weights to every worker as `version`; returns the bytes sent to each.
-        A delta that a worker's checksum refused is followed by the whole weights, once."""
+    def sync(self, version: int) -> Synced:
+        """Push the current weights to every worker as `version`, checked. A delta that a worker's
+        checksum refused is followed by the whole weights, once; a receive that raised inside a
+        live worker by a new join and push, once. Workers that failed are returned, not replaced."""
         rejoined = full = False
         while True:
-            sent, reports, failed, broken = self.push(version, full)
-            if not failed and not broken:
-                refused = [i for i, report in reports.items() if report.get("delta_mismatch")]
-                if refused and full:
-                    raise ActorFailure(self.fleet.name(refused[0]), "weight sync", "its copy of the weights disagrees "
-                                       "with the learner's checksum even after a whole sync")
-                if refused:
-                    self.delta_fallbacks += 1
-                    full = True
-                    continue
-                self.verify(version, reports, sent)
-                self.fleet.version = version
-                return sent
-            if failed:
-                self.fleet.replace(failed, "weight sync")  # raises once its replacements are used up
-            elif rejoined:
-                i, why = next(iter(broken.items()))
-                raise ActorFailure(self.fleet.name(i), "weight sync", f"its receive failed twice ({why})")
-            rejoined = True
-            self._join()
-
-    def close(self) -> None:
-        """Stop being the fleet's `after_replace` hook (the transport's ends go with the actors)."""
-        self.fleet.after_replace = None
+            pushed = self.push(version, full)
+            if pushed.failed:
+                return Synced(failed=pushed.failed)
+            if pushed.broken:
+                if rejoined:
+                    i, why = next(iter(pushed.broken.items()))
+                    raise ActorFailure(self.rollout.name(i), "weight sync", f"its receive failed twice ({why})")
+                rejoined = True
+                failed = self._join()
+                if failed:
+                    return Synced(failed=failed)
+                continue
+            refused = [i for i, report in pushed.reports.items() if report.get("delta_mismatch")]
+            if refused and full:
+                raise ActorFailure(self.rollout.name(refused[0]), "weight sync", "its copy of the weights disagrees "
+                                   "with the learner's checksum even after a whole sync")
+            if refused:
+                self.delta_fallbacks += 1
+                full = True
+                continue
+            self.verify(version, pushed.reports, pushed.sent)
+            return Synced(sent=pushed.sent)

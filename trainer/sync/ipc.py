@@ -19,7 +19,7 @@ import ray
 import torch
 
 from rl.wire.weight_sync import IPC_BUFFER_BYTES, WeightMeta
-from trainer.sync.base import WeightSync
+from trainer.sync.base import Pushed, WeightSync
 
 
 def buffer_bytes(metas: list[WeightMeta]) -> int:
@@ -104,18 +104,19 @@ class IpcSender:
 class IpcSync(WeightSync):
     sender = IpcSender
 
-    def _join(self) -> None:
+    def _join(self) -> dict[int, str]:
         """Every rank builds vLLM's trainer-side IPC engine; rank 0 gets the rollout workers."""
         timeout = self.deadlines.of("weight sync")
-        self.learner.call([w.sender_call.remote("connect", list(self.fleet.workers) if r == 0 else [], timeout)
-                           for r, w in enumerate(self.learner.workers)], "weight-sync join")
+        self.on_learner([w.sender_call.remote("connect", list(self.rollout.handles) if r == 0 else [], timeout)
+                         for r, w in enumerate(self.learner.handles)], "weight-sync join")
+        return {}
 
-    def push(self, version: int, full: bool = False):
-        learner, fleet = self.learner, self.fleet
-        sends = [w.sender_call.remote("send", version) for w in learner.workers]
-        sent = learner.call(sends, "weight sync", tolerate_errors=True)
+    def push(self, version: int, full: bool = False) -> Pushed:
+        sends = [w.sender_call.remote("send", version) for w in self.learner.handles]
+        sent = self.on_learner(sends, "weight sync", tolerate_errors=True)
         # what each worker holds now (and whether it is still there)
-        reports, failed = fleet.wait({i: w.version.remote() for i, w in enumerate(fleet.workers)}, "weight sync")
-        if sent[0] is None and not failed:
+        out = self.rollout.gather({i: w.version.remote() for i, w in enumerate(self.rollout.handles)}, "weight sync",
+                                  propagate_raised=True)
+        if sent[0] is None and not out.failed:
             ray.get(sends[0])  # not a rollout worker's fault: raise the learner's error
-        return (sent[0] or 0.0), {i: {"version": v} for i, v in reports.items()}, failed, {}
+        return Pushed(sent[0] or 0.0, {i: {"version": v} for i, v in out.results.items()}, out.failed)

@@ -1,0 +1,115 @@
+"""`ActorGroup`: N actors of one class, made alike, and the four things every group of them needs:
+create them with their placement, call all of them with a deadline, restart one, shut them down.
+
+The rollout fleet, the learner group, the reward service, the environment service and the sandbox
+pool are each one of these plus what is their own (how they split work, what a failure costs).
+The weight sync reaches the fleet's and the learner's actors through the same narrow port: their
+`handles`, `gather` (a deadline on every wait) and `kill`. Ray is passed in (`ray=`), so this
+module imports no actor framework (tests/test_layers.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from rl.run.faults import ActorFailure, Calls, Deadlines, FanOut, fan_out
+
+
+class ActorGroup:
+    def __init__(self, ray: Any, actor_cls: type, size: int, *, role: str,
+                 args: Callable[[int], tuple] = lambda i: (), options: Mapping[str, Any] | None = None,
+                 per_actor: list[Mapping[str, Any]] | None = None, deadlines: Deadlines | None = None):
+        """`size` actors of `actor_cls`, actor i made as `actor_cls(*args(i))` with Ray `options`
+        and `per_actor[i]` over them (its placement bundle, its name). `role` names them in every
+        message ("rollout worker 2 (pid 123)"). Returns at once: `started()` waits for them."""
+        self.ray, self.role, self.deadlines = ray, role, deadlines or Deadlines()
+        self._remote, self._args = ray.remote(actor_cls), args
+        self._options = [{**(options or {}), **(per_actor[i] if per_actor else {})} for i in range(size)]
+        self._calls = Calls.ray(ray)
+        self.handles: list[Any] = [self._start(i) for i in range(size)]
+        self.where: list[dict[str, Any]] = [{} for _ in range(size)]
+
+    def __len__(self) -> int:
+        return len(self.handles)
+
+    def _start(self, i: int) -> Any:
+        return self._remote.options(**self._options[i]).remote(*self._args(i))
+
+    def name(self, i: int) -> str:
+        pid = self.where[i].get("pid")
+        return f"{self.role} {i}" + (f" (pid {pid})" if pid else "")
+
+    def started(self, indices: list[int] | None = None, method: str = "where") -> FanOut[int]:
+        """Wait (run.start_timeout_s) for the actors to answer `method` (default `where`: their
+        process and node, kept in `where`). An error of the actor's start-up (its constructor, a
+        user's load error) propagates as it was raised; one that does not answer in time is an
+        ActorFailure naming it."""
+        indices = list(range(len(self))) if indices is None else list(indices)
+        out = self.gather({i: getattr(self.handles[i], method).remote() for i in indices}, "start-up",
+                          self.deadlines.start_s, propagate_raised=True)
+        for i in out.keys:
+            if i in out.died:
+                raise out.errors[i]
+            if i in out.hung:
+                raise ActorFailure(self.name(i), "start-up", f"not up after {self.deadlines.start_s:.0f} s "
+                                   "(run.start_timeout_s); is there a free CPU/GPU for it?")
+        if method == "where":
+            for i, where in out.results.items():
+                self.where[i] = where
+        return out
+
+    def call(self, method: str, *args: Any, kind: str, indices: list[int] | None = None,
+             args_of: Callable[[int], tuple] | None = None, **wait: Any) -> FanOut[int]:
+        """`method` on every actor (or `indices`), with `args` or each actor's `args_of(i)`,
+        waited for as `gather` waits."""
+        indices = list(range(len(self))) if indices is None else list(indices)
+        refs = {i: getattr(self.handles[i], method).remote(*(args_of(i) if args_of else args)) for i in indices}
+        return self.gather(refs, kind, **wait)
+
+    def gather(self, refs: Mapping[int, Any], kind: str, deadline_s: float | None = None, *,
+               kill_hung: bool = False, propagate_raised: bool = False) -> FanOut[int]:
+        """Wait for calls already made (actor index -> ref) at most the deadline of `kind` (or
+        `deadline_s`); a silent actor is killed when `kill_hung` (Ray starts it again where the
+        group lets it restart). The deadline learns from calls that all answered."""
+        out = fan_out(refs, deadline_s or self.deadlines.of(kind), self._calls, propagate_raised=propagate_raised,
+                      kill=(lambda i: self.kill(i, restart=True)) if kill_hung else None)
+        if refs and not out.failed:
+            self.deadlines.record(kind, out.elapsed_s)
+        return out
+
+    def kill(self, i: int, restart: bool = False) -> None:
+        """End actor i's process (`restart`: Ray starts it again, where its options allow)."""
+        self.ray.kill(self.handles[i], no_restart=not restart)
+
+    def restart(self, i: int) -> Any:
+        """Kill actor i and make a new one in its place (same arguments, same bundle); returns
+        its handle. Call `started([i])` to wait for it."""
+        self.kill(i)
+        self.handles[i] = self._start(i)
+        self.where[i] = {}
+        return self.handles[i]
+
+    def shutdown(self) -> None:
+        for i in range(len(self.handles)):
+            self.kill(i)
+        self.handles = []
+        self.where = []
+
+
+class OverActors:
+    """For a class whose actors are one `ActorGroup` in `self.group` (the rollout fleet, the
+    learner group): their handles, where they run and their names, as the group has them."""
+
+    group: ActorGroup
+
+    @property
+    def workers(self) -> list[Any]:
+        """The actors' Ray handles (a replaced actor's slot holds its replacement's)."""
+        return self.group.handles
+
+    @property
+    def where(self) -> list[dict[str, Any]]:
+        return self.group.where
+
+    def name(self, i: int) -> str:
+        return self.group.name(i)

@@ -109,6 +109,7 @@ class Cluster:
 
     def shutdown(self) -> None:
         """End every group (never waits on a stuck one)."""
+        self.weights.close()
         for part in (self.learner, self.rewards, self.fleet, self.envs):
             if part is not None:
                 part.shutdown()

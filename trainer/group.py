@@ -16,7 +16,7 @@ import torch
 from rl.wire import weight_sync
 from rl.algo.importance import effective_sample_size
 from rl.run.actor_group import ActorGroup, OverActors
-from rl.run.faults import ActorFailure, Deadlines
+from rl.run.faults import Deadlines
 from rl.data.types import TrainBatch
 from trainer.learner import LearnerWorker
 from trainer.learner_setup import LearnerSpec
@@ -62,14 +62,7 @@ class LearnerGroup(OverActors):
         """One result per rank within the deadline of `kind`; a dead or silent rank is an
         ActorFailure. `tolerate_errors`: an exception raised inside a live rank gives None (its
         peer in a collective failed, which the caller handles)."""
-        out = self.group.gather(dict(enumerate(refs)), kind, deadline)
-        failed = out.failed
-        for rank in out.keys:  # the first rank in order that failed names the failure
-            if rank in failed:
-                raise ActorFailure(self.name(rank), kind, failed[rank]) from None
-            if rank in out.raised and not tolerate_errors:
-                raise out.errors[rank]
-        return [out.results.get(rank) for rank in out.keys]
+        return self.group.each(refs, kind, deadline, tolerate_errors)
 
     def score(self, batch: TrainBatch) -> TrainBatch:
         """Every rank scores its shard (old/reference/teacher log-probs, values); reassembled in row order."""

@@ -77,6 +77,19 @@ class ActorGroup:
             self.deadlines.record(kind, out.elapsed_s)
         return out
 
+    def each(self, refs: list, kind: str, deadline_s: float | None = None, tolerate_errors: bool = False) -> list:
+        """One result per actor (`refs[i]` a call on actor i) within the deadline of `kind`: a dead
+        or silent actor is an ActorFailure naming the first in order that failed (a group that
+        cannot go on without all of them, as the learner's ranks); `tolerate_errors`: an error
+        raised inside a live actor gives None (its peer in a collective failed), else it propagates."""
+        out = self.gather(dict(enumerate(refs)), kind, deadline_s)
+        for i in out.keys:
+            if i in out.failed:
+                raise ActorFailure(self.name(i), kind, out.failed[i]) from None
+            if i in out.raised and not tolerate_errors:
+                raise out.errors[i]
+        return [out.results.get(i) for i in out.keys]
+
     def kill(self, i: int, restart: bool = False) -> None:
         """End actor i's process (`restart`: Ray starts it again, where its options allow)."""
         self.ray.kill(self.handles[i], no_restart=not restart)

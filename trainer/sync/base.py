@@ -34,6 +34,7 @@ class Port(Protocol):
     def gather(self, refs: dict[int, Any], kind: str, deadline_s: float | None = None, *,
                kill_hung: bool = False, propagate_raised: bool = False) -> FanOut[int]: ...
     def kill(self, i: int, restart: bool = False) -> None: ...
+    def each(self, refs: list, kind: str, deadline_s: float | None = None, tolerate_errors: bool = False) -> list: ...
 
 
 @dataclass
@@ -99,13 +100,7 @@ class WeightSync:
         ActorFailure (its ZeRO shards are gone: the run resumes from a checkpoint).
         `tolerate_errors`: an error raised inside a live rank gives None (its peer in the
         collective failed, which the caller handles)."""
-        out = self.learner.gather(dict(enumerate(refs)), kind)
-        for rank in out.keys:
-            if rank in out.failed:
-                raise ActorFailure(self.learner.name(rank), kind, out.failed[rank]) from None
-            if rank in out.raised and not tolerate_errors:
-                raise out.errors[rank]
-        return [out.results.get(rank) for rank in out.keys]
+        return self.learner.each(refs, kind, tolerate_errors=tolerate_errors)
 
     def join(self) -> dict[int, str]:
         """Connect the learner and the current rollout workers (again after a replacement);

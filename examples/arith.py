@@ -16,7 +16,6 @@ that a ~1M-parameter model can half-learn in seconds: a good starting point for 
 from __future__ import annotations
 
 import random
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,8 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import (ProbeStop, Recipe, build_model, build_tokenizer, main, save_model, warm_up, write_jsonl,
-                           write_summary)
+from examples.tiny import ProbeStop, Recipe, TaskBuild, build_tokenizer, main, warm_up, write_jsonl
 from trainer.sft import sequence_logprobs
-from trainer.supervised import torch_threads
 
 DEFAULT_DIR = "artifacts/tiny"
 
@@ -161,26 +158,20 @@ def build(
     Set `target_accuracy` to 0 or above 1 to disable it. `recipe`: any field of `Recipe`
     (steps, batch_size, lr, probe_every, hidden, layers, heads, threads, log_every).
     """
-    r = RECIPE.with_(**recipe)
-    with torch_threads(r.threads):
-        t0 = time.perf_counter()
-        out = Path(out_dir)
+    with TaskBuild(out_dir, seed, RECIPE, recipe) as task:
         train, test = addition_splits(n_train, n_test, seed=seed)
         write_data(out_dir, seed, n_train=n_train, n_test=n_test)
-
         tokenizer = build_tokenizer(addition_corpus())
-        model = build_model(tokenizer, seed, hidden=r.hidden, layers=r.layers, heads=r.heads)
+        model = task.model(tokenizer)
         probe_set = train[-n_probe:]
-        stop = ProbeStop(target_accuracy, r.probe_every, lambda: expected_accuracy(model, tokenizer, probe_set))
-        _, sft_summary = warm_up(model, tokenizer, [p.prompt for p in train], [p.answer for p in train], r, seed,
-                                 stop_fn=stop)
-
+        stop = ProbeStop(target_accuracy, task.recipe.probe_every,
+                         lambda: expected_accuracy(model, tokenizer, probe_set))
+        _, sft_summary = warm_up(model, tokenizer, [p.prompt for p in train], [p.answer for p in train],
+                                 task.recipe, seed, stop_fn=stop)
         eval_set = test[:n_eval]
         sampled = sample_accuracy(model, tokenizer, eval_set, temperature=1.0, seed=seed)
         greedy = sample_accuracy(model, tokenizer, eval_set, temperature=0.0, seed=seed)
-        saved = save_model(out, model, tokenizer, seed, train, test)
-        summary: dict[str, Any] = {
-            **saved,
+        return task.finish(model, tokenizer, train, test, {
             "sft_target_probe_accuracy": target_accuracy,
             "sft_probe_accuracy": stop.last,
             "eval_n": len(eval_set),
@@ -190,9 +181,7 @@ def build(
             "greedy_accuracy": greedy["accuracy"],
             "greedy_well_formed": greedy["well_formed"],
             **sft_summary,
-            "total_s": round(time.perf_counter() - t0, 2),
-        }
-        return write_summary(out, summary)
+        })
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,10 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import (ProbeStop, Recipe, build_model, build_tokenizer, episode_logprobs, main, save_model,
-                           warm_up_episodes, write_jsonl, write_summary)
+from examples.tiny import (ProbeStop, Recipe, TaskBuild, build_tokenizer, episode_logprobs, main, warm_up_episodes,
+                           write_jsonl)
 from rl.data.env import Environment, StepResult, as_step_result
 from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls
-from trainer.supervised import torch_threads
 
 DEFAULT_DIR = "artifacts/tiny_calc"
 TOOL = "calculator"
@@ -286,26 +284,19 @@ def build(
     disables it). The summary's `sampled_success_t1` plays `n_eval` test episodes
     (`sample_episodes`). `recipe`: any field of `Recipe`.
     """
-    r = RECIPE.with_(**recipe)
-    with torch_threads(r.threads):
-        t0 = time.perf_counter()
-        out = Path(out_dir)
+    with TaskBuild(out_dir, seed, RECIPE, recipe) as task:
         train, test = sum_splits(n_train, n_test, seed=seed)
         write_data(out_dir, seed, n_train=n_train, n_test=n_test)
-
         tokenizer = calculator_tokenizer()
-        model = build_model(tokenizer, seed, hidden=r.hidden, layers=r.layers, heads=r.heads,
-                            max_positions=MAX_POSITIONS)
+        model = task.model(tokenizer, max_positions=MAX_POSITIONS)
         probe_set = train[-n_probe:]
-        stop = ProbeStop(target_success, r.probe_every, lambda: expected_success(model, tokenizer, probe_set))
-        _, sft_summary = warm_up_episodes(model, tokenizer, [p.episode() for p in train], r, seed, stop_fn=stop)
-
+        stop = ProbeStop(target_success, task.recipe.probe_every, lambda: expected_success(model, tokenizer, probe_set))
+        _, sft_summary = warm_up_episodes(model, tokenizer, [p.episode() for p in train], task.recipe, seed,
+                                          stop_fn=stop)
         eval_rows = [p.to_row() for p in test[:n_eval]]
         sampled = sample_episodes(model, tokenizer, eval_rows, temperature=1.0, seed=seed)
         greedy = sample_episodes(model, tokenizer, eval_rows, temperature=0.0, seed=seed)
-        saved = save_model(out, model, tokenizer, seed, train, test)
-        summary: dict[str, Any] = {
-            **saved,
+        return task.finish(model, tokenizer, train, test, {
             "sft_target_probe_success": target_success,
             "sft_probe_success": stop.last,
             "eval_n": len(eval_rows),
@@ -316,9 +307,7 @@ def build(
             "sampled_answered_t1": sampled["answered"],
             "greedy_success": greedy["success"],
             **sft_summary,
-            "total_s": round(time.perf_counter() - t0, 2),
-        }
-        return write_summary(out, summary)
+        })
 
 
 if __name__ == "__main__":

@@ -35,22 +35,19 @@ episode (C tokens separated by spaces, as in the single-turn task)::
 from __future__ import annotations
 
 import random
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from tokenizers import decoders, pre_tokenizers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from examples.code_speedup import (CORRECT_KINDS, DEFAULT_MIX, KINDS, CodeProblem, all_code_problems, code_corpus,
                                    code_speedup_splits, kinds_stop_fn)
-from examples.tiny import (Recipe, build_model, build_tokenizer, episode_logprobs, main, save_model, warm_up_episodes,
-                           write_jsonl, write_summary)
+from examples.tiny import (Recipe, TaskBuild, build_tokenizer, episode_logprobs, main, warm_up_episodes,
+                           write_jsonl)
 from reward.code_speedup import SandboxFailure, judge, speedup_to_reward
 from rl.data.env import Environment, StepResult
 from sandbox.job import Status
-from trainer.supervised import torch_threads
 
 DEFAULT_DIR = "artifacts/tiny_code_agent"
 MAX_POSITIONS = 256  # a 3-turn episode is at most ~215 tokens
@@ -197,24 +194,18 @@ def build(
     each reaches `target_faster` (target_correct 0 or above 1: never stop early).
     `recipe`: any field of `Recipe`.
     """
-    r = RECIPE.with_(**recipe)
-    with torch_threads(r.threads):
-        t0 = time.perf_counter()
-        out = Path(out_dir)
+    with TaskBuild(out_dir, seed, RECIPE, recipe) as task:
         train, test = code_speedup_splits(seed)
         write_data(out_dir, seed)
         tokenizer = agent_tokenizer()
-        model = build_model(tokenizer, seed, hidden=r.hidden, layers=r.layers, heads=r.heads,
-                            max_positions=MAX_POSITIONS)
+        model = task.model(tokenizer, max_positions=MAX_POSITIONS)
         rng = random.Random(seed)
         episodes = [worked_episode(p, rng, max_turns) for p in train for _ in range(episodes_per_problem)]
         probes: list[dict[str, float]] = []
-        reached_target = kinds_stop_fn(lambda: first_turn_kinds(model, tokenizer, train), probes, r,
+        reached_target = kinds_stop_fn(lambda: first_turn_kinds(model, tokenizer, train), probes, task.recipe,
                                        target_correct, target_faster)
-        _, sft_summary = warm_up_episodes(model, tokenizer, episodes, r, seed, stop_fn=reached_target)
-        saved = save_model(out, model, tokenizer, seed, train, test)
-        summary: dict[str, Any] = {
-            **saved,
+        _, sft_summary = warm_up_episodes(model, tokenizer, episodes, task.recipe, seed, stop_fn=reached_target)
+        return task.finish(model, tokenizer, train, test, {
             "n_sft_episodes": len(episodes),
             "sft_turns_mean": sum(m["role"] == "assistant" for e in episodes for m in e) / max(1, len(episodes)),
             "max_positions": MAX_POSITIONS,
@@ -224,9 +215,7 @@ def build(
             "first_turn_kinds_train": first_turn_kinds(model, tokenizer, train),
             "first_turn_kinds_test": first_turn_kinds(model, tokenizer, test),
             **sft_summary,
-            "total_s": round(time.perf_counter() - t0, 2),
-        }
-        return write_summary(out, summary)
+        })
 
 
 if __name__ == "__main__":

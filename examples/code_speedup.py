@@ -38,9 +38,8 @@ from typing import Any, Callable, Iterable
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import Recipe, build_model, main, save_model, warm_up, word_tokenizer, write_jsonl, write_summary
+from examples.tiny import Recipe, TaskBuild, main, warm_up, word_tokenizer, write_jsonl
 from trainer.sft import sequence_logprobs
-from trainer.supervised import torch_threads
 
 DEFAULT_DIR = "artifacts/tiny_code"
 
@@ -551,27 +550,19 @@ def build(
     share of each variant kind (0 skips it). `recipe`: any field of `Recipe` (steps, batch_size,
     lr, probe_every, hidden, layers, heads, threads, log_every).
     """
-    r = RECIPE.with_(**recipe)
-    with torch_threads(r.threads):
-        t0 = time.perf_counter()
-        out = Path(out_dir)
+    with TaskBuild(out_dir, seed, RECIPE, recipe) as task:
         train, test = code_speedup_splits(seed)
         write_data(out_dir, seed)
-
         # The vocabulary covers every problem of every family, so it does not depend on the split.
         tokenizer = word_tokenizer(code_corpus(all_code_problems()), model_max_length=MAX_POSITIONS)
-        model = build_model(tokenizer, seed, hidden=r.hidden, layers=r.layers, heads=r.heads, max_positions=MAX_POSITIONS)
+        model = task.model(tokenizer, max_positions=MAX_POSITIONS)
         examples = sft_examples(train, seed=seed, per_problem=per_problem, mix=mix)
         probes: list[dict[str, float]] = []
-        reached_target = kinds_stop_fn(lambda: kind_probabilities(model, tokenizer, train), probes, r,
+        reached_target = kinds_stop_fn(lambda: kind_probabilities(model, tokenizer, train), probes, task.recipe,
                                        target_correct, target_faster)
-
-        _, sft_summary = warm_up(model, tokenizer, [p for p, _ in examples], [c for _, c in examples], r, seed,
-                                 stop_fn=reached_target)
-        saved = save_model(out, model, tokenizer, seed, train, test)
-
-        summary: dict[str, Any] = {
-            **saved,
+        _, sft_summary = warm_up(model, tokenizer, [p for p, _ in examples], [c for _, c in examples], task.recipe,
+                                 seed, stop_fn=reached_target)
+        figures: dict[str, Any] = {
             "families": dict(Counter(p.family for p in train + test)),
             "n_sft_examples": len(examples),
             "max_positions": MAX_POSITIONS,
@@ -586,10 +577,9 @@ def build(
             t_eval = time.perf_counter()
             for name, problems, offset in (("train", train, 1), ("test", test, 2)):
                 res = sampled_kinds(model, tokenizer, problems, n=n_samples, seed=seed + offset)
-                summary[f"sampled_{name}"] = {k: v for k, v in res.items() if k != "per_problem_correct"}
-            summary["eval_s"] = round(time.perf_counter() - t_eval, 2)
-        summary["total_s"] = round(time.perf_counter() - t0, 2)
-        return write_summary(out, summary)
+                figures[f"sampled_{name}"] = {k: v for k, v in res.items() if k != "per_problem_correct"}
+            figures["eval_s"] = round(time.perf_counter() - t_eval, 2)
+        return task.finish(model, tokenizer, train, test, figures)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from trainer.sft import chat_example, example_logprobs, pad_id_of, sft_train, train_examples
+from trainer.supervised import torch_threads
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 
@@ -154,6 +156,33 @@ class Recipe:
     def with_(self, **changes: Any) -> Recipe:
         """A copy with `changes`; an unknown name is a TypeError naming it."""
         return dataclasses.replace(self, **changes)
+
+
+class TaskBuild(contextlib.ExitStack):
+    """What every task's `build` does around its own part, as a `with` block: the recipe with the
+    caller's changes, torch's threads for the build, the clock; `model` makes the recipe's tiny
+    model and `finish` saves it and writes the summary (its files, the task's own figures, the
+    total time)."""
+
+    def __init__(self, out_dir: str | Path, seed: int, base: Recipe, changes: dict[str, Any]):
+        super().__init__()
+        self.out, self.seed, self.recipe = Path(out_dir), seed, base.with_(**changes)
+
+    def __enter__(self) -> TaskBuild:
+        super().__enter__()
+        self.enter_context(torch_threads(self.recipe.threads))
+        self.t0 = time.perf_counter()
+        return self
+
+    def model(self, tokenizer: PreTrainedTokenizerFast, **shape: Any) -> LlamaForCausalLM:
+        """`build_model` at the recipe's size (`shape`: e.g. max_positions)."""
+        r = self.recipe
+        return build_model(tokenizer, self.seed, hidden=r.hidden, layers=r.layers, heads=r.heads, **shape)
+
+    def finish(self, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, train: list[Any],
+               test: list[Any], figures: dict[str, Any]) -> dict[str, Any]:
+        saved = save_model(self.out, model, tokenizer, self.seed, train, test)
+        return write_summary(self.out, {**saved, **figures, "total_s": round(time.perf_counter() - self.t0, 2)})
 
 
 def warm_up(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[str], completions: list[str],

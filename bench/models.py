@@ -208,7 +208,7 @@ def write_data(root: str | Path = DEFAULT_ROOT, seed: int = SEED, n_train: int =
     """ROOT/data/train.jsonl (and test.jsonl): 2-digit addition prompts, columns `prompt`, `answer`
     (`examples.arith.addition_splits`); returns the train file. Written once."""
     from examples.arith import addition_splits
-    from examples.tiny import write_jsonl
+    from rl.data.jsonl import write_jsonl
 
     data = Path(root) / "data"
     train_file = data / "train.jsonl"

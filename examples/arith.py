@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import ProbeStop, Recipe, TaskBuild, build_tokenizer, main, warm_up, write_jsonl
+from examples.tiny import ProbeStop, Recipe, TaskBuild, build_tokenizer, main, warm_up
+from rl.data.jsonl import write_jsonl
 from trainer.sft import sequence_logprobs
 
 DEFAULT_DIR = "artifacts/tiny"

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import (ProbeStop, Recipe, TaskBuild, build_tokenizer, episode_logprobs, main, warm_up_episodes,
-                           write_jsonl)
+from examples.tiny import ProbeStop, Recipe, TaskBuild, build_tokenizer, episode_logprobs, main, warm_up_episodes
 from rl.data.env import Environment, StepResult, as_step_result
+from rl.data.jsonl import write_jsonl
 from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls
 
 DEFAULT_DIR = "artifacts/tiny_calc"

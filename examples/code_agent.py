@@ -43,10 +43,10 @@ from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from examples.code_speedup import (CORRECT_KINDS, DEFAULT_MIX, KINDS, CodeProblem, all_code_problems, code_corpus,
                                    code_speedup_splits, kinds_stop_fn)
-from examples.tiny import (Recipe, TaskBuild, build_tokenizer, episode_logprobs, main, warm_up_episodes,
-                           write_jsonl)
+from examples.tiny import Recipe, TaskBuild, build_tokenizer, episode_logprobs, main, warm_up_episodes
 from reward.code_speedup import SandboxFailure, judge, speedup_to_reward
 from rl.data.env import Environment, StepResult
+from rl.data.jsonl import write_jsonl
 from sandbox.job import Status
 
 DEFAULT_DIR = "artifacts/tiny_code_agent"

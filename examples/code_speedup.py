@@ -38,7 +38,8 @@ from typing import Any, Callable, Iterable
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import Recipe, TaskBuild, main, warm_up, word_tokenizer, write_jsonl
+from examples.tiny import Recipe, TaskBuild, main, warm_up, word_tokenizer
+from rl.data.jsonl import write_jsonl
 from trainer.sft import sequence_logprobs
 
 DEFAULT_DIR = "artifacts/tiny_code"

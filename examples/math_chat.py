@@ -26,7 +26,8 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
-from examples.tiny import main, write_jsonl
+from examples.tiny import main
+from rl.data.jsonl import write_jsonl
 
 DEFAULT_DIR = "artifacts/math_chat"
 INSTRUCTION = "Reply with just the number."

@@ -48,7 +48,8 @@ from typing import Any
 
 from examples import arith
 from examples.arith import addition_prompt, addition_splits
-from examples.tiny import main, write_jsonl, write_summary
+from examples.tiny import main, write_summary
+from rl.data.jsonl import write_jsonl
 
 DEFAULT_DIR = "artifacts/tiny_rm"
 

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from examples.humaneval import INSTRUCTION
-from examples.tiny import main, write_jsonl
+from examples.tiny import main
+from rl.data.jsonl import write_jsonl
 
 DEFAULT_DIR = "artifacts/python_funcs"
 WORDS = ("hello", "banana", "Python", "level", "abc", "mississippi", "data", "Open AI", "racecar", "tree")

@@ -17,7 +17,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -243,18 +243,6 @@ def save_model(out_dir: str | Path, model: LlamaForCausalLM, tokenizer: PreTrain
     save_pretrained_atomic(model, tokenizer, out / "model")
     return {"seed": seed, "model_dir": str(out / "model"), "train_file": str(out / "data" / "train.jsonl"),
             "test_file": str(out / "data" / "test.jsonl"), "n_train": len(train), "n_test": len(test)}
-
-
-def write_jsonl(path: str | Path, rows: Iterable[dict[str, Any]]) -> str:
-    """Write rows as JSON lines through a temporary file and a rename: complete or absent."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
-    return str(path)
 
 
 def write_summary(out_dir: str | Path, summary: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from examples import builtin_dir, ensure_builtin
 from launch.components import load_agent, reward_specs
@@ -151,6 +151,7 @@ def ensure_inputs(cfg: DictConfig) -> None:
     that are missing (the tiny policy and its data, a built-in reward model named by a reward
     function's `path` or `algorithm.critic_init`), then check the model folders, before Ray starts."""
     resolve_hub_ids(cfg)
+    write_task_rows(cfg)
     critic = [cfg.algorithm.critic_init] if cfg.algorithm.critic_init else []
     for path, field in ((cfg.model.path, "model.path"), *((c, "algorithm.critic_init") for c in critic)):
         if builtin_dir(path) is None:  # the user's own folder: refused before a built-in task is built
@@ -175,6 +176,33 @@ def ensure_inputs(cfg: DictConfig) -> None:
         require_same_tokenizer(cfg.model.path, cfg.algorithm.teacher_path)
     if cfg.model.lora.rank > 0:
         require_lora_targets(cfg.model.path, list(cfg.model.lora.target_modules))
+
+
+def write_task_rows(cfg: DictConfig) -> None:
+    """`task.datasets` (reasoning-gym's): an unknown dataset or config key is refused naming the
+    entry and the choices; then the rows are written (once for these settings) and become
+    task.train_files, and eval.files when that is empty."""
+    if not cfg.task.datasets:
+        return
+    from reward import reasoning_gym
+
+    specs = OmegaConf.to_container(cfg.task.datasets, resolve=True)
+    try:
+        errors = reasoning_gym.spec_errors(specs)
+    except ImportError as err:
+        raise ConfigError(str(err)) from None
+    for i, f in enumerate(cfg.reward.functions):
+        how = (f.kwargs or {}).get("extract_answer", "tags")
+        if f.fn == "reward.reasoning_gym:score" and how not in reasoning_gym.EXTRACTORS:
+            errors.append(f"reward.functions[{i}].kwargs.extract_answer={how!r}: choose one of "
+                          f"{', '.join(reasoning_gym.EXTRACTORS)} (tags: reasoning-gym's <answer> tags)")
+    if errors:
+        raise ConfigError("; ".join(errors))
+    train, held = reasoning_gym.write_splits(specs, cfg.task.size, cfg.task.eval_size, cfg.task.seed,
+                                             instruction=cfg.task.instruction)
+    cfg.task.train_files = [train]
+    if held and not cfg.eval.files:
+        cfg.eval.files = [held]
 
 
 def require_same_tokenizer(student: str, teacher: str) -> None:
@@ -247,14 +275,19 @@ def load_inputs(cfg: DictConfig):
     # Every row of every file is read (the prompt column a non-empty string) before transformers loads.
     budget = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
     data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, None, cfg.run.seed, budget,
-                         chat_template=cfg.task.chat_template)
+                         chat_template=cfg.task.chat_template, system_prompt=cfg.task.system_prompt)
     if cfg.task.curriculum_epochs > 0:
         from rl.data.curriculum import Curriculum
 
         data.curriculum = Curriculum(len(data), cfg.task.curriculum_epochs, cfg.task.curriculum_pass_reward)
     eval_data = PromptDataset(cfg.eval.files, cfg.task.prompt_key, None, cfg.run.seed, budget,
-                              chat_template=cfg.task.chat_template, field="eval.files") \
+                              chat_template=cfg.task.chat_template, field="eval.files",
+                              system_prompt=cfg.task.system_prompt) \
         if cfg.eval.every_steps > 0 else None
+    if eval_data is not None and cfg.eval.group_by and cfg.eval.group_by not in eval_data.table.column_names:
+        raise ConfigError(f"eval.group_by={cfg.eval.group_by!r} is not a column of eval.files={list(cfg.eval.files)} "
+                          f"(columns: {', '.join(eval_data.table.column_names)}); name one of them, or set "
+                          "eval.group_by=''")
     from transformers import AutoTokenizer
 
     try:

@@ -129,7 +129,8 @@ def prompt_tokens_mean(cfg: Any, rows: int = 256) -> float | None:
 
         budget = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
         data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, AutoTokenizer.from_pretrained(cfg.model.path),
-                             cfg.run.seed, budget, chat_template=cfg.task.chat_template)
+                             cfg.run.seed, budget, chat_template=cfg.task.chat_template,
+                             system_prompt=cfg.task.system_prompt)
         ids = data.encode(data.table[:rows][cfg.task.prompt_key])
         return sum(map(len, ids)) / max(len(ids), 1)
     except Exception:  # noqa: BLE001 - a prediction is a hint; load_inputs reports bad data properly

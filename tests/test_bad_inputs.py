@@ -237,6 +237,26 @@ CASES: dict[str, tuple[Callable[[str, Path], list[str]], list[str]]] = {
                                                 "or rollout.tensor_parallel_size=2"]),
     "lora_target_not_in_model": (_overrides("model.lora.rank=8", "model.lora.target_modules=[q_proj,qkv]"),
                                  ["model.lora.target_modules=['q_proj', 'qkv']", "qkv not found", "v_proj"]),
+    # reasoning-gym's datasets (task=reasoning_gym): checked against the installed package
+    "reasoning_gym_unknown_dataset": (_overrides("task=reasoning_gym", "task.datasets=[{name: basic_arithmatic}]"),
+                                      ["task.datasets[0].name='basic_arithmatic' is not a reasoning-gym dataset",
+                                       "e.g. basic_arithmetic"]),
+    "reasoning_gym_unknown_config_key": (_overrides("task=reasoning_gym",
+                                                    "task.datasets=[{name: chain_sum, config: {min_term: 2}}]"),
+                                         ["task.datasets[0].config has min_term", "its keys: allow_negation"]),
+    "reasoning_gym_config_it_refuses": (_overrides("task=reasoning_gym",
+                                                   "task.datasets=[{name: chain_sum, config: {max_digits: 0}}]"),
+                                        ["task.datasets[0].config={'max_digits': 0}: chain_sum refuses it"]),
+    "reasoning_gym_unknown_extractor": (_overrides("task=reasoning_gym", "reward.functions.0.kwargs.extract_answer=xml"),
+                                        ["reward.functions[0].kwargs.extract_answer='xml': choose one of tags, "
+                                         "final_answer"]),
+    "reasoning_gym_no_rows": (_overrides("task=reasoning_gym", "task.size=0"),
+                              ["task.size=0: task.datasets needs at least 1 training row"]),
+    "system_prompt_without_chat_template": (_overrides("task.system_prompt=Be brief."),
+                                            ["task.system_prompt is set but task.chat_template=false"]),
+    "eval_group_by_not_a_column": (lambda tiny, tmp: ["eval.every_steps=5", f"eval.files=[{tiny}/data/test.jsonl]",
+                                                      "eval.group_by=level"],
+                                   ["eval.group_by='level' is not a column of eval.files", "columns: prompt, answer"]),
 }
 
 

@@ -166,3 +166,20 @@ def test_weight_buckets_respect_size_and_dtype():
              WeightMeta("c", (2,), "bfloat16"), WeightMeta("d", (8,), "float32")]
     assert buckets(metas, limit=32) == [[0, 1], [2], [3]]
     assert buckets(metas, limit=16) == [[0], [1], [2], [3]]
+
+
+def test_a_system_prompt_comes_before_every_chat_prompt(prompt_file):
+    """task.system_prompt: the chat template renders it as the first message of every prompt."""
+    from examples.tiny import build_tokenizer
+
+    tok = build_tokenizer(["What is 1+2? Be brief."], chat=True, model_max_length=256)
+    with_system = PromptDataset([prompt_file], "prompt", tok, seed=0, max_prompt_tokens=200, chat_template=True,
+                                system_prompt="Be brief.")
+    plain = PromptDataset([prompt_file], "prompt", tok, seed=0, max_prompt_tokens=200, chat_template=True)
+    [ids], [bare] = with_system.encode(["What is 1+2?"]), plain.encode(["What is 1+2?"])
+    assert ids == tok.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "What is 1+2?"}],
+                                          add_generation_prompt=True, tokenize=True)["input_ids"]
+    system, user = tok.convert_tokens_to_ids(["<|system|>", "<|user|>"])
+    assert system not in bare and ids.index(system) < ids.index(user)
+    assert ids[ids.index(user):] == bare[bare.index(user):]  # the user turn as without it

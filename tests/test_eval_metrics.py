@@ -47,3 +47,22 @@ def test_eval_k_beyond_eval_n_is_refused_naming_both(make_config) -> None:
         validate(make_config("eval.n=4", "eval.k=[2,8]"))
     with pytest.raises(ConfigError, match="eval.answer='majority': choose one of"):
         validate(make_config("eval.answer=majority"))
+
+
+def test_greedy_figures_per_group_by_hand() -> None:
+    """eval.group_by: the greedy figures over the rows of each value of the column too."""
+    rows = [("chain_sum", 1.0), ("chain_sum", 0.0), ("leg_counting", 0.5), ("basic_arithmetic", 1.0),
+            ("leg_counting", 1.0), (None, 0.0)]
+    greedy = [ScoredSample(Sample([1], [2], [0.0], "stop", 0, "p", "t", g, 0, {"dataset": d}), r)
+              for g, (d, r) in enumerate(rows)]
+    greedy.append(ScoredSample(Sample([1], [2], [0.0], "stop", 0, "p", "t", 9, 0, {"dataset": "chain_sum"}), None,
+                               error="reward raised"))  # a failed reward: counted, never passing
+    m = eval_metrics(greedy, [], n=0, threshold=1.0, group_by="dataset")
+    assert m["eval/greedy_pass_frac/chain_sum"] == pytest.approx(1 / 3)
+    assert m["eval/greedy_mean_reward/chain_sum"] == pytest.approx(1 / 3)
+    assert m["eval/greedy_pass_frac/leg_counting"] == 0.5
+    assert m["eval/greedy_mean_reward/leg_counting"] == 0.75
+    assert m["eval/greedy_pass_frac/basic_arithmetic"] == 1.0
+    assert m["eval/greedy_pass_frac/None"] == 0.0  # a row without the column: its own group
+    assert m["eval/greedy_pass_frac"] == pytest.approx(3 / 7)
+    assert not any("/" in k.removeprefix("eval/") for k in eval_metrics(greedy, [], n=0, threshold=1.0))

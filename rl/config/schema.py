@@ -176,6 +176,15 @@ class TaskConfig:
     # true: each prompt is sent as a user message through the tokenizer's chat template (with
     # the generation prompt), and observations become the template's tool (or user) turns
     chat_template: bool = False
+    system_prompt: str = ""  # with task.chat_template: a system message before every prompt ("": none)
+    # reasoning-gym's procedural datasets (task=reasoning_gym, reward/reasoning_gym.py), mixed as its
+    # CompositeDataset mixes them: [{name, weight, config}]. Their rows are written before Ray starts
+    # and become task.train_files (and eval.files, when that is empty); [] = rows come from files.
+    datasets: list[dict[str, Any]] = field(default_factory=list)
+    size: int = 1000  # training rows drawn from task.datasets
+    eval_size: int = 100  # held-out rows drawn from task.datasets (their questions are never trained on)
+    seed: int = 0  # the seed task.datasets' rows are drawn with (not run.seed: the same rows for every run)
+    instruction: str = ""  # appended to each question of task.datasets (e.g. "Reply with just the number.")
     # Multi-turn episodes (rl/data/env.py): the environment class, "package.module:Class" or
     # "path/file.py:Class", built per episode with env_kwargs; null = single-turn completions
     env: str | None = None
@@ -227,6 +236,9 @@ class EvalConfig:
     max_rows: int = 64  # the first rows of eval.files at most
     temperature: float = 1.0  # of the sampled ones (greedy: 0)
     pass_threshold: float = 1.0  # a sample "passes" when its reward is at least this
+    # a column of the held-out rows (e.g. reasoning-gym's `dataset`): greedy_pass_frac and
+    # greedy_mean_reward are logged per value too, as eval/greedy_pass_frac/<value>; "" = overall only
+    group_by: str = ""
 
 
 @dataclass
@@ -616,6 +628,21 @@ def _streaming_errors(cfg: Any) -> list[str]:
     return errors
 
 
+def _task_rows_errors(t: Any) -> list[str]:
+    """The task's own row settings (reasoning-gym's dataset names and configs are checked by
+    launch.checks, which imports it); a system prompt needs the chat template it goes through."""
+    errors = []
+    if t.system_prompt and not t.chat_template:
+        errors.append("task.system_prompt is set but task.chat_template=false: a system prompt is a chat message; "
+                      "set task.chat_template=true, or put the instruction in the prompts")
+    if t.datasets:
+        if t.size < 1:
+            errors.append(f"task.size={t.size}: task.datasets needs at least 1 training row, e.g. task.size=1000")
+        if t.eval_size < 0:
+            errors.append(f"task.eval_size={t.eval_size}: must be >= 0 (0 = no held-out rows)")
+    return errors
+
+
 def validate(cfg: Any) -> None:
     """Raise ConfigError listing every bad field of a merged TrainConfig, with the fix."""
     check_schema(cfg)
@@ -647,6 +674,7 @@ def validate(cfg: Any) -> None:
     errors += _tensor_parallel_errors(cfg)
     errors += _streaming_errors(cfg)
     errors += _agent_errors(cfg)
+    errors += _task_rows_errors(cfg.task)
     errors += _placement_mode_errors(cfg)
     errors += _shared_gpu_errors(cfg)
     if cfg.algorithm.lr <= 0:
@@ -766,7 +794,7 @@ def _episode_errors(cfg: Any) -> list[str]:
                       "episode's length is limited by task.max_episode_tokens instead: set algorithm.overlong_buffer=0")
     if e.every_steps < 0:
         errors.append(f"eval.every_steps={e.every_steps}: must be >= 0 (0 = no evaluation)")
-    if e.every_steps > 0 and not e.files:
+    if e.every_steps > 0 and not e.files and not (cfg.task.datasets and cfg.task.eval_size > 0):
         errors.append(f"eval.every_steps={e.every_steps} needs held-out rows: set eval.files=[path/to/test.jsonl] "
                       "(or eval.every_steps=0)")
     if e.n < 0:

@@ -382,22 +382,24 @@ class PromptDataset:
     `tokenizer` may be set after (`.tokenizer`), before `check_lengths` or `requests`."""
 
     def __init__(self, files: list[str], prompt_key: str, tokenizer: Any, seed: int, max_prompt_tokens: int,
-                 chat_template: bool = False, field: str = "task.train_files"):
+                 chat_template: bool = False, field: str = "task.train_files", system_prompt: str = ""):
         self.table = load_columns(files, {"task.prompt_key": prompt_key}, field, texts=("task.prompt_key",))
         self.files = list(files)
         self.prompt_key, self.tokenizer, self.seed = prompt_key, tokenizer, seed
         self.max_prompt_tokens, self.chat_template, self.field = max_prompt_tokens, chat_template, field
+        self.system = [{"role": "system", "content": system_prompt}] if system_prompt else []
         self._perm_epoch, self._perm = -1, np.arange(0)
         self.curriculum = None  # rl.data.curriculum.Curriculum (task.curriculum_epochs > 0): draws round 0
 
     def encode(self, texts: list[str]) -> list[list[int]]:
         """Prompt ids: the text as it is, or (task.chat_template) as a user message through the
-        tokenizer's chat template with the generation prompt."""
+        tokenizer's chat template with the generation prompt, after the system prompt if any."""
         if not self.chat_template:
             return [list(ids) for ids in self.tokenizer(texts).input_ids]
         out = []
         for text in texts:
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+            ids = self.tokenizer.apply_chat_template([*self.system, {"role": "user", "content": text}],
+                                                     add_generation_prompt=True,
                                                      tokenize=True)
             out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
         return out

@@ -8,6 +8,8 @@ sampled completions of each row (a sample passes when its reward is at least `ev
 - `eval/pass_at_<k>` for k = 1, n and each of `eval.k`: the unbiased pass@k of Chen et al. 2021
   (1 - C(n-c, k) / C(n, k) with c of the n passing), averaged over rows;
 - `eval/avg_at_<n>`: the share of all n samples that pass (the mean accuracy of one sample);
+- `eval/greedy_pass_frac/<value>`, `eval/greedy_mean_reward/<value>` (with `eval.group_by`, a
+  column of the rows): the same over the rows holding each value of it (e.g. each dataset);
 - `eval/maj_at_<k>` (with `eval.answer`, the answer extractor: `final_answer`, the answer
   `math_answer` checks): majority vote over the answers of each row's first k samples, the most
   frequent answer winning (ties: the one seen first; samples without an answer do not vote), right
@@ -64,10 +66,11 @@ def majority_passes(answers: list[str | None], passed: list[bool]) -> bool:
 
 def eval_metrics(greedy: list[ScoredSample], sampled: list[ScoredSample], n: int,
                  threshold: float, ks: list[int] | tuple[int, ...] = (),
-                 answer: Callable[[str], str | None] | None = None) -> dict[str, float]:
+                 answer: Callable[[str], str | None] | None = None, group_by: str = "") -> dict[str, float]:
     """Figures over scored samples; a sample whose reward failed counts as not passing (and as an
     error), so a broken scorer cannot make the model look better. `ks`: more k for pass@k and
-    maj@k (each at most n); `answer`: a completion's answer for maj@k (None: no maj@k)."""
+    maj@k (each at most n); `answer`: a completion's answer for maj@k (None: no maj@k); `group_by`:
+    a row column whose values split the greedy figures too ("": none)."""
     def reward(s: ScoredSample) -> float:
         return s.reward if s.reward is not None else 0.0
 
@@ -79,6 +82,13 @@ def eval_metrics(greedy: list[ScoredSample], sampled: list[ScoredSample], n: int
     if greedy:
         out["eval/greedy_mean_reward"] = statistics.fmean(map(reward, greedy))
         out["eval/greedy_pass_frac"] = statistics.fmean(map(passes, greedy))
+    if group_by:
+        groups: dict[str, list[ScoredSample]] = {}
+        for s in greedy:
+            groups.setdefault(str(s.sample.metadata.get(group_by)), []).append(s)
+        for value, members in sorted(groups.items()):
+            out[f"eval/greedy_mean_reward/{value}"] = statistics.fmean(map(reward, members))
+            out[f"eval/greedy_pass_frac/{value}"] = statistics.fmean(map(passes, members))
     if sampled:
         out["eval/sampled_mean_reward"] = statistics.fmean(map(reward, sampled))
         by_row: dict[int, list[ScoredSample]] = {}
@@ -105,7 +115,7 @@ def evaluate(settings: EvalConfig, data: PromptDataset, generate: Callable[[list
     sampled = score(generate(data.eval_requests(settings.max_rows, settings.n, settings.temperature, seed=2))) \
         if settings.n > 0 else []
     metrics = eval_metrics(greedy, sampled, settings.n, settings.pass_threshold, settings.k,
-                           answer_extractor(settings.answer))
+                           answer_extractor(settings.answer), settings.group_by)
     metrics["time/eval_s"] = time.perf_counter() - t0
     return metrics
 

@@ -33,50 +33,57 @@ def _scripted(tok, turns: list[str]):
     return generate, requests
 
 
-def _episode(url: str, row: dict, out) -> None:
+def _episodes(episodes: list[tuple[str, dict]], out) -> None:
     from examples.calculator_agents_sdk import solve
 
-    try:
-        out.put(("ok", solve(url, row)))
-    except BaseException as err:  # noqa: BLE001 - reported to the test
-        out.put(("error", f"{type(err).__name__}: {err}"))
+    for url, row in episodes:
+        try:
+            out.put(("ok", solve(url, row)))
+        except BaseException as err:  # noqa: BLE001 - reported to the test
+            out.put(("error", f"{type(err).__name__}: {err}"))
 
 
-def _run_agent(url: str, row: dict, timeout_s: float = 60.0):
-    """`solve` in a process of its own, as the agent workers run it (the SDK's defaults are global)."""
-    out = multiprocessing.get_context("spawn").Queue()
-    proc = multiprocessing.get_context("spawn").Process(target=_episode, args=(url, row, out))
+def _run_agents(episodes: list[tuple[str, dict]], timeout_s: float = 60.0) -> list[tuple[str, object]]:
+    """`solve` for each (base_url, row), in a process of their own, one after another (each
+    episode's SDK defaults are set by `solve` itself)."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_episodes, args=(episodes, out))
     proc.start()
     try:
-        return out.get(timeout=timeout_s)
+        return [out.get(timeout=timeout_s) for _ in episodes]
     finally:
         proc.join(5)
         proc.kill()
 
 
 @pytest.mark.slow  # a spawned process importing the SDK (~5 s)
-@pytest.mark.parametrize("answer, reward", [("5", 1.0), ("6", 0.0)])
-def test_an_agents_sdk_agent_runs_unchanged_and_its_episode_is_token_exact(answer: str, reward: float) -> None:
+def test_an_agents_sdk_agent_runs_unchanged_and_its_episode_is_token_exact() -> None:
+    """Two episodes, a right and a wrong final answer after the same tool call."""
     tok = calculator_tokenizer()
     call = format_tool_call(ToolCall("calculator", {"expression": "2+3"}))
-    generate, requests = _scripted(tok, [call, answer])
+    answers = ["5", "6"]
+    generate, requests = _scripted(tok, [call, answers[0], call, answers[1]])
+    row = {"prompt": "2+3", "answer": "5"}
     with AgentServer(tok, generate, max_new_tokens=40, temperature=1.0, top_p=1.0, max_model_len=256) as server:
-        key, url = server.open_episode(seed_base=0)
-        status, value = _run_agent(url, {"prompt": "2+3", "answer": "5"})
-        calls = server.close_episode(key)
-    assert (status, value) == ("ok", reward)
-    assert len(calls) == 2 and len(requests) == 2
-    # the first prompt is the user's question through the chat template, as the SDK sent it
-    assert calls[0].prompt_ids == tok.apply_chat_template([{"role": "user", "content": "2+3"}],
-                                                          add_generation_prompt=True, tokenize=True)["input_ids"]
-    # the second prompt: the sampled ids of the call, then the SDK's tool answer (the calculator ran: 5)
-    head = calls[0].prompt_ids + calls[0].completion_ids
-    assert calls[1].prompt_ids[: len(head)] == head
-    assert tok.decode(calls[1].prompt_ids[len(head):]).replace(" ", "") == "<|tool|>5<|end|><|assistant|>"
-    sample = episode_sample(calls, prompt_text="2+3", group_id=0, sample_index=0, metadata={})
-    assert sample.error is None
-    assert sample.completion_ids[-2:] == tok(answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
-    assert sum(sample.completion_mask) == len(calls[0].completion_ids) + len(calls[1].completion_ids)
+        opened = [server.open_episode(seed_base=i) for i in range(2)]
+        outcomes = _run_agents([(url, row) for _, url in opened])
+        recorded = [server.close_episode(key) for key, _ in opened]
+    assert outcomes == [("ok", 1.0), ("ok", 0.0)]
+    assert len(requests) == 4
+    for answer, calls in zip(answers, recorded):
+        assert len(calls) == 2
+        # the first prompt is the user's question through the chat template, as the SDK sent it
+        assert calls[0].prompt_ids == tok.apply_chat_template([{"role": "user", "content": "2+3"}],
+                                                              add_generation_prompt=True, tokenize=True)["input_ids"]
+        # the second: the sampled ids of the call, then the SDK's tool answer (the calculator ran: 5)
+        head = calls[0].prompt_ids + calls[0].completion_ids
+        assert calls[1].prompt_ids[: len(head)] == head
+        assert tok.decode(calls[1].prompt_ids[len(head):]).replace(" ", "") == "<|tool|>5<|end|><|assistant|>"
+        sample = episode_sample(calls, prompt_text="2+3", group_id=0, sample_index=0, metadata={})
+        assert sample.error is None
+        assert sample.completion_ids[-2:] == tok(answer, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        assert sum(sample.completion_mask) == len(calls[0].completion_ids) + len(calls[1].completion_ids)
 
 
 BROKEN_ON_EVEN = '''

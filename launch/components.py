@@ -149,6 +149,12 @@ def load_agent(cfg) -> Any:
     in its own process (reward/agent_procs.py)."""
     if not cfg.task.agent:
         return None
+    if cfg.task.agent_python:  # loaded where it will run: a zygote of that interpreter, then closed
+        from reward.agent_procs import AgentLimits, AgentPool
+
+        AgentPool(cfg.task.agent, os.getcwd(), 1, AgentLimits(cfg.task.agent_timeout_s), dict(cfg.task.agent_kwargs),
+                  python=cfg.task.agent_python).close()
+        return None
     from reward.loader import load_agent_function
 
     return load_agent_function(cfg.task.agent, os.getcwd(), dict(cfg.task.agent_kwargs), field="task.agent")
@@ -176,7 +182,7 @@ def start_agents(cfg: TrainConfig, tokenizer, fleet, repairs):
     t, r = cfg.task, cfg.rollout
     pool = AgentPool(t.agent, os.getcwd(), t.agent_workers,
                      AgentLimits(t.agent_timeout_s, memory_mb=t.agent_memory_mb, max_processes=t.agent_max_processes),
-                     dict(t.agent_kwargs))
+                     dict(t.agent_kwargs), python=t.agent_python or None)
     server = AgentServer(tokenizer, generate, host=t.agent_host, port=t.agent_port, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, max_model_len=r.max_model_len,
                          observation_role=t.observation_role, max_calls=t.agent_max_calls)

@@ -129,14 +129,17 @@ class AgentPool:
     back through `results`. Job ids must be unique among the jobs not yet reported."""
 
     def __init__(self, spec: str, base_dir: str, workers: int, limits: AgentLimits,
-                 kwargs: dict | None = None, name: str = "task.agent"):
+                 kwargs: dict | None = None, name: str = "task.agent", python: str | None = None):
         """Waits (up to _LOAD_TIMEOUT_S) for the zygote to load the function, so a bad spec or
-        signature raises RewardLoadError here, before any episode."""
+        signature raises RewardLoadError here, before any episode. `python`: the interpreter the
+        zygote (so every episode) runs in, e.g. another virtual environment's, for agent code whose
+        packages conflict with ours (None: this one); it imports only this module's standard-library
+        closure of ours (reward.agent_procs, reward.loader, sandbox._cgroup), from this checkout."""
         self.size, self.limits, self.name = workers, limits, name
         self._cgroups = _cgroups_usable()
         config = dict(spec=spec, base_dir=base_dir, kwargs=dict(kwargs or {}), name=name, limits=limits,
                       fallback=not self._cgroups)
-        self._zygote, self._ctrl = _start_zygote(config)
+        self._zygote, self._ctrl = _start_zygote(config, python or sys.executable)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._jobs: dict[Hashable, _Job] = {}
@@ -494,16 +497,21 @@ def _cgroups_usable() -> bool:
     return True
 
 
-def _start_zygote(config: dict) -> tuple[subprocess.Popen, socket.socket]:
-    """Start the zygote (subprocess: vfork + exec, safe in a threaded driver) and wait, bounded,
-    until it has loaded the agent function."""
+def _start_zygote(config: dict, python: str) -> tuple[subprocess.Popen, socket.socket]:
+    """Start the zygote (subprocess: vfork + exec of `python`, safe in a threaded driver) and wait,
+    bounded, until it has loaded the agent function."""
     field = f"{config['name']}={config['spec']!r}"
     data = pickle.dumps(config)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     code = (f"import sys; sys.path.insert(0, {_ROOT!r}); from reward.agent_procs import _zygote_main; "
             f"_zygote_main({theirs.fileno()})")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, pass_fds=[theirs.fileno()],
-                            start_new_session=True)
+    try:
+        proc = subprocess.Popen([python, "-c", code], stdin=subprocess.PIPE, pass_fds=[theirs.fileno()],
+                                start_new_session=True)
+    except OSError as err:
+        ours.close()
+        theirs.close()
+        raise RewardLoadError(f"{field}: its interpreter {python!r} does not start ({err})") from None
     theirs.close()
     with suppress(BrokenPipeError), proc.stdin:
         proc.stdin.write(data)
@@ -520,7 +528,8 @@ def _start_zygote(config: dict) -> tuple[subprocess.Popen, socket.socket]:
     ours.close()
     if reply:
         raise RewardLoadError(reply[1:].decode())
-    raise RewardLoadError(f"{field}: the process loading it exited with code {proc.returncode} "
+    where = "" if python == sys.executable else f" ({python})"
+    raise RewardLoadError(f"{field}: the process loading it{where} exited with code {proc.returncode} "
                           "(its output is above)")
 
 

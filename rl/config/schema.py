@@ -9,6 +9,7 @@ No torch/ray imports here: the CLI must reject bad input in well under a second.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -210,6 +211,10 @@ class TaskConfig:
     # is an error naming the agent and the value (a 1e30 reward overflows the update, issue 47).
     agent_reward_bound: float = 1e6
     agent_max_calls: int = 1000  # model calls one episode may make; past it a 429 and the sample is an error
+    # Another Python interpreter for task.agent (e.g. /path/to/venv/bin/python): agent code whose
+    # packages conflict with ours runs in a virtual environment of its own (its episodes import
+    # only the standard library of ours); "" = this interpreter
+    agent_python: str = ""
     # The agent server's address. Loopback (the default) serves this machine's processes only; any
     # other address (0.0.0.0: every interface) lets whoever reaches it call the policy being trained
     # with an episode's key (keys are unguessable, 192 random bits, and die with their episode).
@@ -739,7 +744,8 @@ def _agent_errors(cfg: Any) -> list[str]:
     """What `task.agent` needs: one kind of episode, and engines that take calls as they come."""
     t, r = cfg.task, cfg.rollout
     if not t.agent:
-        return []
+        return [f"task.agent_python={t.agent_python!r} runs task.agent, which is not set: set task.agent, or "
+                "task.agent_python=''"] if t.agent_python else []
     errors = []
     if ":" not in t.agent:
         errors.append(f"task.agent={t.agent!r}: expected 'package.module:function' or 'path/to/file.py:function'")
@@ -754,6 +760,9 @@ def _agent_errors(cfg: Any) -> list[str]:
                       "rollout.sleep_between_steps=false")
     if not t.agent_host.strip():
         errors.append("task.agent_host is empty: use 127.0.0.1 (this machine only) or an address of this machine")
+    if t.agent_python and not (os.path.isfile(t.agent_python) and os.access(t.agent_python, os.X_OK)):
+        errors.append(f"task.agent_python={t.agent_python!r} is not an executable file: name a Python interpreter, "
+                      "e.g. /path/to/venv/bin/python (python -m venv /path/to/venv makes one)")
     return errors
 
 

@@ -249,6 +249,8 @@ def require_lora_targets(model_path: str, targets: list[str]) -> None:
 def resolve_paths(cfg: DictConfig) -> None:
     """Make every path absolute (relative = relative to the launch directory), for the actors."""
     cfg.model.path = _abs(cfg.model.path)
+    if cfg.task.agent_python:
+        cfg.task.agent_python = _abs(cfg.task.agent_python)
     for f in cfg.reward.functions:
         if f.kwargs and isinstance(f.kwargs.get("path"), str):
             f.kwargs.path = _abs(f.kwargs.path)

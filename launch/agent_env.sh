@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# A virtual environment of its own for agent code whose packages conflict with ours; a run names
+# its interpreter in task.agent_python (docs/bring-your-environment.md):
+#   bash launch/agent_env.sh openenv     -> .venv-openenv/bin/python (openenv-core; gradio pins pillow < 13)
+#   bash launch/agent_env.sh verifiers   -> .venv-verifiers/bin/python (verifiers; openai < 3, mcp 2.0.0)
+# Made from the same Python as .venv (launch/install.sh first): the episodes run a standard-library
+# part of this checkout there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kind="${1:-}"
+case "$kind" in
+  openenv) pins="openenv-core==0.3.0 openai==3.57.0" ;;
+  verifiers) pins="verifiers==0.4.0" ;;
+  *) echo "error: bash launch/agent_env.sh KIND: KIND is openenv or verifiers (got '$kind')" >&2; exit 2 ;;
+esac
+[ -x .venv/bin/python ] || { echo "error: .venv is missing: run bash launch/install.sh first" >&2; exit 2; }
+venv=".venv-$kind"
+stamp="$venv/.installed-$(echo "$pins" | sha1sum | cut -c1-12)"
+if [ -f "$stamp" ]; then
+  echo "$venv is up to date ($pins)"
+  exit 0
+fi
+rm -rf "$venv"
+.venv/bin/python -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip
+# shellcheck disable=SC2086
+"$venv/bin/python" -m pip install -q $pins
+touch "$stamp"
+echo "Installed $pins into $(cd "$venv" && pwd): task.agent_python=$(cd "$venv" && pwd)/bin/python"

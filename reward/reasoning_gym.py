@@ -1,6 +1,7 @@
 """reasoning-gym's procedural tasks, as its authors wrote them: rows from any of its datasets,
 mixed the way its `CompositeDataset` mixes them, each completion scored by its own dataset's
-`score_answer` on the answer between `<answer>` tags (reasoning-gym's `extract_answer`).
+`score_answer` on the answer between `<answer>` tags (reasoning-gym's `extract_answer`), or on its
+last number (`extract_answer: final_answer`, for a model that does not write the tags).
 
 `task=reasoning_gym task.datasets=[{name: basic_arithmetic, weight: 1, config: {...}}, ...]`:
 before Ray starts, `launch.checks` refuses an unknown dataset or config key (`spec_errors`) and
@@ -40,9 +41,12 @@ def spec_errors(specs: list[dict[str, Any]], field: str = "task.datasets") -> li
     if not specs:
         return [f"{field} is empty: name at least one reasoning-gym dataset, e.g. "
                 f"{field}=[{{name: basic_arithmetic, weight: 1}}]"]
-    names = [s.get("name") for s in specs]
+    names = [s.get("name") if isinstance(s, dict) else None for s in specs]
     for i, spec in enumerate(specs):
         where = f"{field}[{i}]"
+        if not isinstance(spec, dict):
+            errors.append(f"{where}={spec!r}: an entry is a mapping {{name: ..., weight: ..., config: {{...}}}}")
+            continue
         unknown = sorted(set(spec) - {"name", "weight", "config"})
         if unknown:
             errors.append(f"{where} has the key(s) {', '.join(unknown)}; a dataset entry takes name, weight, config")
@@ -59,6 +63,9 @@ def spec_errors(specs: list[dict[str, Any]], field: str = "task.datasets") -> li
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
             errors.append(f"{where}.weight={weight!r}: must be a number above 0")
         config = spec.get("config") or {}
+        if not isinstance(config, dict):
+            errors.append(f"{where}.config={config!r}: must be a mapping of {name}'s config keys")
+            continue
         _, config_cls = factory.DATASETS[name]
         keys = {f.name for f in dataclasses.fields(config_cls)}
         bad = sorted(set(config) - keys)

@@ -41,6 +41,8 @@ SPECS = [
     ([{"name": "chain_sum"}, {"name": "chain_sum"}], "task.datasets[1].name='chain_sum' is named twice"),
     ([{"name": "chain_sum", "weights": 2}], "task.datasets[0] has the key(s) weights; a dataset entry takes name, "
                                             "weight, config"),
+    (["chain_sum"], "task.datasets[0]='chain_sum': an entry is a mapping {name: ..., weight: ..., config: {...}}"),
+    ([{"name": "chain_sum", "config": 3}], "task.datasets[0].config=3: must be a mapping of chain_sum's config keys"),
 ])
 def test_bad_dataset_entries_are_named(specs: list[dict], needle: str) -> None:
     errors = ours.spec_errors(specs)

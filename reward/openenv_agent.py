@@ -12,14 +12,13 @@ the next user turn, until the environment says done or `max_turns`. The episode'
 sum of the environment's rewards. A server that hangs or dies costs its episode only: its calls
 raise or overrun `task.agent_timeout_s`, and the episode is an error sample.
 
-Runs where only the standard library of ours is importable: no module of ours is imported here.
+Runs where only the standard library part of ours is importable (reward.loader here).
 openenv-core and openai are imported at the top, so the agent pool's zygote imports them once (its
 import pulls in FastAPI and gradio: ~10 s) and every episode's fresh fork has them.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import typing
 from typing import Any
@@ -27,12 +26,9 @@ from typing import Any
 import openenv.core  # noqa: F401 - imported once, in the zygote, not by every episode
 from openai import AsyncOpenAI
 
+from reward.loader import load_object  # standard library only, as the zygote's own loader
+
 _SKIPPED = ("done", "reward", "metadata")
-
-
-def _load(spec: str) -> Any:
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
 
 
 def action_class(client: type) -> type:
@@ -61,7 +57,7 @@ async def episode(base_url: str, row: dict, *, client: str, server_url: str, act
                   reset_kwargs: dict | None = None) -> float:
     """One episode of the environment behind `server_url` through `client` ("module:Class", the
     environment's own `EnvClient` subclass), the model reached at `base_url`."""
-    env_client = _load(client)
+    env_client = load_object(client, None, field="task.agent_kwargs.client")
     action = action_class(env_client)
     llm = AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
     async with env_client(base_url=server_url) as env:

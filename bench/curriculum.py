@@ -14,14 +14,13 @@ makes nearly every group so); beside the curriculum's `curriculum/skipped_frac`.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from bench.machine import launch_train, machine_info, write_result
+from bench.machine import launch_train, machine_info, parse_flags, write_result
 
 
 def run(extra: list[str], train_file: Path, steps: int) -> tuple[list[dict], list[float]]:
@@ -39,12 +38,7 @@ def run(extra: list[str], train_file: Path, steps: int) -> tuple[list[dict], lis
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--out", default="bench/results/curriculum.json")
-    args = parser.parse_args(argv)
+    args = parse_flags(__doc__, argv, rows=32, steps=16, epochs=1, out="bench/results/curriculum.json")
     info = machine_info()
     rows = Path("artifacts/math_chat/data/train.jsonl").read_text().splitlines()[: args.rows]
     first_epoch = args.rows // 8

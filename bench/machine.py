@@ -4,6 +4,7 @@ comparable between runs with the same); and the `--device` choice the benchmarks
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import subprocess
@@ -48,6 +49,20 @@ def gpu_info() -> dict[str, Any] | None:
             "memory_gib": [round(p.total_memory / 2**30, 1) for p in props],
             "capability": [f"{p.major}.{p.minor}" for p in props], "cuda": torch.version.cuda,
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def parse_flags(doc: str, argv: list[str] | None, **defaults: Any) -> argparse.Namespace:
+    """A benchmark's command line made from its defaults: one `--name` per keyword (underscores as
+    dashes), typed like its default (a bool is `--name/--no-name`); the description is `doc`'s
+    first paragraph."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    for name, default in defaults.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
+        else:
+            parser.add_argument(flag, type=type(default), default=default)
+    return parser.parse_args(argv)
 
 
 def add_device_arg(parser, what: str) -> None:

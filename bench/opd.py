@@ -16,12 +16,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from bench.machine import launch_train, machine_info, write_result
+from bench.machine import launch_train, machine_info, parse_flags, write_result
 
 ROOT = Path("artifacts/opd")
 RECIPE = ["model=smollm2", "task=math_chat", "run.save_every=0"]
@@ -85,13 +84,8 @@ def teacher_check(student: str, teacher: str, prompts: int = 8) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--teacher-steps", type=int, default=40)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--eval-every", type=int, default=5)
-    parser.add_argument("--distill-coef", type=float, default=1.0)
-    parser.add_argument("--out", default="bench/results/opd.json")
-    args = parser.parse_args(argv)
+    args = parse_flags(__doc__, argv, teacher_steps=40, steps=20, eval_every=5, distill_coef=1.0,
+                       out="bench/results/opd.json")
     info = machine_info()
     teacher_dir = ROOT / "teacher"
     teacher = teacher_dir / "final_model"

@@ -7,7 +7,8 @@ the published mean generation length and its cap, the split of GPUs between gene
 training (colocated: they take turns; split with one step off-policy: they overlap), and how many
 optimizer steps a GRPO step makes. The ratio is predicted / published step time. What the
 planner does not model (KV-cache reads at long contexts, pipeline bubbles, FP8, stragglers) and
-what is assumed where a figure was not published is stated per row. No GPU is needed: this is the
+what is assumed where a figure was not published is stated per row. The published figures are data:
+bench/peer_figures.json. No GPU is needed: this is the
 planner's arithmetic. Results: bench/results/peer_predictions.json, the table in docs/benchmarks.md.
 
     python -m bench.peer_predictions [--out bench/results/peer_predictions.json]
@@ -15,24 +16,12 @@ planner's arithmetic. Results: bench/results/peer_predictions.json, the table in
 
 from __future__ import annotations
 
-import argparse
+import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-from bench.machine import machine_info, write_result
-
-# standard Hugging Face configs of the published models (the keys the FLOP count reads)
-MODELS = {
-    "Llama-3.1-8B": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, params=8.03e9),
-    "Qwen3-32B": dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
-                      num_key_value_heads=8, head_dim=128, vocab_size=151936, params=32.8e9),
-    "Qwen2.5-Math-7B": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                            num_key_value_heads=4, vocab_size=152064, params=7.6e9),
-}
-NEMO = "NeMo-RL docs/about/performance-summary.md (v0.5)"
-VERL = "verl docs/advance/fully_async.md"
-
+from bench.machine import machine_info, parse_flags, write_result
 
 @dataclass(frozen=True)
 class Published:
@@ -55,26 +44,9 @@ class Published:
     length_published: bool = True  # False: completion_len is assumed (the implied one is solved for too)
 
 
-ROWS = [
-    Published(NEMO, "Llama-3.1-8B", "H100 SXM", 16, 16, True, 1, 64, 32, 4, 100, 1019, 3996, 0, 92.8,
-              "on-policy, colocated; 1,581 tokens/s/GPU"),
-    Published(NEMO, "Llama-3.1-8B", "H100 SXM", 8, 8, False, 1, 64, 32, 4, 100, 1123, 3996, 1, 64.8,
-              "1 step off-policy, 8 generating + 8 training"),
-    Published(NEMO, "Llama-3.1-8B", "GB200", 8, 8, True, 1, 64, 32, 4, 100, 1066, 3996, 0, 91.0,
-              "on-policy, colocated"),
-    Published(NEMO, "Qwen3-32B", "H100 SXM", 32, 32, True, 4, 64, 32, 4, 100, 3251, 3996, 0, 376.0,
-              "on-policy, colocated; generation TP4, training TP4 x PP4"),
-    Published(NEMO, "Qwen3-32B", "H100 SXM", 32, 32, False, 4, 64, 32, 4, 100, 3252, 3996, 1, 200.0,
-              "1 step off-policy, 32 generating + 32 training"),
-    Published(NEMO, "Qwen3-32B", "GB200", 16, 16, True, 1, 64, 32, 4, 100, 3253, 3996, 0, 381.0,
-              "on-policy, colocated; generation TP1"),
-    Published(VERL, "Qwen2.5-Math-7B", "H20", 128, 128, True, 1, 512, 16, 16, 200, 6000, 28672, 0, 356.3,
-              "DAPO, colocated; mean response length NOT published: 6,000 assumed; mini-batch 32 prompts",
-              False),
-    Published(VERL, "Qwen2.5-Math-7B", "H20", 64, 64, False, 1, 512, 16, 16, 200, 6000, 28672, 1, 150.63,
-              "fully async 64:64 (staleness 0.5, partial rollouts); mean response length NOT published: 6,000",
-              False),
-]
+FIGURES = json.loads((Path(__file__).with_name("peer_figures.json")).read_text())
+MODELS = FIGURES["models"]  # standard Hugging Face configs of the published models (the keys the FLOP count reads)
+ROWS = [Published(**{**run, "source": FIGURES["sources"][run["source"]]}) for run in FIGURES["runs"]]
 
 
 def implied_length(row: Published) -> float:
@@ -105,9 +77,7 @@ def predict(row: Published):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results/peer_predictions.json")
-    args = parser.parse_args(argv)
+    args = parse_flags(__doc__, argv, out="bench/results/peer_predictions.json")
     out = []
     print(f"{'source':8} {'model':16} {'GPUs':>12} {'P x n':>8} {'mean/cap':>11} | {'published':>9} {'predicted':>9} "
           f"{'ratio':>6} | rollout learner sync")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from rl.plan.memory_plan import GIB, LEARNER_RUNTIME_GIB, ModelShape, Settings, make_plan
+from rl.plan.memory_plan import GIB, RUNTIME_GIB, ModelShape, Settings, make_plan
 from test_bad_inputs import RAY_STARTED
 from tests.conftest import imported_packages
 
@@ -71,11 +71,11 @@ def test_zero0_fp32_one_rank_by_hand():
         "activations": act_per_token_layer(128) * tokens * 16 * 4 + 3 * 2048 * tokens * 4,  # + final norm
         # the LM head sees only the 4 x 64 completion tokens: three fp32 copies + its fp32 output
         "logits": 4 * 64 * 128256 * (3 * 4 + 4),
-        "process runtime (torch, DeepSpeed, Ray)": LEARNER_RUNTIME_GIB * GIB,
+        "process runtime (torch, DeepSpeed, Ray)": RUNTIME_GIB["learner"] * GIB,
     }
     assert parts == pytest.approx(expected)
     assert plan.role("learner").per_process == pytest.approx(20 * P + expected["activations"] + expected["logits"]
-                                                             + LEARNER_RUNTIME_GIB * GIB)
+                                                             + RUNTIME_GIB["learner"] * GIB)
     assert expected["activations"] == 1_661_992_960  # 50,336 x 512 x 16 x 4 + 12,582,912: 1.55 GiB
     # 20 x P = 23.02 GiB of weights and AdamW state alone: with activations, logits and the runtime
     # the learner needs 25.7 GiB, more than the 24 GiB machine has
@@ -104,7 +104,7 @@ def test_zero2_bf16_two_ranks_by_hand():
         # three fp32 copies + the bf16 output, + exp() and its product for the entropy metric
         "logits": tokens * 128256 * (3 * 4 + 2) + tokens * 128256 * 8,
         "reference weights": 2 * P,                    # bf16, not sharded below ZeRO-3
-        "process runtime (torch, DeepSpeed, Ray)": LEARNER_RUNTIME_GIB * GIB,
+        "process runtime (torch, DeepSpeed, Ray)": RUNTIME_GIB["learner"] * GIB,
     }
     assert parts == pytest.approx(expected)
     assert plan.role("learner").count == 2
@@ -132,7 +132,7 @@ def test_zero3_offload_on_gpus_by_hand():
         "policy fp32 master copy, offloaded": 4 * P / 4,
         "policy AdamW m, v (fp32), offloaded": 8 * P / 4,
         "policy AdamW step temporary, offloaded": 4 * P / 4,
-        "process runtime (torch, DeepSpeed, Ray)": LEARNER_RUNTIME_GIB * GIB,
+        "process runtime (torch, DeepSpeed, Ray)": RUNTIME_GIB["learner"] * GIB,
     }
     assert learner.parts == pytest.approx(device)
     assert learner.host_parts == pytest.approx(host)

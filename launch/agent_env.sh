@@ -3,11 +3,14 @@
 # its interpreter in task.agent_python (docs/bring-your-environment.md):
 #   bash launch/agent_env.sh openenv     -> .venv-openenv/bin/python (openenv-core; gradio pins pillow < 13)
 #   bash launch/agent_env.sh verifiers   -> .venv-verifiers/bin/python (verifiers; openai < 3, mcp 2.0.0)
+# Arguments after KIND are more packages for it, pip's way (a folder, a wheel, name==version): an
+# environment's own package, e.g. bash launch/agent_env.sh verifiers examples/verifiers_sum
 # Made from the same Python as .venv (launch/install.sh first): the episodes run a standard-library
 # part of this checkout there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind="${1:-}"
+shift || true
 case "$kind" in
   openenv) pins="openenv-core==0.3.0 openai==3.57.0" ;;
   verifiers) pins="verifiers==0.4.0" ;;
@@ -18,12 +21,18 @@ venv=".venv-$kind"
 stamp="$venv/.installed-$(echo "$pins" | sha1sum | cut -c1-12)"
 if [ -f "$stamp" ]; then
   echo "$venv is up to date ($pins)"
-  exit 0
+else
+  rm -rf "$venv"
+  .venv/bin/python -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  # shellcheck disable=SC2086
+  "$venv/bin/python" -m pip install -q $pins
+  touch "$stamp"
+  echo "Installed $pins into $(cd "$venv" && pwd)"
 fi
-rm -rf "$venv"
-.venv/bin/python -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-# shellcheck disable=SC2086
-"$venv/bin/python" -m pip install -q $pins
-touch "$stamp"
-echo "Installed $pins into $(cd "$venv" && pwd): task.agent_python=$(cd "$venv" && pwd)/bin/python"
+if [ "$#" -gt 0 ]; then  # reinstalled each time: a local folder may have changed
+  "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$@"
+  "$venv/bin/python" -m pip check -q >/dev/null || { "$venv/bin/python" -m pip check >&2; exit 2; }
+  echo "Installed $* into $venv"
+fi
+echo "task.agent_python=$(cd "$venv" && pwd)/bin/python"

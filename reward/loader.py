@@ -179,8 +179,9 @@ def _check_signature(fn: Callable[..., Any], prefix: str) -> None:
 def load_agent_function(spec: str, base_dir: str | None, kwargs: dict[str, Any],
                         field: str = "task.agent") -> Callable[..., Any]:
     """Import the agent function named by `spec` and check, before any episode, that it can be
-    called as `fn(base_url, row, **kwargs)` (rl/run/agents.py). An async function is accepted:
-    reward.agent_procs runs the coroutine it returns with asyncio.run."""
+    called as `fn(base_url, row, **kwargs)` (rl/run/agents.py), and, when the function has a
+    `check_kwargs` attribute, that `fn.check_kwargs(**kwargs)` accepts their values. An async
+    function is accepted: reward.agent_procs runs the coroutine it returns with asyncio.run."""
     obj = load_object(spec, base_dir, field=field)
     if not callable(obj):
         raise RewardLoadError(
@@ -195,6 +196,12 @@ def load_agent_function(spec: str, base_dir: str | None, kwargs: dict[str, Any],
         sig.bind("http://x", {}, **kwargs)
     except TypeError as exc:
         raise RewardLoadError(f"{field}={spec!r}: {_agent_call_problem(sig, spec, kwargs, field, exc)}") from exc
+    check = getattr(obj, "check_kwargs", None)  # the agent's own look at its kwargs' values
+    if callable(check):
+        try:
+            check(**kwargs)
+        except Exception as exc:  # noqa: BLE001 - any refusal is the config's error, named
+            raise RewardLoadError(f"{field}={spec!r}: {field}_kwargs refused: {type(exc).__name__}: {exc}") from exc
     return obj
 
 

@@ -32,11 +32,12 @@ _SKIPPED = ("done", "reward", "metadata")
 
 
 def action_class(client: type) -> type:
-    """The Action type the user's `EnvClient[Action, Observation, State]` subclass declares."""
+    """The Action type the user's `EnvClient[Action, Observation, State]` subclass declares (dict
+    for openenv-core's GenericEnvClient, whose actions are `Dict[str, Any]`)."""
     for base in getattr(client, "__orig_bases__", ()):
         args = typing.get_args(base)
         if args:
-            return args[0]
+            return typing.get_origin(args[0]) or args[0]
     raise TypeError(f"{client.__name__} does not declare its action type (subclass EnvClient[Action, Obs, State])")
 
 

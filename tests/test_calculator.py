@@ -226,7 +226,9 @@ def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("steps", [MECHANICS, pytest.param(30, id="learning", marks=pytest.mark.full)])
+# the default lane's agent run is tests/test_hostile_agents.py's (2 steps, same task, sync checked)
+@pytest.mark.parametrize("steps", [pytest.param(2, id="mechanics", marks=pytest.mark.full),
+                                   pytest.param(30, id="learning", marks=pytest.mark.full)])
 def test_calculator_agent_written_with_the_openai_client_learns(tiny_calc, tmp_path, steps):
     """`task=calculator_agent`: the calculator episode as plain `openai`-client agent code
     (examples/calculator_agent.py) served by the streaming engines through the agent server. Over

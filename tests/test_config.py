@@ -241,3 +241,54 @@ def test_streaming_mode_names_what_it_needs():
         compose_config(["task=calculator_agent", "rollout.backend=hf", "rollout.mode=batch"])
     with pytest.raises(ConfigError, match="rollout.mode='stream': choose one of batch, streaming"):
         compose_config(["rollout.mode=stream"])
+
+
+def test_task_env_openenv_becomes_the_openenv_agent_episode():
+    """task.env=openenv:<EnvClient class or URL> (rl/config/schema.py expand_openenv, the first step
+    of validate): the OpenEnv episode agent, with the client, the server, task.env_kwargs and
+    task.max_turns as its kwargs; a URL alone plays through openenv-core's generic client."""
+    from rl.config.compose import compose
+    from rl.config.schema import OPENENV_AGENT, OPENENV_GENERIC_CLIENT
+
+    cfg = compose("train", ["task=openenv_sum", "task.agent_python="])  # this host may not have made the venv
+    assert cfg.task.agent == OPENENV_AGENT and cfg.task.env is None and dict(cfg.task.env_kwargs) == {}
+    assert dict(cfg.task.agent_kwargs) == {"client": "examples.openenv_sum.client:SumEnv", "max_turns": 2,
+                                           "server_url": "http://127.0.0.1:8001", "action_field": "message"}
+    validate(cfg)  # expanded once: validating again changes nothing
+    assert cfg.task.agent == OPENENV_AGENT and cfg.task.agent_kwargs.client.endswith(":SumEnv")
+    cfg = compose("train", ["task=openenv_sum", "task.agent_python=", "task.env=openenv:http://10.0.0.2:9000",
+                            "task.max_turns=3"])
+    assert cfg.task.agent_kwargs.client == OPENENV_GENERIC_CLIENT
+    assert cfg.task.agent_kwargs.server_url == "http://10.0.0.2:9000" and cfg.task.agent_kwargs.max_turns == 3
+    cfg = compose("train", ["task=calculator"])  # any other task.env is left as it is
+    assert cfg.task.env == "examples.calculator:Calculator" or ":" in cfg.task.env
+    assert not cfg.task.agent
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["task.agent=my_agents.py:play"], "set task.agent=null"),
+    (["~task.env_kwargs.server_url"], "task.env_kwargs.server_url=http://HOST:PORT"),
+    (["task.env=openenv:sum_env"], "expected openenv:package.module:EnvClientClass or openenv:http://HOST:PORT"),
+])
+def test_task_env_openenv_refuses_what_it_cannot_play(overrides, says):
+    from rl.config.compose import compose
+
+    with pytest.raises(ConfigError) as err:
+        compose("train", ["task=openenv_sum", "task.agent_python=", *overrides])
+    assert says in str(err.value) and "task.env='openenv:" in str(err.value), str(err.value)
+
+
+def test_agent_kwargs_reach_the_agent_as_plain_values():
+    """Nested task.agent_kwargs become dicts and lists all the way down: an agent in another
+    interpreter (task.agent_python, no omegaconf there) must unpickle them."""
+    import pickle
+
+    from launch.components import agent_kwargs
+    from rl.config.compose import compose
+
+    cfg = compose("train", ["task=verifiers_sum", "task.agent_python=", "+task.agent_kwargs.sampling={max_tokens: 8}",
+                            "+task.agent_kwargs.tags=[a, b]"])
+    kwargs = agent_kwargs(cfg.task)
+    assert kwargs == {"environment": "verifiers_sum", "taskset_args": {"n": 2000}, "sampling": {"max_tokens": 8},
+                      "tags": ["a", "b"]}
+    assert b"omegaconf" not in pickle.dumps(kwargs)

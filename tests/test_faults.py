@@ -236,6 +236,7 @@ def _critic_state(run_dir: str, step: int) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.full  # ~3 min, three runs; the default lane resumes in tests/test_e2e.py's mechanics runs
 def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_an_uninterrupted_one(
         base_args, make_config, tmp_path):
     """PPO (policy + critic), lock-step: SIGTERM mid-run finishes the step, writes a checkpoint,

@@ -268,7 +268,9 @@ def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(ti
     failing = {"raise_before_call", "call_then_hang", "segfault", "reward_nan", "sys_exit"}
     for m in metrics:  # each failing agent's two episodes, every step; two of them killed at the deadline
         assert m["agent/errors_count"] == 2 * len(failing) and m["agent/timeouts_count"] == 2, m
+        assert m["sync/logprob_max_abs_diff"] < 1e-3  # learner and engine agree on every model token
         assert f"{2 * len(failing)} reward errors ({2 * len(failing)} agents failed, 2 of them killed" in printed
+    assert metrics[1]["sync/weights_mb"] > 0  # the update reached the engine before step 2 sampled
     logged = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
     by_case = {}
     for row in logged:

@@ -109,6 +109,23 @@ def test_an_openenv_environment_plays_token_exact_with_its_own_rewards(openenv_p
                 assert after.prompt_ids[: len(head)] == head
 
 
+def test_a_url_alone_plays_through_openenv_s_generic_client(openenv_python, sum_server):
+    """task.env=openenv:http://... : openenv-core's GenericEnvClient (actions and observations as
+    dicts) plays the same environment, with the same rewards, as its own typed client."""
+    tok = calculator_tokenizer()
+    kwargs = {"client": "openenv.core.generic_client:GenericEnvClient", "server_url": sum_server,
+              "action_field": "message", "max_turns": 2}
+    rows = [{"prompt": "", "seed": s} for s in range(4)]
+    with AgentServer(tok, _policy(tok, True), max_new_tokens=8, max_model_len=256) as server:
+        pool = AgentPool("reward.openenv_agent:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python)
+        try:
+            outcomes, calls = _play(server, pool, rows)
+        finally:
+            pool.close()
+    for i in range(len(rows)):  # wrong first (0), then right after the hint
+        assert outcomes[i].error is None and outcomes[i].value == 1.0 and len(calls[i]) == 2, (outcomes[i], calls[i])
+
+
 def test_a_server_that_hangs_or_is_gone_costs_only_its_episode(openenv_python, sum_server, tmp_path):
     """A row sent to a server that accepts but never answers (a hang: the episode's deadline ends
     it) or to a closed port (gone: the client raises) is an error; the other rows play."""
@@ -153,7 +170,7 @@ def test_two_training_steps_on_the_sum_environment(openenv_python, sum_server, t
 
     out, _ = tiny_calc
     cfg = compose_config(["task=openenv_sum", f"model.path={out}/model", f"task.agent_python={openenv_python}",
-                          f"task.agent_kwargs.server_url={sum_server}", f"task.train_files=[{tmp_path}/data/train.jsonl]",
+                          f"task.env_kwargs.server_url={sum_server}", f"task.train_files=[{tmp_path}/data/train.jsonl]",
                           f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=2", "task.prompts_per_step=4",
                           "run.save_every=0", "run.save_final_model=false", "run.log_samples_per_step=32"])
     from examples.openenv_sum import write_data

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from rl.config.algorithm_names import ALGORITHM_CHOICES, advantage_needs, advantages_needing
 
@@ -187,7 +187,9 @@ class TaskConfig:
     seed: int = 0  # the seed task.datasets' rows are drawn with (not run.seed: the same rows for every run)
     instruction: str = ""  # appended to each question of task.datasets (e.g. "Reply with just the number.")
     # Multi-turn episodes (rl/data/env.py): the environment class, "package.module:Class" or
-    # "path/file.py:Class", built per episode with env_kwargs; null = single-turn completions
+    # "path/file.py:Class", built per episode with env_kwargs; null = single-turn completions.
+    # "openenv:<EnvClient class or http://server>": an OpenEnv environment (expand_openenv
+    # below: played as agent episodes of reward/openenv_agent.py, env_kwargs theirs)
     env: str | None = None
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4  # model turns per episode at most (rollout.max_new_tokens is per turn)
@@ -648,8 +650,44 @@ def _task_rows_errors(t: Any) -> list[str]:
     return errors
 
 
+OPENENV_AGENT = "reward.openenv_agent:episode"
+OPENENV_GENERIC_CLIENT = "openenv.core.generic_client:GenericEnvClient"  # openenv-core's dict-in, dict-out client
+
+
+def expand_openenv(cfg: Any) -> None:
+    """`task.env=openenv:<EnvClient class or server URL>`: an OpenEnv environment, whose server runs
+    outside the trainer, so its episodes are agent episodes of reward/openenv_agent.py; task.agent
+    and task.agent_kwargs are filled in from it (with task.env_kwargs and task.max_turns). A URL
+    alone plays through openenv-core's GenericEnvClient, actions and observations as dicts."""
+    env = cfg.task.env
+    if not (isinstance(env, str) and env.startswith("openenv:")):
+        return
+    target = env[len("openenv:"):].strip()
+    if cfg.task.agent:
+        raise ConfigError(f"task.env={env!r} plays its episodes as task.agent={OPENENV_AGENT}, and task.agent="
+                          f"{cfg.task.agent!r} is set too: set task.agent=null")
+    def plain(node: Any) -> dict:
+        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
+
+    kwargs = {"max_turns": cfg.task.max_turns, **plain(cfg.task.agent_kwargs), **plain(cfg.task.env_kwargs)}
+    if target.startswith(("http://", "https://")):
+        kwargs["server_url"] = target
+        kwargs.setdefault("client", OPENENV_GENERIC_CLIENT)
+    elif ":" in target:
+        kwargs["client"] = target
+        if not kwargs.get("server_url"):
+            raise ConfigError(f"task.env={env!r} needs its server's address: task.env_kwargs.server_url=http://HOST:PORT "
+                              "(or task.env=openenv:http://HOST:PORT with openenv-core's generic client)")
+    else:
+        raise ConfigError(f"task.env={env!r}: expected openenv:package.module:EnvClientClass or openenv:http://HOST:PORT")
+    cfg.task.agent, cfg.task.env = OPENENV_AGENT, None
+    cfg.task.agent_kwargs, cfg.task.env_kwargs = kwargs, {}
+
+
 def validate(cfg: Any) -> None:
-    """Raise ConfigError listing every bad field of a merged TrainConfig, with the fix."""
+    """Raise ConfigError listing every bad field of a merged TrainConfig, with the fix (after
+    expanding `task.env=openenv:...`, the one shorthand a config may hold)."""
+    expand_openenv(cfg)
     check_schema(cfg)
     errors: list[str] = []
     for key, choices in _CHOICES.items():

@@ -265,6 +265,32 @@ def resolve_enforce_eager(cfg: Any, plan: Plan | None) -> str | None:
     return f"rollout.enforce_eager=auto -> {str(eager).lower()}: {why}"
 
 
+SLOW_BF16_RATIO = 3.0  # bf16 matmuls this many times slower than fp32: the CPU lacks bf16 instructions
+
+
+def slow_bf16_note(bf16_tflops: float, fp32_tflops: float) -> str | None:
+    """A warning when this CPU's bf16 matmuls are SLOW_BF16_RATIO or more times slower than its fp32
+    ones (a CPU without AVX512-BF16 or AMX emulates bf16), else None."""
+    if bf16_tflops <= 0 or fp32_tflops / bf16_tflops < SLOW_BF16_RATIO:
+        return None
+    return (f"warning: model.dtype=bfloat16 on this CPU: its bf16 matmuls ran at {bf16_tflops:.3f} TFLOP/s, "
+            f"{fp32_tflops / bf16_tflops:.0f}x slower than float32's {fp32_tflops:.3f} (no bf16 instructions: "
+            "AVX512-BF16 or AMX); model.dtype=float32 runs faster here (its weights take twice the memory)")
+
+
+def cpu_bf16_warning(plan: Plan | None) -> str | None:
+    """slow_bf16_note for a bf16 run on CPUs whose speed was measured (a ~0.5 s fp32 probe more)."""
+    if plan is None or plan.host is None or plan.settings.on_gpu or plan.settings.dtype != "bfloat16" \
+            or plan.settings.peak_tflops:
+        return None
+    import torch
+
+    from rl.plan.flops import measure_matmul_tflops
+
+    fp32 = measure_matmul_tflops(torch.float32, size=1024, seconds=0.06, windows=8, budget_s=1.0)
+    return slow_bf16_note(plan.host.peak_tflops, fp32)
+
+
 def preflight(cfg: Any) -> Plan | None:
     """launch.train's check before Ray starts: print the table and raise a ConfigError naming the
     numbers and the fix when the run cannot fit (no plan when `cluster.preflight=false`); then
@@ -276,6 +302,9 @@ def preflight(cfg: Any) -> Plan | None:
             print(render(plan, fix), flush=True)
             raise ConfigError(refusal(plan, fix))
         print(summary_line(plan), flush=True)
+        warning = cpu_bf16_warning(plan)
+        if warning:
+            print(warning, flush=True)
     note = resolve_enforce_eager(cfg, plan)
     if note:
         print(note, flush=True)
@@ -304,9 +333,9 @@ def main(argv: list[str] | None = None) -> None:
     print(render(plan, fix), flush=True)
     if not plan.fits:
         fail(ConfigError(refusal(plan, fix)))
-    note = resolve_enforce_eager(cfg, plan)
-    if note:
-        print(note, flush=True)
+    for note in (cpu_bf16_warning(plan), resolve_enforce_eager(cfg, plan)):
+        if note:
+            print(note, flush=True)
 
 
 if __name__ == "__main__":

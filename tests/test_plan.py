@@ -263,3 +263,17 @@ def test_hybrid_plan_checks_each_phase_of_the_gpu_hand_over():
     assert all(c.fits for c in plan.checks)
     greedy = make_plan(shape, Settings(**{**s.__dict__, "gpu_memory_utilization": 0.99}), 64 * GIB, 80 * GIB)
     assert not {c.what: c for c in greedy.checks}["rollout engine on the shared GPU (learner offloaded)"].fits
+
+
+def test_slow_bf16_is_named_with_its_fix():
+    """launch.plan warns when this CPU's bf16 matmuls are 3x or more slower than its fp32 ones (a
+    CPU without AVX512-BF16 or AMX: SmolLM2's recipe in bf16 predicted 8,000 s a step on one),
+    naming model.dtype=float32; a CPU whose bf16 is as fast or faster gets no warning."""
+    from launch.plan import slow_bf16_note
+
+    note = slow_bf16_note(0.001, 0.120)
+    assert note is not None and "120x slower" in note and "model.dtype=float32" in note
+    assert slow_bf16_note(0.05, 0.16) is not None  # 3.2x: over the threshold (3x)
+    assert slow_bf16_note(0.06, 0.15) is None  # 2.5x
+    assert slow_bf16_note(1.2, 0.5) is None  # AMX: bf16 the faster one
+    assert slow_bf16_note(0.0, 0.5) is None  # no measurement

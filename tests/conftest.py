@@ -206,6 +206,20 @@ def imported_packages(stderr: str) -> set[str]:
     return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines[1:]}  # lines[0]: the header
 
 
+def play_episodes(server, pool, rows: list[dict], wait_s: float):
+    """Each row an episode of `pool`'s agent against `server` (a rollout.agent_server.AgentServer):
+    (outcome per row index, the calls each episode made), waiting at most `wait_s` for them."""
+    opened = {i: server.open_episode(seed_base=i) for i in range(len(rows))}
+    for i, row in enumerate(rows):
+        pool.start(i, opened[i][1], row)
+    outcomes: dict = {}
+    deadline = time.monotonic() + wait_s
+    while len(outcomes) < len(rows) and time.monotonic() < deadline:
+        outcomes.update(pool.results(0.5))
+    calls = {i: server.close_episode(key) for i, (key, _) in opened.items()}
+    return outcomes, calls
+
+
 def compose_config(overrides: list[str]):
     """The real Hydra config of `launch.train` with overrides, validated, paths made absolute."""
     import launch.checks

@@ -22,6 +22,7 @@ from reward.agent_procs import AgentLimits, AgentPool
 from rl.data.agent_calls import episode_sample
 from rl.data.types import GenerationRequest, Sample
 from rollout.agent_server import AgentServer
+from tests.conftest import play_episodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -75,18 +76,6 @@ def _policy(tok, wrong_first: bool):
     return generate
 
 
-def _play(server: AgentServer, pool: AgentPool, rows: list[dict], wait_s: float = 60.0):
-    opened = {i: server.open_episode(seed_base=i) for i in range(len(rows))}
-    for i, row in enumerate(rows):
-        pool.start(i, opened[i][1], row)
-    outcomes: dict = {}
-    deadline = time.monotonic() + wait_s
-    while len(outcomes) < len(rows) and time.monotonic() < deadline:
-        outcomes.update(pool.results(0.5))
-    calls = {i: server.close_episode(key) for i, (key, _) in opened.items()}
-    return outcomes, calls
-
-
 def test_an_openenv_environment_plays_token_exact_with_its_own_rewards(openenv_python, sum_server):
     tok = calculator_tokenizer()
     kwargs = {"client": CLIENT, "server_url": sum_server, "prompt_key": "prompt"}
@@ -95,7 +84,7 @@ def test_an_openenv_environment_plays_token_exact_with_its_own_rewards(openenv_p
         with AgentServer(tok, _policy(tok, wrong_first), max_new_tokens=8, max_model_len=256) as server:
             pool = AgentPool("reward.openenv_agent:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python)
             try:
-                outcomes, calls = _play(server, pool, rows)
+                outcomes, calls = play_episodes(server, pool, rows, 60)
             finally:
                 pool.close()
         for i in range(len(rows)):
@@ -119,7 +108,7 @@ def test_a_url_alone_plays_through_openenv_s_generic_client(openenv_python, sum_
     with AgentServer(tok, _policy(tok, True), max_new_tokens=8, max_model_len=256) as server:
         pool = AgentPool("reward.openenv_agent:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python)
         try:
-            outcomes, calls = _play(server, pool, rows)
+            outcomes, calls = play_episodes(server, pool, rows, 60)
         finally:
             pool.close()
     for i in range(len(rows)):  # wrong first (0), then right after the hint
@@ -146,7 +135,7 @@ def test_a_server_that_hangs_or_is_gone_costs_only_its_episode(openenv_python, s
                          {"client": CLIENT, "server_url": sum_server}, python=openenv_python)
         try:
             t0 = time.monotonic()
-            outcomes, _ = _play(server, pool, rows, wait_s=30)
+            outcomes, _ = play_episodes(server, pool, rows, 30)
             took = time.monotonic() - t0
         finally:
             silent.close()

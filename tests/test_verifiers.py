@@ -25,6 +25,7 @@ from reward.loader import RewardLoadError
 from rl.data.agent_calls import episode_sample
 from rl.data.types import GenerationRequest, Sample
 from rollout.agent_server import AgentServer
+from tests.conftest import play_episodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -86,18 +87,6 @@ def _policy(tok, wrong: bool = False):
     return generate
 
 
-def _play(server: AgentServer, pool: AgentPool, rows: list[dict], wait_s: float = 90.0):
-    opened = {i: server.open_episode(seed_base=i) for i in range(len(rows))}
-    for i, row in enumerate(rows):
-        pool.start(i, opened[i][1], row)
-    outcomes: dict = {}
-    deadline = time.monotonic() + wait_s
-    while len(outcomes) < len(rows) and time.monotonic() < deadline:
-        outcomes.update(pool.results(0.5))
-    calls = {i: server.close_episode(key) for i, (key, _) in opened.items()}
-    return outcomes, calls
-
-
 def _answers(python: str, n: int) -> list[str]:
     """The taskset's own answers for its first `n` tasks, read in the verifiers environment."""
     code = ("import json, itertools, reward.verifiers_agent as va\n"
@@ -119,7 +108,7 @@ def test_a_verifiers_environment_plays_token_exact_with_its_own_rewards(verifier
             pool = AgentPool(AGENT, ROOT, 2, AgentLimits(60.0), {"environment": "verifiers_sum"},
                              python=verifiers_python)
             try:
-                outcomes, calls = _play(server, pool, rows)
+                outcomes, calls = play_episodes(server, pool, rows, 90)
             finally:
                 pool.close()
         for i, row in enumerate(rows):
@@ -162,7 +151,7 @@ def test_a_broken_taskset_or_row_costs_only_its_episode(verifiers_python, tmp_pa
                          {"environment": "verifiers_sum"}, python=verifiers_python)
         try:
             t0 = time.monotonic()
-            outcomes, _ = _play(server, pool, rows, wait_s=60)
+            outcomes, _ = play_episodes(server, pool, rows, 60)
             took = time.monotonic() - t0
         finally:
             pool.close()

@@ -7,9 +7,9 @@ the published mean generation length and its cap, the split of GPUs between gene
 training (colocated: they take turns; split with one step off-policy: they overlap), and how many
 optimizer steps a GRPO step makes. The ratio is predicted / published step time. What the
 planner does not model (KV-cache reads at long contexts, pipeline bubbles, FP8, stragglers) and
-what is assumed where a figure was not published is stated per row. The published figures are data:
-bench/peer_figures.json. No GPU is needed: this is the
-planner's arithmetic. Results: bench/results/peer_predictions.json, the table in docs/benchmarks.md.
+what is assumed where a figure was not published is stated per row; the published figures are
+data, in bench/peer_figures.json. No GPU is needed: this is the planner's arithmetic. Results:
+bench/results/peer_predictions.json, the table in docs/benchmarks.md.
 
     python -m bench.peer_predictions [--out bench/results/peer_predictions.json]
 """
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.machine import machine_info, parse_flags, write_result
+
 
 @dataclass(frozen=True)
 class Published:
@@ -44,7 +45,7 @@ class Published:
     length_published: bool = True  # False: completion_len is assumed (the implied one is solved for too)
 
 
-FIGURES = json.loads((Path(__file__).with_name("peer_figures.json")).read_text())
+FIGURES = json.loads(Path(__file__).with_name("peer_figures.json").read_text())
 MODELS = FIGURES["models"]  # standard Hugging Face configs of the published models (the keys the FLOP count reads)
 ROWS = [Published(**{**run, "source": FIGURES["sources"][run["source"]]}) for run in FIGURES["runs"]]
 

@@ -6,14 +6,13 @@ each part is built from the typed config and what must start before what.
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rl.config.schema import TrainConfig
+from rl.config.schema import TrainConfig, plain_dict
 from rl.plan.devices import GPU_VISIBILITY_ENV
 
 
@@ -144,15 +143,6 @@ def build_components(cfg: TrainConfig, log=print, started: dict[str, Any] | None
     return fleet, rewards, learner, weights, placement
 
 
-def agent_kwargs(task) -> dict[str, Any]:
-    """task.agent_kwargs as plain Python values, all the way down: the agent gets dicts and lists
-    (not OmegaConf's), and another interpreter can unpickle them without omegaconf."""
-    from omegaconf import OmegaConf
-
-    kwargs = task.agent_kwargs  # a DictConfig, or already a dict in the typed TrainConfig
-    return OmegaConf.to_container(kwargs, resolve=True) if OmegaConf.is_config(kwargs) else copy.deepcopy(dict(kwargs))
-
-
 def load_agent(cfg) -> Any:
     """The `task.agent` function (None without one), checked in the driver before Ray starts: it
     loads, is callable as fn(base_url, row, **task.agent_kwargs). The episodes load it again, each
@@ -162,12 +152,12 @@ def load_agent(cfg) -> Any:
     if cfg.task.agent_python:  # loaded where it will run: a zygote of that interpreter, then closed
         from reward.agent_procs import AgentLimits, AgentPool
 
-        AgentPool(cfg.task.agent, os.getcwd(), 1, AgentLimits(cfg.task.agent_timeout_s), agent_kwargs(cfg.task),
-                  python=cfg.task.agent_python).close()
+        AgentPool(cfg.task.agent, os.getcwd(), 1, AgentLimits(cfg.task.agent_timeout_s),
+                  plain_dict(cfg.task.agent_kwargs), python=cfg.task.agent_python).close()
         return None
     from reward.loader import load_agent_function
 
-    return load_agent_function(cfg.task.agent, os.getcwd(), agent_kwargs(cfg.task), field="task.agent")
+    return load_agent_function(cfg.task.agent, os.getcwd(), plain_dict(cfg.task.agent_kwargs), field="task.agent")
 
 
 def start_agents(cfg: TrainConfig, tokenizer, fleet, repairs):
@@ -192,7 +182,7 @@ def start_agents(cfg: TrainConfig, tokenizer, fleet, repairs):
     t, r = cfg.task, cfg.rollout
     pool = AgentPool(t.agent, os.getcwd(), t.agent_workers,
                      AgentLimits(t.agent_timeout_s, memory_mb=t.agent_memory_mb, max_processes=t.agent_max_processes),
-                     agent_kwargs(t), python=t.agent_python or None)
+                     plain_dict(t.agent_kwargs), python=t.agent_python or None)
     server = AgentServer(tokenizer, generate, host=t.agent_host, port=t.agent_port, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, max_model_len=r.max_model_len,
                          observation_role=t.observation_role, max_calls=t.agent_max_calls)

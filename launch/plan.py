@@ -68,12 +68,21 @@ def gpu_name() -> str:
         return ""
 
 
+def cpu_matmul_tflops(dtype) -> float:
+    """The best of eight short probes of 1024-square matmuls in `dtype` (~0.5 s, at most 1 s): on a
+    shared host (oneDNN bf16 most of all) the speed varies by second and by size, and this size
+    varies least (docs/benchmarks.md); a probe that shares the cores with another process (a run
+    still shutting down) reads low, the best one does not."""
+    from rl.plan.flops import measure_matmul_tflops
+
+    return measure_matmul_tflops(dtype, size=1024, seconds=0.06, windows=8, budget_s=1.0)
+
+
 def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
     """The speeds the step prediction uses: GPU roles, the card's datasheet peak and bandwidth
     (`cluster.peak_tflops` overrides the peak); CPU roles, measured in this process (a ~0.5 s
     probe of matmuls in the run's dtype and of memory copies). Also says why there is none."""
-    from rl.plan.flops import (DATASHEET_GBPS, DATASHEET_TFLOPS, datasheet_card, measure_matmul_tflops,
-                               memory_bandwidth_gbs)
+    from rl.plan.flops import DATASHEET_GBPS, DATASHEET_TFLOPS, datasheet_card, memory_bandwidth_gbs
 
     if s.on_gpu:
         name = gpu_name()
@@ -87,12 +96,7 @@ def host_speeds(cfg: Any, s: Settings) -> tuple[Host | None, str]:
                     + (", cluster.peak_tflops" if s.peak_tflops else "")), ""
     import torch
 
-    # the best of eight short probes of 1024-square matmuls: on a shared host (oneDNN bf16 most of
-    # all) the speed varies by second and by size, and this size varies least (docs/benchmarks.md);
-    # a probe that shares the cores with another process (a run still shutting down) reads low,
-    # the best one does not
-    peak = s.peak_tflops or measure_matmul_tflops(getattr(torch, s.dtype), size=1024, seconds=0.06, windows=8,
-                                                  budget_s=1.0)
+    peak = s.peak_tflops or cpu_matmul_tflops(getattr(torch, s.dtype))
     where = "on this machine, not the cluster's nodes, " if cfg.cluster.address else ""
     return Host(peak, memory_bandwidth_gbs(repeats=3), f"measured {where}in this process"
                 + (" (peak: cluster.peak_tflops)" if s.peak_tflops else "")), ""
@@ -285,10 +289,7 @@ def cpu_bf16_warning(plan: Plan | None) -> str | None:
         return None
     import torch
 
-    from rl.plan.flops import measure_matmul_tflops
-
-    fp32 = measure_matmul_tflops(torch.float32, size=1024, seconds=0.06, windows=8, budget_s=1.0)
-    return slow_bf16_note(plan.host.peak_tflops, fp32)
+    return slow_bf16_note(plan.host.peak_tflops, cpu_matmul_tflops(torch.float32))
 
 
 def preflight(cfg: Any) -> Plan | None:

@@ -132,11 +132,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(main.__doc__)
     env = load(args[0], json.loads(args[2]) if len(args) == 3 else None)
     os.makedirs(os.path.dirname(os.path.abspath(args[1])), exist_ok=True)
+    rows = 0
     with open(args[1], "w") as f:
-        for i, task in enumerate(env.taskset):
-            prompt = task.data.prompt if isinstance(task.data.prompt, str) and task.data.prompt else f"{args[0]} task {i}"
-            f.write(json.dumps({"prompt": prompt, "task_index": i}) + "\n")
-    print(f"wrote {i + 1} rows to {args[1]}")
+        for index, task in enumerate(env.taskset):
+            text = task.data.prompt if isinstance(task.data.prompt, str) and task.data.prompt else ""
+            f.write(json.dumps({"prompt": text or f"{args[0]} task {index}", "task_index": index}) + "\n")
+            rows += 1
+    print(f"wrote {rows} rows to {args[1]}")
 
 
 if __name__ == "__main__":

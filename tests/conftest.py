@@ -220,6 +220,28 @@ def play_episodes(server, pool, rows: list[dict], wait_s: float):
     return outcomes, calls
 
 
+def two_agent_steps(overrides: list[str], write_data, tmp_path) -> list[dict]:
+    """An agent task (`overrides` name it, its model and interpreter) for 2 steps of 4 prompts x 8
+    samples on 64 rows `write_data(dir, n_train=64)` writes: learner and engine agree on every model
+    token at step 0 (the episodes are token-exact), no reward failed; returns the 64 logged samples."""
+    from launch.checks import check_inputs
+    from launch.train import train
+    from rl.run.run_log import read_metrics
+
+    cfg = compose_config([*overrides, f"task.train_files=[{tmp_path}/data/train.jsonl]", f"run.dir={tmp_path}/run",
+                          "run.progress=false", "run.steps=2", "task.prompts_per_step=4", "run.save_every=0",
+                          "run.save_final_model=false", "run.log_samples_per_step=32"])
+    write_data(str(tmp_path), n_train=64)
+    inputs, _ = check_inputs(cfg, [])
+    train(cfg, inputs)
+    metrics = read_metrics(cfg.run.dir)
+    assert len(metrics) == 2 and metrics[0]["sync/logprob_max_abs_diff"] < 1e-3
+    assert all(m["reward/errors_count"] == 0 for m in metrics)
+    rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
+    assert len(rows) == 64
+    return rows
+
+
 def compose_config(overrides: list[str]):
     """The real Hydra config of `launch.train` with overrides, validated, paths made absolute."""
     import launch.checks

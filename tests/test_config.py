@@ -279,16 +279,17 @@ def test_task_env_openenv_refuses_what_it_cannot_play(overrides, says):
 
 
 def test_agent_kwargs_reach_the_agent_as_plain_values():
-    """Nested task.agent_kwargs become dicts and lists all the way down: an agent in another
+    """Nested task.agent_kwargs become dicts and lists all the way down (what launch.components
+    passes to the agent pool): an agent in another
     interpreter (task.agent_python, no omegaconf there) must unpickle them."""
     import pickle
 
-    from launch.components import agent_kwargs
     from rl.config.compose import compose
+    from rl.config.schema import plain_dict
 
     cfg = compose("train", ["task=verifiers_sum", "task.agent_python=", "+task.agent_kwargs.sampling={max_tokens: 8}",
                             "+task.agent_kwargs.tags=[a, b]"])
-    kwargs = agent_kwargs(cfg.task)
+    kwargs = plain_dict(cfg.task.agent_kwargs)
     assert kwargs == {"environment": "verifiers_sum", "taskset_args": {"n": 2000}, "sampling": {"max_tokens": 8},
                       "tags": ["a", "b"]}
     assert b"omegaconf" not in pickle.dumps(kwargs)

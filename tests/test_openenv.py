@@ -150,28 +150,12 @@ def test_two_training_steps_on_the_sum_environment(openenv_python, sum_server, t
     """task=openenv_sum for 2 steps on the tiny chat model: learner and engine agree on every
     model token's log-prob at step 0 (the episodes are token-exact across turns and hints), and
     each logged reward is the environment's own verdict (1 when an answer is a+b, within 2 tries)."""
-    import json
-
-    from launch.checks import check_inputs
-    from launch.train import train
-    from rl.run.run_log import read_metrics
-    from tests.conftest import compose_config
+    from examples.openenv_sum import write_data
+    from tests.conftest import two_agent_steps
 
     out, _ = tiny_calc
-    cfg = compose_config(["task=openenv_sum", f"model.path={out}/model", f"task.agent_python={openenv_python}",
-                          f"task.env_kwargs.server_url={sum_server}", f"task.train_files=[{tmp_path}/data/train.jsonl]",
-                          f"run.dir={tmp_path}/run", "run.progress=false", "run.steps=2", "task.prompts_per_step=4",
-                          "run.save_every=0", "run.save_final_model=false", "run.log_samples_per_step=32"])
-    from examples.openenv_sum import write_data
-
-    write_data(str(tmp_path), n_train=64)
-    inputs, _ = check_inputs(cfg, [])
-    train(cfg, inputs)
-    metrics = read_metrics(cfg.run.dir)
-    assert len(metrics) == 2 and metrics[0]["sync/logprob_max_abs_diff"] < 1e-3
-    assert all(m["reward/errors_count"] == 0 for m in metrics)
-    rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
-    assert len(rows) == 64
+    rows = two_agent_steps(["task=openenv_sum", f"model.path={out}/model", f"task.agent_python={openenv_python}",
+                            f"task.env_kwargs.server_url={sum_server}"], write_data, tmp_path)
     for r in rows:  # the environment's question for the row's reset seed, as server.py draws it
         rng = random.Random(r["data"]["seed"])
         a, b = rng.randint(1, 9), rng.randint(1, 9)

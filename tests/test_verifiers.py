@@ -186,24 +186,11 @@ def test_two_training_steps_on_the_verifiers_environment(verifiers_python, tiny_
     model token's log-prob at step 0 (the episodes are token-exact), no episode fails, and each
     logged reward is verifiers' verdict on that completion (1 when it is the task's sum)."""
     from examples.verifiers_sum import write_data
-    from launch.checks import check_inputs
-    from launch.train import train
-    from rl.run.run_log import read_metrics
-    from tests.conftest import compose_config
+    from tests.conftest import two_agent_steps
 
     out, _ = tiny_calc
-    cfg = compose_config(["task=verifiers_sum", f"model.path={out}/model", f"task.agent_python={verifiers_python}",
-                          f"task.train_files=[{tmp_path}/data/train.jsonl]", f"run.dir={tmp_path}/run",
-                          "run.progress=false", "run.steps=2", "task.prompts_per_step=4", "run.save_every=0",
-                          "run.save_final_model=false", "run.log_samples_per_step=32"])
-    write_data(str(tmp_path), n_train=64)
-    inputs, _ = check_inputs(cfg, [])
-    train(cfg, inputs)
-    metrics = read_metrics(cfg.run.dir)
-    assert len(metrics) == 2 and metrics[0]["sync/logprob_max_abs_diff"] < 1e-3
-    assert all(m["reward/errors_count"] == 0 for m in metrics)
-    rows = [json.loads(line) for line in open(f"{cfg.run.dir}/samples.jsonl")]
-    assert len(rows) == 64
+    rows = two_agent_steps(["task=verifiers_sum", f"model.path={out}/model", f"task.agent_python={verifiers_python}"],
+                           write_data, tmp_path)
     for r in rows:  # the taskset's sum for the row's task, drawn as verifiers_sum draws it (seed 0)
         rng = random.Random(r["data"]["task_index"])
         a, b = rng.randint(1, 9), rng.randint(1, 9)

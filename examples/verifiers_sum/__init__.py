@@ -16,7 +16,8 @@ DEFAULT_DIR = "artifacts/verifiers_sum"
 
 def write_data(out_dir: str = DEFAULT_DIR, seed: int = 0, n_train: int = 2000) -> list[str]:
     """OUT/data/train.jsonl: one row per episode, its `task_index` the taskset's task it plays (the
-    model's prompt comes from the task, the row's `prompt` only names it; the taskset's own `n`, 2000 by default, must be at least `n_train`).
-    `seed` is the builders' common argument: the taskset draws its sums with its own seed."""
-    rows = ({"prompt": f"verifiers_sum task {i}", "task_index": i} for i in range(n_train))  # the prompt: a label
+    model's prompt comes from the task, the row's `prompt` only names it; the taskset's own `n`,
+    2000 by default, must be at least `n_train`). `seed` is the builders' common argument: the
+    taskset draws its sums with its own seed."""
+    rows = ({"prompt": f"verifiers_sum task {i}", "task_index": i} for i in range(n_train))
     return [write_jsonl(Path(out_dir) / "data" / "train.jsonl", rows)]

@@ -8,6 +8,7 @@ No torch/ray imports here: the CLI must reject bad input in well under a second.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 from dataclasses import dataclass, field
@@ -650,6 +651,14 @@ def _task_rows_errors(t: Any) -> list[str]:
     return errors
 
 
+def plain_dict(node: Any) -> dict[str, Any]:
+    """A config mapping (a DictConfig, or a dict in the typed config) as plain Python values all the
+    way down: what user code gets, and what another interpreter can unpickle without omegaconf."""
+    if OmegaConf.is_config(node):
+        return OmegaConf.to_container(node, resolve=True)
+    return copy.deepcopy(dict(node or {}))
+
+
 OPENENV_AGENT = "reward.openenv_agent:episode"
 OPENENV_GENERIC_CLIENT = "openenv.core.generic_client:GenericEnvClient"  # openenv-core's dict-in, dict-out client
 
@@ -666,10 +675,7 @@ def expand_openenv(cfg: Any) -> None:
     if cfg.task.agent:
         raise ConfigError(f"task.env={env!r} plays its episodes as task.agent={OPENENV_AGENT}, and task.agent="
                           f"{cfg.task.agent!r} is set too: set task.agent=null")
-    def plain(node: Any) -> dict:
-        return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node or {})
-
-    kwargs = {"max_turns": cfg.task.max_turns, **plain(cfg.task.agent_kwargs), **plain(cfg.task.env_kwargs)}
+    kwargs = {"max_turns": cfg.task.max_turns, **plain_dict(cfg.task.agent_kwargs), **plain_dict(cfg.task.env_kwargs)}
     if target.startswith(("http://", "https://")):
         kwargs["server_url"] = target
         kwargs.setdefault("client", OPENENV_GENERIC_CLIENT)

@@ -15,6 +15,7 @@ that a ~1M-parameter model can half-learn in seconds: a good starting point for 
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import ProbeStop, Recipe, TaskBuild, build_tokenizer, main, warm_up
+from examples.tiny import ProbeStop, Recipe, TaskBuild, at_two_temperatures, build_tokenizer, main, warm_up
 from rl.data.jsonl import write_jsonl
 from trainer.sft import sequence_logprobs
 
@@ -142,11 +143,7 @@ def build(
     out_dir: str = DEFAULT_DIR,
     seed: int = 0,
     *,
-    n_train: int = 5000,
-    n_test: int = 500,
-    n_eval: int = 300,
     target_accuracy: float = 0.3,
-    n_probe: int = 256,
     **recipe: Any,
 ) -> dict[str, Any]:
     """Generate data, train tokenizer and model, warm up, evaluate, save; returns the summary.
@@ -157,32 +154,24 @@ def build(
     Stopping on accuracy rather than a step count matters: when the model picks up the carry
     differs a lot between seeds, and GRPO needs a policy that is right only some of the time.
     Set `target_accuracy` to 0 or above 1 to disable it. `recipe`: any field of `Recipe`
-    (steps, batch_size, lr, probe_every, hidden, layers, heads, threads, log_every).
+    (steps, batch_size, lr, probe_every, hidden, layers, heads, threads, log_every, n_train, n_test,
+    n_eval, n_probe).
     """
     with TaskBuild(out_dir, seed, RECIPE, recipe) as task:
-        train, test = addition_splits(n_train, n_test, seed=seed)
-        write_data(out_dir, seed, n_train=n_train, n_test=n_test)
+        r = task.recipe
+        train, test = addition_splits(r.n_train, r.n_test, seed=seed)
+        write_data(out_dir, seed, n_train=r.n_train, n_test=r.n_test)
         tokenizer = build_tokenizer(addition_corpus())
         model = task.model(tokenizer)
-        probe_set = train[-n_probe:]
-        stop = ProbeStop(target_accuracy, task.recipe.probe_every,
+        probe_set = train[-r.n_probe:]
+        stop = ProbeStop("accuracy", target_accuracy, r.probe_every,
                          lambda: expected_accuracy(model, tokenizer, probe_set))
         _, sft_summary = warm_up(model, tokenizer, [p.prompt for p in train], [p.answer for p in train],
-                                 task.recipe, seed, stop_fn=stop)
-        eval_set = test[:n_eval]
-        sampled = sample_accuracy(model, tokenizer, eval_set, temperature=1.0, seed=seed)
-        greedy = sample_accuracy(model, tokenizer, eval_set, temperature=0.0, seed=seed)
-        return task.finish(model, tokenizer, train, test, {
-            "sft_target_probe_accuracy": target_accuracy,
-            "sft_probe_accuracy": stop.last,
-            "eval_n": len(eval_set),
-            "expected_accuracy_t1": expected_accuracy(model, tokenizer, eval_set),
-            "sampled_accuracy_t1": sampled["accuracy"],
-            "sampled_well_formed_t1": sampled["well_formed"],
-            "greedy_accuracy": greedy["accuracy"],
-            "greedy_well_formed": greedy["well_formed"],
-            **sft_summary,
-        })
+                                 r, seed, stop_fn=stop)
+        eval_set = test[:r.n_eval]
+        sampled = at_two_temperatures(functools.partial(sample_accuracy, model, tokenizer, eval_set), seed)
+        expected = {"eval_n": len(eval_set), "expected_accuracy_t1": expected_accuracy(model, tokenizer, eval_set)}
+        return task.finish(model, tokenizer, train, test, stop.figures(), sft_summary, sampled, expected)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ the one without a tool call, is its answer (`102`), right or wrong. A worked epi
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from examples.tiny import ProbeStop, Recipe, TaskBuild, build_tokenizer, episode_logprobs, main, warm_up_episodes
+from examples.tiny import (ProbeStop, Recipe, TaskBuild, at_two_temperatures, build_tokenizer, episode_logprobs, main,
+                           warm_up_episodes)
 from rl.data.env import Environment, StepResult, as_step_result
 from rl.data.jsonl import write_jsonl
 from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls
@@ -262,18 +264,15 @@ def expected_success(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast
     return float(logp.exp().mean()) if len(problems) else 0.0
 
 
-RECIPE = Recipe(hidden=64, heads=2, lr=3e-3, batch_size=32, probe_every=5)  # head_dim 32 (vLLM CPU attention)
+# head_dim 32 (vLLM CPU attention)
+RECIPE = Recipe(hidden=64, heads=2, lr=3e-3, batch_size=32, probe_every=5, n_probe=128)
 
 
 def build(
     out_dir: str = DEFAULT_DIR,
     seed: int = 0,
     *,
-    n_train: int = 5000,
-    n_test: int = 500,
-    n_eval: int = 300,
     target_success: float = 0.3,
-    n_probe: int = 128,
     **recipe: Any,
 ) -> dict[str, Any]:
     """Generate data, train tokenizer and model, warm up, evaluate, save; returns the summary.
@@ -285,29 +284,20 @@ def build(
     (`sample_episodes`). `recipe`: any field of `Recipe`.
     """
     with TaskBuild(out_dir, seed, RECIPE, recipe) as task:
-        train, test = sum_splits(n_train, n_test, seed=seed)
-        write_data(out_dir, seed, n_train=n_train, n_test=n_test)
+        r = task.recipe
+        train, test = sum_splits(r.n_train, r.n_test, seed=seed)
+        write_data(out_dir, seed, n_train=r.n_train, n_test=r.n_test)
         tokenizer = calculator_tokenizer()
         model = task.model(tokenizer, max_positions=MAX_POSITIONS)
-        probe_set = train[-n_probe:]
-        stop = ProbeStop(target_success, task.recipe.probe_every, lambda: expected_success(model, tokenizer, probe_set))
-        _, sft_summary = warm_up_episodes(model, tokenizer, [p.episode() for p in train], task.recipe, seed,
-                                          stop_fn=stop)
-        eval_rows = [p.to_row() for p in test[:n_eval]]
-        sampled = sample_episodes(model, tokenizer, eval_rows, temperature=1.0, seed=seed)
-        greedy = sample_episodes(model, tokenizer, eval_rows, temperature=0.0, seed=seed)
-        return task.finish(model, tokenizer, train, test, {
-            "sft_target_probe_success": target_success,
-            "sft_probe_success": stop.last,
-            "eval_n": len(eval_rows),
-            "expected_success_t1": expected_success(model, tokenizer, test[:n_eval]),
-            "sampled_success_t1": sampled["success"],
-            "sampled_turns_t1": sampled["turns"],
-            "sampled_tool_calls_t1": sampled["tool_calls"],
-            "sampled_answered_t1": sampled["answered"],
-            "greedy_success": greedy["success"],
-            **sft_summary,
-        })
+        probe_set = train[-r.n_probe:]
+        stop = ProbeStop("success", target_success, r.probe_every,
+                         lambda: expected_success(model, tokenizer, probe_set))
+        _, sft_summary = warm_up_episodes(model, tokenizer, [p.episode() for p in train], r, seed, stop_fn=stop)
+        eval_set = test[:r.n_eval]
+        eval_rows = [p.to_row() for p in eval_set]
+        sampled = at_two_temperatures(functools.partial(sample_episodes, model, tokenizer, eval_rows), seed)
+        expected = {"eval_n": len(eval_set), "expected_success_t1": expected_success(model, tokenizer, eval_set)}
+        return task.finish(model, tokenizer, train, test, stop.figures(), sft_summary, sampled, expected)
 
 
 if __name__ == "__main__":

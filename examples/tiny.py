@@ -152,6 +152,11 @@ class Recipe:
     heads: int = 4
     threads: int | None = 1  # torch CPU threads while building (None or 0: leave them); restored after
     log_every: int = 100  # print the SFT loss every N steps (0: never)
+    # the sizes of the generated splits (the tasks that draw problems: arith, calculator)
+    n_train: int = 5000
+    n_test: int = 500
+    n_eval: int = 300  # held-out rows the summary's figures are measured on
+    n_probe: int = 256  # training rows of the warm-up's stopping probe
 
     def with_(self, **changes: Any) -> Recipe:
         """A copy with `changes`; an unknown name is a TypeError naming it."""
@@ -180,9 +185,11 @@ class TaskBuild(contextlib.ExitStack):
         return build_model(tokenizer, self.seed, hidden=r.hidden, layers=r.layers, heads=r.heads, **shape)
 
     def finish(self, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, train: list[Any],
-               test: list[Any], figures: dict[str, Any]) -> dict[str, Any]:
+               test: list[Any], *figures: dict[str, Any]) -> dict[str, Any]:
+        """Save the model; the summary is its files, the task's `figures` (merged in order) and the time."""
         saved = save_model(self.out, model, tokenizer, self.seed, train, test)
-        return write_summary(self.out, {**saved, **figures, "total_s": round(time.perf_counter() - self.t0, 2)})
+        merged = {k: v for part in figures for k, v in part.items()}
+        return write_summary(self.out, {**saved, **merged, "total_s": round(time.perf_counter() - self.t0, 2)})
 
 
 def warm_up(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompts: list[str], completions: list[str],
@@ -257,8 +264,8 @@ class ProbeStop:
     above 1: never). Stopping on a measure rather than a step count matters: when a tiny model
     picks a skill up differs a lot between seeds, and RL needs a policy right only some of the time."""
 
-    def __init__(self, target: float, every: int, measure: Callable[[], float]):
-        self.target, self.every, self.measure = target, every, measure
+    def __init__(self, name: str, target: float, every: int, measure: Callable[[], float]):
+        self.name, self.target, self.every, self.measure = name, target, every, measure
         self.probes: list[tuple[int, float]] = []
 
     def __call__(self, done: int) -> bool:
@@ -270,6 +277,18 @@ class ProbeStop:
     @property
     def last(self) -> float | None:
         return self.probes[-1][1] if self.probes else None
+
+    def figures(self) -> dict[str, float | None]:
+        """The summary's record of the stop: `sft_target_probe_<name>` and the last `sft_probe_<name>`."""
+        return {f"sft_target_probe_{self.name}": self.target, f"sft_probe_{self.name}": self.last}
+
+
+def at_two_temperatures(sample: Callable[..., dict[str, float]], seed: int) -> dict[str, float]:
+    """The summary's sampling figures: each figure `sample(temperature=, seed=)` returns (but its
+    row count `n`), of T=1.0 samples as `sampled_<figure>_t1` and of greedy decoding as `greedy_<figure>`."""
+    sampled, greedy = sample(temperature=1.0, seed=seed), sample(temperature=0.0, seed=seed)
+    return {**{f"sampled_{k}_t1": v for k, v in sampled.items() if k != "n"},
+            **{f"greedy_{k}": v for k, v in greedy.items() if k != "n"}}
 
 
 def main(build: Callable[..., dict[str, Any]], default_dir: str, doc: str, argv: list[str] | None = None) -> None:

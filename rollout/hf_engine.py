@@ -39,6 +39,10 @@ class HFEngine(BatchQueue):
     def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         vocab = self.model.get_input_embeddings().num_embeddings
         for r in requests:
+            if r.adapter or r.stop or r.stop_token_ids or r.top_k or r.top_p is not None or r.ignore_eos \
+                    or r.prompt_logprobs:
+                raise ValueError("the hf backend samples with the run's settings only (no adapter, stop, top_k, "
+                                 "top_p, ignore_eos or prompt log-probs per request): use rollout.backend=vllm")
             if any(not 0 <= t < vocab for t in r.prompt_ids) or (r.max_tokens is not None and r.max_tokens < 1) \
                     or (r.temperature is not None and not 0 <= r.temperature <= 2):
                 raise ValueError(f"token ids outside [0, {vocab}), max_tokens < 1 or temperature outside [0, 2]")

@@ -71,6 +71,9 @@ def engine_kwargs(spec: RolloutSpec, seed: int) -> dict[str, Any]:
         # the weight sync and tied-parameter fix-up inside each vLLM worker process
         worker_extension_cls="rollout.vllm_worker.SyncExtension",
         **_cpu_scheduler_kwargs(r.max_model_len),
+        # requests that name a saved adapter (GenerationRequest.adapter) sample through vLLM's LoRA
+        **({"enable_lora": True, "max_loras": r.max_loras, "max_lora_rank": r.max_lora_rank}
+           if r.max_loras > 0 else {}),
     )
 
 
@@ -80,21 +83,54 @@ def sampling_params(rollout: RolloutConfig, req: GenerationRequest, **extra: Any
     and the sampled token's log-prob only."""
     from vllm import SamplingParams
 
+    own = {"top_k": req.top_k} if req.top_k is not None and req.top_k > 0 else {}
+    if req.stop:
+        own["stop"] = list(req.stop)
+    if req.stop_token_ids:
+        own["stop_token_ids"] = list(req.stop_token_ids)
+    if req.prompt_logprobs:
+        own["prompt_logprobs"] = 0  # the prompt token's own log-prob
     return SamplingParams(
-        n=1, temperature=rollout.temperature if req.temperature is None else req.temperature, top_p=rollout.top_p,
+        n=1, temperature=rollout.temperature if req.temperature is None else req.temperature,
+        top_p=rollout.top_p if req.top_p is None else req.top_p,
         max_tokens=rollout.max_new_tokens if req.max_tokens is None else req.max_tokens, seed=req.seed,
-        logprobs=0, **extra)
+        logprobs=0, ignore_eos=req.ignore_eos, **own, **extra)
+
+
+class AdapterRequests:
+    """vLLM's `LoRARequest` of each adapter folder a request names (`GenerationRequest.adapter`),
+    one integer id per folder for the engine's life (vLLM caches a loaded adapter by its id)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def __call__(self, req: GenerationRequest):
+        if req.adapter is None:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        lora_id = self._ids.setdefault(req.adapter, len(self._ids) + 1)
+        return LoRARequest(f"adapter-{lora_id}", lora_id, req.adapter)
+
+
+def prompt_logprobs_of(req: GenerationRequest, out: Any) -> list[float | None] | None:
+    """The prompt tokens' log-probs of vLLM's RequestOutput `out` (None for the first token), when asked."""
+    if not req.prompt_logprobs or out.prompt_logprobs is None:
+        return None
+    return [None if step is None else float(step[tok].logprob) for tok, step in zip(req.prompt_ids, out.prompt_logprobs)]
 
 
 def completion_sample(req: GenerationRequest, comp: Any, version: int,
-                      token_versions: list[int] | None = None) -> Sample:
+                      token_versions: list[int] | None = None,
+                      prompt_logprobs: list[float | None] | None = None) -> Sample:
     """The Sample of `req` from vLLM's finished CompletionOutput `comp`, sampled by `version`."""
     ids = list(comp.token_ids)
     return Sample(prompt_ids=list(req.prompt_ids), completion_ids=ids,
                   logprobs=[float(step[tok].logprob) for tok, step in zip(ids, comp.logprobs)],
                   finish_reason="stop" if comp.finish_reason == "stop" else "length", policy_version=version,
                   prompt_text=req.prompt_text, completion_text=comp.text, group_id=req.group_id,
-                  sample_index=req.sample_index, metadata=req.metadata, token_versions=token_versions)
+                  sample_index=req.sample_index, metadata=req.metadata, token_versions=token_versions,
+                  prompt_logprobs=prompt_logprobs)
 
 
 def request_errors() -> tuple[type[BaseException], ...]:
@@ -115,6 +151,7 @@ class VLLMEngine(BatchQueue):
         from vllm import LLM
 
         self.rollout = r
+        self._adapters = AdapterRequests()
         self.llm = LLM(**engine_kwargs(spec, seed))
         self.tokenizer = self.llm.get_tokenizer()
         from vllm.v1.engine.core_client import InprocClient
@@ -145,8 +182,11 @@ class VLLMEngine(BatchQueue):
     def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
         params = [sampling_params(self.rollout, req) for req in requests]
         prompts = [{"prompt_token_ids": list(req.prompt_ids)} for req in requests]
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
-        return [completion_sample(req, out.outputs[0], self.version) for req, out in zip(requests, outputs)]
+        adapters = [self._adapters(req) for req in requests]
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False,
+                                    lora_request=adapters if any(adapters) else None)
+        return [completion_sample(req, out.outputs[0], self.version, prompt_logprobs=prompt_logprobs_of(req, out))
+                for req, out in zip(requests, outputs)]
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights in place, streaming: vLLM's layer-wise `reload_weights` consumes the

@@ -30,7 +30,8 @@ import torch
 from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 from rollout.protocol import refused
-from rollout.vllm_engine import completion_sample, engine_kwargs, request_errors, sampling_params, vllm_env
+from rollout.vllm_engine import (AdapterRequests, completion_sample, engine_kwargs, prompt_logprobs_of, request_errors,
+                                 sampling_params, vllm_env)
 
 
 class AsyncVLLMEngine:
@@ -43,6 +44,7 @@ class AsyncVLLMEngine:
                 os.environ.setdefault(key, value)
         logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
         self.rollout = r
+        self._adapters = AdapterRequests()
         self._loop = asyncio.new_event_loop()
         threading.Thread(target=self._loop.run_forever, name="vllm-async", daemon=True).start()
         self.llm = self._call(self._build(engine_kwargs(spec, seed)))
@@ -75,17 +77,19 @@ class AsyncVLLMEngine:
         from vllm.sampling_params import RequestOutputKind
 
         request_id = f"g{req.group_id}-s{req.sample_index}-{next(self._ids)}"
-        final = None
+        final = whole = None
         try:
             params = sampling_params(self.rollout, req, output_kind=RequestOutputKind.FINAL_ONLY)
-            async for out in self.llm.generate({"prompt_token_ids": list(req.prompt_ids)}, params, request_id):
-                final = out.outputs[0]
+            async for out in self.llm.generate({"prompt_token_ids": list(req.prompt_ids)}, params, request_id,
+                                               lora_request=self._adapters(req)):
+                final, whole = out.outputs[0], out
         except request_errors() as err:  # the request's fault, not the engine's: its own error sample
             return refused(req, f"{type(err).__name__}: {err}", self.version)
         versions = [int(span.version) for span in final.weight_versions or () for _ in range(span.start, span.end)]
         if len(versions) != len(final.token_ids):
             raise RuntimeError(f"vLLM labelled {len(versions)} of {len(final.token_ids)} tokens with a weight version")
-        return completion_sample(req, final, versions[0] if versions else self.version, versions)
+        return completion_sample(req, final, versions[0] if versions else self.version, versions,
+                                 prompt_logprobs_of(req, whole))
 
     def submit(self, requests: list[GenerationRequest]) -> None:
         """Start the requests; their samples come out of `drain` as each finishes."""

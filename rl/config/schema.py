@@ -151,6 +151,10 @@ class RolloutConfig:
     # prefilled again under the new weights)
     inflight_kv: str = "keep"
     pause_timeout_s: float = 300.0  # streaming: an engine paused this long is named and resumed
+    # vLLM's LoRA (vllm backend): requests may name a saved adapter to sample with (the Tinker
+    # service's samplers); max_loras adapters in one batch (0: off), each of rank <= max_lora_rank
+    max_loras: int = 0
+    max_lora_rank: int = 32
 
 
 @dataclass

@@ -25,6 +25,14 @@ class GenerationRequest:
     metadata: dict[str, Any] = field(default_factory=dict)  # dataset columns, e.g. the answer
     max_tokens: int | None = None  # this request's token budget (an episode's turn); None = rollout.max_new_tokens
     temperature: float | None = None  # None = rollout.temperature (evaluation asks for 0: greedy)
+    # A client's own sampling (the Tinker service, launch/tinker/): None = the run's
+    adapter: str | None = None  # a peft LoRA folder to sample with (vLLM's LoRA; rollout.max_loras > 0)
+    top_p: float | None = None
+    top_k: int | None = None  # None or -1: no top-k
+    stop: list[str] | None = None  # stop strings (the completion ends after the one that matched)
+    stop_token_ids: list[int] | None = None  # more stop tokens besides EOS
+    ignore_eos: bool = False  # run to max_tokens, EOS or not
+    prompt_logprobs: bool = False  # also the prompt tokens' log-probs (Sample.prompt_logprobs)
 
 
 @dataclass
@@ -54,6 +62,9 @@ class Sample:
     # token (an observation token carries its turn's last one); None = all `policy_version`. A sample
     # may span versions; `policy_version` is then its first token's, the oldest.
     token_versions: list[int] | None = None
+    # log p(prompt token t | earlier ones) for each prompt token (None for the first), when the
+    # request asked for them (`GenerationRequest.prompt_logprobs`)
+    prompt_logprobs: list[float | None] | None = None
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):

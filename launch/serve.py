@@ -1,0 +1,144 @@
+"""`python -m launch.serve [group=option ...] [key=value ...]`: a Tinker-compatible training service
+on our own parts, as a Hydra app (configs/serve.yaml, typed by rl/config/serve.py).
+
+Clients written against Thinking Machines' `tinker` SDK (and the tinker-cookbook recipes) point
+`base_url` at it: each training model is a LoRA adapter set trained by a DeepSpeed engine of its
+own (trainer/adapter_trainer.py), sampling runs on the vLLM rollout fleet with the saved adapters
+(vLLM's LoRA), and saved weights live under `run.dir`. Bad input fails here before Ray starts.
+The protocol is launch/tinker/app.py, what each call does launch/tinker/service.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from launch.cli import INPUT_ERRORS, fail
+from rl.config import serve as _serve_schema  # noqa: F401 - registers serve_schema with Hydra
+
+
+def check_serve(cfg: DictConfig) -> str:
+    """Everything that can be checked before Ray starts: the config's fields, the model (a Hub id
+    resolved through the Hugging Face cache, the built-in tiny model built when missing), the run
+    directory. Returns the name clients ask for as base_model."""
+    from examples import ensure_builtin
+    from launch.checks import require_length, require_writable
+    from launch.hub import resolve_hub_ids
+    from launch.model_files import require_model, require_vllm_architecture
+    from rl.config.serve import validate_serve
+
+    validate_serve(cfg)
+    name = cfg.serve.model_name or cfg.model.path
+    resolve_hub_ids(cfg)
+    ensure_builtin([cfg.model.path], cfg.run.seed)
+    model_config = require_model(cfg.model.path)
+    require_length(cfg.model.path, model_config, cfg.rollout.max_model_len)
+    require_vllm_architecture(cfg.model.path, model_config)
+    require_writable(cfg.run.dir)
+    return name
+
+
+class Served:
+    """A running service: Ray, the fleet, the HTTP server on its thread; `url`, `stop()`."""
+
+    def __init__(self, cfg: DictConfig, model_name: str):
+        import ray
+        import uvicorn
+        from transformers import AutoTokenizer
+
+        from launch.components import start_ray, usable_cores
+        from launch.console import actor_env, rollout_env
+        from launch.tinker.app import make_app
+        from launch.tinker.service import TinkerService
+        from rl.config.serve import ServeConfig
+        from rl.run.actor_group import ActorGroup
+        from rl.run.faults import Deadlines
+        from rollout.fleet import RolloutFleet
+        from rollout.protocol import RolloutSpec
+        from rollout.vllm_engine import vllm_env
+        from trainer.adapter_trainer import AdapterTrainer
+
+        os.makedirs(cfg.run.dir, exist_ok=True)
+        with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
+            f.write(OmegaConf.to_yaml(cfg, resolve=True))
+        OmegaConf.update(cfg, "serve.model_name", model_name)
+        config: ServeConfig = OmegaConf.to_object(cfg)
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            ray.init(num_cpus=cfg.cluster.num_cpus or max(usable_cores(), 2), include_dashboard=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}}, log_to_driver=True)
+        threads = cfg.cluster.threads_per_worker or max(1, usable_cores() // 2)
+        deadlines = Deadlines(start_s=900.0)
+        env = {**rollout_env(threads, False), **vllm_env(cfg.rollout.kv_cache_gib, threads, cfg.rollout.enforce_eager)}
+        spec = RolloutSpec(config.model, config.rollout, seed=cfg.run.seed, threads=threads)
+        self.fleet = RolloutFleet(spec, num_cpus=1, env_vars=env, deadlines=deadlines)
+        trainer_env = actor_env(cfg.serve.lora_threads, False)
+
+        def start_trainer(adapter_spec: Any, name: str) -> ActorGroup:
+            group = ActorGroup(ray, AdapterTrainer, 1, role=f"training model {name}", args=lambda i: (adapter_spec,),
+                               options={"num_cpus": 0, "runtime_env": {"env_vars": trainer_env}}, deadlines=deadlines)
+            group.started()
+            return group
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+        self.service = TinkerService(config, self.fleet, tokenizer, cfg.model.path, cfg.run.dir, start_trainer)
+        self.server = uvicorn.Server(uvicorn.Config(make_app(self.service), host=cfg.serve.host, port=cfg.serve.port,
+                                                    log_level="warning", timeout_keep_alive=75))
+        self._thread = threading.Thread(target=self.server.run, name="tinker-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the HTTP server did not start on {cfg.serve.host}:{cfg.serve.port} (in use?)")
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{cfg.serve.host}:{port}"
+        self._stopping = threading.Event()
+        threading.Thread(target=self._expire, name="tinker-sessions", daemon=True).start()
+
+    def _expire(self) -> None:
+        while not self._stopping.wait(10):
+            self.service.expire()
+
+    def stop(self) -> None:
+        import ray
+
+        if getattr(self, "_stopping", None) is not None:
+            self._stopping.set()
+        self.server.should_exit = True
+        self._thread.join(timeout=10)
+        self.service.close()
+        self.fleet.shutdown()
+        if self.owns_ray:
+            ray.shutdown()
+
+
+@hydra.main(config_path="../configs", config_name="serve", version_base=None)
+def main(cfg: DictConfig) -> None:
+    from launch.console import quiet_driver
+
+    quiet_driver()
+    try:
+        name = check_serve(cfg)
+    except INPUT_ERRORS as err:
+        fail(err)
+    served = Served(cfg, name)
+    print(f"Tinker service for {name} at {served.url} (run directory {cfg.run.dir}); point the SDK at it: "
+          f"tinker.ServiceClient(base_url={served.url!r}) with TINKER_API_KEY=tml-...", flush=True)
+    try:
+        while served._thread.is_alive():
+            served._thread.join(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        served.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""The Tinker REST protocol over a `TinkerService` (launch/tinker/service.py), as the `tinker` 0.38
+SDK speaks it: JSON bodies under `/api/v1/`, the `X-API-Key` header, futures fetched with
+`retrieve_future` (long-polled), forward_backward and sample results as protobuf
+(launch/tinker/proto.py).
+
+Errors are the SDK's: a request refused at submission is a 4xx with `{"detail": ...}` (the SDK
+raises BadRequestError, NotFoundError...); a call that fails once running is the future's result
+`{"error": ..., "category": "user" | "server"}` (the SDK raises RequestFailedError). Never a 400
+without a body (the SDK takes that for a proxy's and retries), never a 402 (it pauses for billing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from launch.tinker.futures import UserError
+from launch.tinker.proto import WireError, decode_forward_backward
+from launch.tinker.service import TinkerService
+
+PROTOBUF = "application/x-protobuf"
+log = logging.getLogger("rlpost.tinker")
+
+
+def _detail(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"detail": message}, status_code=status)
+
+
+def make_app(service: TinkerService) -> FastAPI:
+    s = service.s
+    app = FastAPI(title="rlpost Tinker service", docs_url=None, redoc_url=None, openapi_url=None)
+    limit = s.max_request_mib * 2**20
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """Every call: the API key (when one is set), the body's size; a refusal the SDK shows as
+        the service said it, and nothing else breaks on an unexpected error."""
+        if request.url.path != "/api/v1/healthz":
+            key = request.headers.get("x-api-key")
+            if not key:
+                return _detail(401, "no X-API-Key header: give the SDK an api_key (TINKER_API_KEY=tml-...)")
+            if s.api_key and key != s.api_key:
+                return _detail(401, "this API key is not this service's (serve.api_key)")
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > limit:
+            return _detail(413, f"request body of {int(size)} bytes is over serve.max_request_mib={s.max_request_mib}")
+        return await call_next(request)
+
+    @app.exception_handler(UserError)
+    async def refused(request: Request, err: UserError):
+        return _detail(err.status, str(err))
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, err: Exception):  # one failed request never takes the service down
+        log.exception("request %s failed", request.url.path)
+        return _detail(500, f"{type(err).__name__}: {err}")
+
+    async def body_of(request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        if len(raw) > limit:
+            raise UserError(f"request body over serve.max_request_mib={s.max_request_mib}", status=413)
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError:
+            raise UserError("the request body is not JSON") from None
+        if not isinstance(body, dict):
+            raise UserError("the request body must be a JSON object")
+        return body
+
+    def need(body: dict[str, Any], key: str, kind: type | tuple[type, ...] = str) -> Any:
+        value = body.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is int:
+            raise UserError(f"{key}: required, a {getattr(kind, '__name__', kind)}", status=422)
+        return value
+
+    # ---- configuration, sessions ---------------------------------------------------------------
+
+    @app.post("/api/v1/client/config")
+    async def client_config(request: Request):
+        return {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": True,
+                "proto_compress_fwdbwd": False, "sample_no_retries": False}
+
+    @app.post("/api/v1/client/dynamic_config")
+    async def dynamic_config(request: Request):
+        return {"refresh_interval_sec": 300, "sample_cancel_enabled": True}
+
+    @app.get("/api/v1/healthz")
+    async def healthz():
+        return {"status": "ok"}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities():
+        return {"supported_models": [{"model_name": service.model_name, "max_context_length": service.max_len,
+                                      "trainable": True, "sampleable": True}]}
+
+    @app.post("/api/v1/create_session")
+    async def create_session(request: Request):
+        await body_of(request)
+        return {"type": "create_session", "session_id": service.create_session()}
+
+    @app.post("/api/v1/session_heartbeat")
+    async def heartbeat(request: Request):
+        service.heartbeat(need(await body_of(request), "session_id"))
+        return {"type": "session_heartbeat"}
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    def finish(session_id: str):
+        service.finish(session_id)
+        return {}
+
+    @app.post("/api/v1/telemetry")
+    async def telemetry(request: Request):
+        return {"status": "accepted"}
+
+    # ---- training ------------------------------------------------------------------------------
+
+    @app.post("/api/v1/create_model")
+    async def create_model(request: Request):
+        body = await body_of(request)
+        lora = body.get("lora_config") or {}
+        if not isinstance(lora, dict):
+            raise UserError("lora_config must be an object", status=422)
+        optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
+        if optimizer != "adamw":
+            raise UserError(f"optimizer_config.type={optimizer!r}: only adamw is served")
+        sid = need(body, "session_id")
+        seq = need(body, "model_seq_id", int)
+        request_id = service.create_model(sid, seq, need(body, "base_model"), lora)
+        return {"request_id": request_id, "model_id": f"{sid}:train:{seq}"}
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(request: Request):
+        body = await body_of(request)
+        if body.get("model_id"):
+            raise UserError("loading a state into an existing training model is not served: use "
+                            "ServiceClient.create_training_client_from_state")
+        sid, seq = need(body, "session_id"), need(body, "model_seq_id", int)
+        return {"request_id": service.load_model(sid, seq, need(body, "path"), bool(body.get("optimizer"))),
+                "model_id": f"{sid}:train:{seq}"}
+
+    @app.post("/api/v1/get_info")
+    async def get_info(request: Request):
+        return service.info(need(await body_of(request), "model_id"))
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(request: Request):
+        raw = await request.body()
+        if "protobuf" not in request.headers.get("content-type", ""):
+            raise UserError("forward_backward takes a protobuf body (application/x-protobuf), as the tinker SDK "
+                            "sends it")
+        if request.headers.get("content-encoding"):
+            raise UserError("compressed forward_backward bodies are not served (the client config says so)")
+        try:
+            message = decode_forward_backward(raw)
+        except WireError as err:
+            raise UserError(str(err)) from None
+        return {"request_id": await asyncio.to_thread(service.forward_backward, message)}
+
+    @app.post("/api/v1/optim_step")
+    async def optim_step(request: Request):
+        body = await body_of(request)
+        adam = body.get("adam_params")
+        if adam is None:
+            raise UserError("optim_step: only adam_params are served (no other optimizer)")
+        if not isinstance(adam, dict):
+            raise UserError("adam_params must be an object", status=422)
+        return {"request_id": service.optim_step(need(body, "model_id"), need(body, "seq_id", int), adam)}
+
+    @app.post("/api/v1/save_weights_for_sampler")
+    async def save_weights_for_sampler(request: Request):
+        body = await body_of(request)
+        name = body.get("path")
+        sampler_seq = body.get("sampling_session_seq_id")
+        if name is None and not isinstance(sampler_seq, int):
+            raise UserError("save_weights_for_sampler needs a path or a sampling_session_seq_id", status=422)
+        return {"request_id": service.save_weights(need(body, "model_id"), need(body, "seq_id", int), name, True,
+                                                   None if name is not None else sampler_seq)}
+
+    @app.post("/api/v1/save_weights")
+    async def save_weights(request: Request):
+        body = await body_of(request)
+        return {"request_id": service.save_weights(need(body, "model_id"), need(body, "seq_id", int),
+                                                   body.get("path"), False)}
+
+    @app.post("/api/v1/weights_info")
+    async def weights_info(request: Request):
+        from trainer.adapter_trainer import saved_spec
+
+        path = need(await body_of(request), "tinker_path")
+        folder, model_id = service.resolve(path)
+        if "/weights/" in path:
+            spec = saved_spec(folder)
+            rank, flags = spec.rank, {k: getattr(spec, k) for k in ("train_unembed", "train_mlp", "train_attn")}
+        else:
+            with open(f"{folder}/adapter_config.json") as f:
+                rank, flags = json.load(f)["r"], {}
+        return {"base_model": service.model_name, "is_lora": True, "lora_rank": rank, **flags}
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints")
+    def checkpoints(model_id: str):
+        import datetime
+        import os
+
+        out = []
+        for kind, type_ in (("weights", "training"), ("sampler_weights", "sampler")):
+            folder = os.path.dirname(service.weights_path(model_id, kind, "x")[0])
+            for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+                when = datetime.datetime.fromtimestamp(os.path.getmtime(os.path.join(folder, name)), datetime.UTC)
+                out.append({"checkpoint_id": f"{kind}/{name}", "checkpoint_type": type_, "time": when.isoformat(),
+                            "tinker_path": f"tinker://{model_id}/{kind}/{name}"})
+        return {"checkpoints": out, "cursor": None}
+
+    # ---- sampling -------------------------------------------------------------------------------
+
+    @app.post("/api/v1/create_sampling_session")
+    async def create_sampling_session(request: Request):
+        body = await body_of(request)
+        sampler = service.create_sampler(need(body, "session_id"), need(body, "sampling_session_seq_id", int),
+                                         body.get("base_model"), body.get("model_path"))
+        return {"type": "create_sampling_session", "sampling_session_id": sampler}
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str):
+        sampler = service.sampler(sampler_id)
+        return {"sampler_id": sampler.id, "base_model": service.model_name, "model_path": sampler.model_path}
+
+    @app.post("/api/v1/asample")
+    async def asample(request: Request):
+        request_id, sequence_ids = service.sample(await body_of(request))
+        return {"request_id": request_id, "sample_sequence_ids": sequence_ids}
+
+    # ---- futures ---------------------------------------------------------------------------------
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(request: Request):
+        request_id = need(await body_of(request), "request_id")
+        future = service.futures.get(request_id)[0]
+        if not future.done():
+            left = service.futures.left_s(request_id)
+            await asyncio.wait({asyncio.wrap_future(future)}, timeout=max(0.0, min(s.poll_s, left)))
+            if not future.done():
+                if left > s.poll_s:
+                    return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+                future = service.futures.give_up(request_id)
+        if future.cancelled():
+            return {"error": "the call was cancelled", "category": "user"}
+        err = future.exception()
+        if err is not None:
+            user = isinstance(err, (UserError, ValueError))
+            if not user:
+                log.warning("request %s failed: %s: %s", request_id, type(err).__name__, err)
+            return {"error": f"{type(err).__name__}: {err}" if not user else str(err),
+                    "category": "user" if user else "server"}
+        result = future.result()
+        if isinstance(result, bytes):
+            return Response(result, media_type=PROTOBUF)
+        return result
+
+    @app.post("/api/v1/cancel_future")
+    async def cancel_future(request: Request):
+        service.futures.cancel(need(await body_of(request), "request_id"))
+        return {}
+
+    return app

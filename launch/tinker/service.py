@@ -1,0 +1,483 @@
+"""`TinkerService`: what the Tinker protocol's calls do, without HTTP (launch/tinker/app.py
+serves it): sessions, training models, samplers and their saved weights, on our own parts.
+
+- A **training model** is an `AdapterTrainer` actor (trainer/adapter_trainer.py): LoRA adapters
+  over the served base model in a one-process DeepSpeed engine, one actor per model, so clients
+  training at once never share weights. Its calls run in `seq_id` order (futures.SeqGate).
+- A **sampler** is a saved adapter folder (or none: the base model); sampling runs on the vLLM
+  rollout fleet (rollout/fleet.py), each request naming its adapter (vLLM's LoRA), with the
+  per-token log-probs the engine reports.
+- Saved weights live under the run directory as `<model_id>/<kind>/<name>` and are named to clients
+  as `tinker://<model_id>/<kind>/<name>` (kind: `weights` = training state, `sampler_weights`).
+
+Everything a client sends is checked here, before any actor sees it: ids (another session's model
+or sampler is unknown to this one), token ids against the vocabulary, shapes, sizes, numbers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from launch.tinker.futures import Futures, SeqGate, UserError
+from launch.tinker.proto import (WireError, encode_forward_backward, encode_sample, loss_config_of, tensor_from_proto,
+                                 tokens_of)
+from rl.algo.datum_losses import DatumLoss, DatumLossError
+from rl.data.types import GenerationRequest
+
+TINKER_PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([A-Za-z0-9_.\-]+)$")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+def _adapts_head(adapter: str) -> bool:
+    """Whether a saved peft adapter has LoRA on the LM head (`train_unembed`)."""
+    import json
+
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        targets = json.load(f).get("target_modules") or []
+    return "lm_head" in targets
+
+
+@dataclass
+class Session:
+    id: str
+    created: float
+    last_seen: float
+    models: list[str] = field(default_factory=list)
+    samplers: list[str] = field(default_factory=list)
+    finished: bool = False
+
+
+@dataclass
+class TrainingModel:
+    id: str
+    session: str
+    rank: int
+    spec: Any  # trainer.adapter_trainer.AdapterSpec
+    group: Any  # the ActorGroup of its one AdapterTrainer
+    gate: SeqGate
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def call(self, method: str, *args: Any, kind: str, timeout_s: float, **kwargs: Any) -> Any:
+        """`method` on the model's actor within `timeout_s`; an error the actor raised for what
+        the client sent (ValueError) is the client's, any other failure the server's."""
+        from rl.run.faults import ActorFailure
+
+        handle = self.group.handles[0]
+        try:
+            return self.group.each([getattr(handle, method).remote(*args, **kwargs)], kind, timeout_s)[0]
+        except ActorFailure:
+            raise
+        except Exception as err:  # noqa: BLE001 - a Ray task error carries the actor's own exception
+            cause = getattr(err, "cause", err)
+            if isinstance(cause, ValueError):
+                raise UserError(str(cause).splitlines()[0]) from None
+            raise
+
+
+@dataclass
+class Sampler:
+    id: str
+    session: str
+    adapter: str | None  # a peft folder, or None: the base model
+    model_path: str | None  # the tinker:// path it was made from
+
+
+class TinkerService:
+    def __init__(self, cfg: Any, fleet: Any, tokenizer: Any, base_path: str, run_dir: str,
+                 start_trainer: Callable[[Any, str], Any], log: Callable[[str], None] = print):
+        """`fleet`: the RolloutFleet of the base model (vLLM with LoRA); `start_trainer(spec, name)`
+        starts one AdapterTrainer actor group (launch/serve.py starts them on Ray)."""
+        self.cfg, self.s = cfg, cfg.serve
+        self.fleet, self.tokenizer, self.base_path, self.log = fleet, tokenizer, base_path, log
+        self.model_name = self.s.model_name or cfg.model.path
+        self.vocab = len(tokenizer)
+        self.max_len = cfg.rollout.max_model_len
+        self.weights_dir = os.path.join(run_dir, "tinker")
+        os.makedirs(self.weights_dir, exist_ok=True)
+        self.futures = Futures(self.s.op_timeout_s)
+        self._start_trainer = start_trainer
+        self.sessions: dict[str, Session] = {}
+        self.models: dict[str, TrainingModel] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self._lock = threading.RLock()
+        self._seeds = itertools.count(1)
+        self._fleet_lock = threading.Lock()  # one sampling batch on the fleet at a time (it batches within one)
+        self.stats: dict[str, float] = {"forward_backward_tokens": 0, "forward_backward_s": 0.0,
+                                        "sample_tokens": 0, "sample_s": 0.0}
+
+    # ---- sessions ---------------------------------------------------------------------------
+
+    def create_session(self) -> str:
+        sid = f"sess-{secrets.token_hex(6)}"
+        now = time.monotonic()
+        with self._lock:
+            self.sessions[sid] = Session(sid, now, now)
+        self.log(f"session {sid} started")
+        return sid
+
+    def session(self, sid: str) -> Session:
+        with self._lock:
+            session = self.sessions.get(sid)
+            if session is None or session.finished:
+                raise UserError(f"session_id={sid!r}: no such live session here (finished, expired or never "
+                                "made); create a new ServiceClient", status=404)
+            session.last_seen = time.monotonic()
+            return session
+
+    def heartbeat(self, sid: str) -> None:
+        with self._lock:
+            session = self.sessions.get(sid)
+            if session is None or session.finished:
+                raise UserError(f"session {sid!r} is over", status=410)  # the SDK stops heartbeating on 410
+            session.last_seen = time.monotonic()
+
+    def finish(self, sid: str) -> None:
+        """End a session: its training models' actors are stopped (their saved weights stay)."""
+        with self._lock:
+            session = self.sessions.get(sid)
+            if session is None or session.finished:
+                return
+            session.finished = True
+            models = [self.models.pop(m) for m in session.models if m in self.models]
+            for sampler in session.samplers:
+                self.samplers.pop(sampler, None)
+        for model in models:
+            model.group.shutdown()
+        self.log(f"session {sid} ended ({len(models)} training model(s) stopped)")
+
+    def expire(self) -> list[str]:
+        """End the sessions whose client stopped heartbeating (`serve.session_timeout_s`)."""
+        now = time.monotonic()
+        with self._lock:
+            stale = [s.id for s in self.sessions.values()
+                     if not s.finished and now - s.last_seen > self.s.session_timeout_s]
+        for sid in stale:
+            self.log(f"session {sid}: no heartbeat for {self.s.session_timeout_s:.0f} s (serve.session_timeout_s)")
+            self.finish(sid)
+        return stale
+
+    # ---- ids ----------------------------------------------------------------------------------
+
+    def model(self, model_id: str, sid: str | None = None) -> TrainingModel:
+        with self._lock:
+            model = self.models.get(model_id)
+        if model is None or (sid is not None and model.session != sid):
+            raise UserError(f"model_id={model_id!r}: no such training model in this session", status=404)
+        self.session(model.session)
+        return model
+
+    def sampler(self, sampler_id: str) -> Sampler:
+        with self._lock:
+            sampler = self.samplers.get(sampler_id)
+        if sampler is None:
+            raise UserError(f"sampling_session_id={sampler_id!r}: no such sampler (made in a live session)",
+                            status=404)
+        self.session(sampler.session)
+        return sampler
+
+    def weights_path(self, model_id: str, kind: str, name: str) -> tuple[str, str]:
+        """(the folder, the tinker:// path) of saved weights `name` of a model."""
+        if not _NAME.match(name):
+            raise UserError(f"path={name!r}: a checkpoint name is 1-128 letters, digits, '.', '_' or '-'")
+        folder = os.path.join(self.weights_dir, model_id.replace(":", "_"), kind, name)
+        return folder, f"tinker://{model_id}/{kind}/{name}"
+
+    def resolve(self, tinker_path: str, kind: str | None = None) -> tuple[str, str]:
+        """(the folder, the owning model id) of a tinker:// path saved here."""
+        m = TINKER_PATH.match(tinker_path or "")
+        if not m or (kind and m.group(2) != kind):
+            want = f"tinker://<model_id>/{kind or 'weights|sampler_weights'}/<name>"
+            raise UserError(f"path={tinker_path!r}: not a path this service wrote ({want})", status=400)
+        folder = self.weights_path(m.group(1), m.group(2), m.group(3))[0]
+        if not os.path.isdir(folder):
+            raise UserError(f"path={tinker_path!r}: no such saved weights here", status=404)
+        return folder, m.group(1)
+
+    # ---- training models ----------------------------------------------------------------------
+
+    def _check_base(self, base_model: str | None) -> None:
+        if base_model and base_model != self.model_name:
+            raise UserError(f"base_model={base_model!r}: this service serves {self.model_name!r} only (start "
+                            "launch.serve with model.path=<that model> to serve another)")
+
+    def create_model(self, sid: str, model_seq_id: int, base_model: str, lora: dict[str, Any]) -> str:
+        """Submit the start of a LoRA training model `<session>:train:<model_seq_id>` (a future)."""
+        from trainer.adapter_trainer import AdapterSpec
+
+        self.session(sid)
+        self._check_base(base_model)
+        rank = lora.get("rank")
+        if not isinstance(rank, int) or not 1 <= rank <= self.s.max_lora_rank:
+            raise UserError(f"lora_config.rank={rank!r}: must be an integer in [1, {self.s.max_lora_rank}] "
+                            "(serve.max_lora_rank)")
+        flags = {k: bool(lora.get(k, True)) for k in ("train_attn", "train_mlp", "train_unembed")}
+        if not any(flags.values()):
+            raise UserError("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+        seed = lora.get("seed")
+        spec = AdapterSpec(base_path=self.base_path, base_model=self.model_name, rank=rank, **flags,
+                           seed=int(seed) if seed is not None else 0, dtype=self.cfg.model.dtype,
+                           threads=self.s.lora_threads)
+        return self._start_model(sid, model_seq_id, spec, restore=None)
+
+    def load_model(self, sid: str, model_seq_id: int, path: str, optimizer: bool) -> str:
+        """Create-from-state: a new training model from a saved state (its LoRA settings too)."""
+        from trainer.adapter_trainer import saved_spec
+
+        self.session(sid)
+        folder, _ = self.resolve(path, "weights")
+        return self._start_model(sid, model_seq_id, saved_spec(folder), restore=(folder, optimizer))
+
+    def _start_model(self, sid: str, model_seq_id: int, spec: Any, restore: tuple[str, bool] | None) -> str:
+        model_id = f"{sid}:train:{model_seq_id}"
+        with self._lock:
+            if model_id in self.models:
+                raise UserError(f"model_seq_id={model_seq_id} is already a model of this session", status=409)
+            live = sum(not self.sessions[m.session].finished for m in self.models.values())
+            if live >= self.s.max_models:
+                raise UserError(f"{live} training models are alive (serve.max_models={self.s.max_models}): "
+                                "close a ServiceClient or start the service with a higher serve.max_models", status=429)
+            placeholder = TrainingModel(model_id, sid, spec.rank, spec, None, SeqGate(self.s.seq_wait_s))
+            self.models[model_id] = placeholder
+            self.sessions[sid].models.append(model_id)
+
+        def start() -> dict[str, Any]:
+            try:
+                placeholder.group = self._start_trainer(spec, model_id)
+                if restore is not None:
+                    placeholder.call("load_state", *restore, kind="load_state", timeout_s=self.s.op_timeout_s)
+            except BaseException:
+                with self._lock:
+                    self.models.pop(model_id, None)
+                if placeholder.group is not None:
+                    placeholder.group.shutdown()
+                raise
+            self.log(f"training model {model_id}: LoRA rank {spec.rank}")
+            if restore is not None:
+                return {"type": "load_weights", "model_id": model_id, "path": None}
+            return {"type": "create_model", "model_id": model_id}
+
+        return self.futures.submit(sid, start)
+
+    def info(self, model_id: str) -> dict[str, Any]:
+        model = self.model(model_id)
+        return {"type": "get_info", "model_id": model_id,
+                "model_data": {"arch": "lora", "model_name": self.model_name, "tokenizer_id": self.model_name},
+                "is_lora": True, "lora_rank": model.rank, "model_name": self.model_name}
+
+    def _ordered(self, model: TrainingModel, seq_id: int, run: Callable[[], Any]) -> str:
+        """Submit `run` as the model's call number `seq_id`: it runs after every lower number."""
+        model.gate.claim(seq_id)  # (a model still starting: its calls wait in their turn)
+
+        def ordered() -> Any:
+            model.gate.turn(seq_id)
+            try:
+                while model.group is None:  # the create future runs on its own thread
+                    if model.id not in self.models:
+                        raise UserError(f"model_id={model.id!r}: its start failed")
+                    time.sleep(0.05)
+                return run()
+            finally:
+                model.gate.done(seq_id)
+
+        return self.futures.submit(model.session, ordered)
+
+    def forward_backward(self, message: Any) -> str:
+        """Submit a forward_backward (or, `forward_only`, a forward) from its protobuf message."""
+        from trainer.adapter_trainer import Datum
+
+        model = self.model(message.model_id)
+        try:
+            loss = DatumLoss.of(message.loss_fn, loss_config_of(message))
+            data, total = [], 0
+            for i, d in enumerate(message.data):
+                tokens = tokens_of(d.model_input, f"data[{i}].model_input")
+                inputs = {name: tensor_from_proto(t, name) for name, t in d.loss_fn_inputs.items()}
+                data.append(Datum(tokens, inputs))
+                total += len(tokens)
+                self._check_tokens(tokens, f"data[{i}].model_input")
+                if "target_tokens" in inputs:
+                    self._check_tokens(inputs["target_tokens"].flatten().tolist(), f"data[{i}].target_tokens")
+                for name, t in inputs.items():
+                    if t.dtype.is_floating_point and not torch.isfinite(t).all():
+                        raise UserError(f"data[{i}].loss_fn_inputs[{name!r}] holds NaN or infinity")
+        except (WireError, DatumLossError) as err:
+            raise UserError(str(err)) from None
+        if not data:
+            raise UserError("forward_backward with no data: send at least one Datum")
+        if total > self.s.max_tokens_per_request:
+            raise UserError(f"{total} tokens in one forward_backward: over serve.max_tokens_per_request="
+                            f"{self.s.max_tokens_per_request}; send fewer data per call", status=413)
+        if any(len(d.tokens) + 1 > self.max_len for d in data):
+            raise UserError(f"a datum is longer than the served context (rollout.max_model_len={self.max_len})")
+
+        def run() -> dict[str, Any]:
+            started = time.perf_counter()
+            out = model.call("forward_backward", data, loss.name, dict(loss.config), bool(message.forward_only),
+                             kind="forward_backward", timeout_s=self.s.op_timeout_s)
+            self.stats["forward_backward_tokens"] += total
+            self.stats["forward_backward_s"] += time.perf_counter() - started
+            return encode_forward_backward(out["outputs"], out["metrics"])
+
+        return self._ordered(model, int(message.seq_id), run)
+
+    def optim_step(self, model_id: str, seq_id: int, adam: dict[str, Any]) -> str:
+        model = self.model(model_id)
+        params = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
+                  "grad_clip_norm": 0.0, **adam}
+        unknown = sorted(set(params) - {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})
+        if unknown:
+            raise UserError(f"adam_params: unknown keys {unknown}")
+        try:
+            params = {k: float(v) for k, v in params.items()}
+        except (TypeError, ValueError):
+            raise UserError(f"adam_params: every value must be a number, got {adam}") from None
+        if not (params["learning_rate"] >= 0 and 0 <= params["beta1"] < 1 and 0 <= params["beta2"] < 1
+                and params["eps"] > 0 and params["weight_decay"] >= 0 and params["grad_clip_norm"] >= 0):
+            raise UserError(f"adam_params {params}: need learning_rate >= 0, beta1 and beta2 in [0, 1), eps > 0, "
+                            "weight_decay >= 0, grad_clip_norm >= 0")
+        def run() -> dict[str, Any]:
+            metrics = model.call("optim_step", kind="optim_step", timeout_s=self.s.op_timeout_s, **params)
+            return {"type": "optim_step", "metrics": {f"optim/{k}:mean": v for k, v in metrics.items()}}
+
+        return self._ordered(model, seq_id, run)
+
+    def save_weights(self, model_id: str, seq_id: int, name: str | None, for_sampler: bool,
+                     sampler_seq_id: int | None = None) -> str:
+        """save_state (`for_sampler` False: adapters and optimizer) or save_weights_for_sampler (the
+        adapters as a peft folder; without a name, an unnamed copy with a new sampler on it)."""
+        model = self.model(model_id)
+        kind = "sampler_weights" if for_sampler else "weights"
+        if name is None and not for_sampler:
+            raise UserError("save_weights needs a path (the checkpoint's name)")
+        if name is None:
+            name = f"ephemeral-{seq_id}"
+        folder, path = self.weights_path(model_id, kind, name)
+
+        def run() -> dict[str, Any]:
+            if os.path.exists(folder):
+                shutil.rmtree(folder)  # the same name saved again: the newer weights
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            model.call("save_adapter" if for_sampler else "save_state", folder, kind="save", timeout_s=self.s.op_timeout_s)
+            if for_sampler and sampler_seq_id is not None:
+                sampler_id = self._add_sampler(model.session, sampler_seq_id, folder, path)
+                return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sampler_id}
+            return {"type": "save_weights_for_sampler" if for_sampler else "save_weights", "path": path}
+
+        return self._ordered(model, seq_id, run)
+
+    # ---- sampling -----------------------------------------------------------------------------
+
+    def _add_sampler(self, sid: str, seq: int, adapter: str | None, model_path: str | None) -> str:
+        sampler_id = f"{sid}:sample:{seq}"
+        with self._lock:
+            self.samplers[sampler_id] = Sampler(sampler_id, sid, adapter, model_path)
+            self.sessions[sid].samplers.append(sampler_id)
+        return sampler_id
+
+    def create_sampler(self, sid: str, seq: int, base_model: str | None, model_path: str | None) -> str:
+        self.session(sid)
+        if model_path:
+            folder, _ = self.resolve(model_path, "sampler_weights")
+            return self._add_sampler(sid, seq, folder, model_path)
+        if not base_model:
+            raise UserError("create_sampling_session needs base_model or model_path")
+        self._check_base(base_model)
+        return self._add_sampler(sid, seq, None, None)
+
+    def _check_tokens(self, tokens: list[int], where: str) -> None:
+        bad = [t for t in tokens if not 0 <= t < self.vocab]
+        if bad:
+            raise UserError(f"{where}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab})")
+
+    def sample(self, body: dict[str, Any]) -> tuple[str, list[str]]:
+        """Submit a sample call (JSON SampleRequest); returns its request id and sequence ids."""
+        sampler = self.sampler(body.get("sampling_session_id") or "")
+        prompt = body.get("prompt") or {}
+        tokens: list[int] = []
+        for i, chunk in enumerate(prompt.get("chunks") or []):
+            if chunk.get("type", "encoded_text") != "encoded_text" or not isinstance(chunk.get("tokens"), list):
+                raise UserError(f"prompt.chunks[{i}]: only encoded_text chunks (token lists) are served")
+            tokens += chunk["tokens"]
+        if not tokens or not all(isinstance(t, int) for t in tokens):
+            raise UserError("prompt: give at least one integer token id")
+        self._check_tokens(tokens, "prompt")
+        n = body.get("num_samples", 1)
+        if not isinstance(n, int) or not 1 <= n <= self.s.max_samples:
+            raise UserError(f"num_samples={n!r}: must be an integer in [1, {self.s.max_samples}] (serve.max_samples)")
+        params = body.get("sampling_params") or {}
+        max_tokens = params.get("max_tokens")
+        room = self.max_len - len(tokens)
+        if max_tokens is None:
+            max_tokens = min(self.cfg.rollout.max_new_tokens, room)
+        if not isinstance(max_tokens, int) or max_tokens < 1 or max_tokens > room:
+            raise UserError(f"sampling_params.max_tokens={max_tokens!r}: must be in [1, {max(room, 0)}] (the prompt's "
+                            f"{len(tokens)} tokens of rollout.max_model_len={self.max_len})")
+        if (n * (len(tokens) + max_tokens)) > self.s.max_tokens_per_request:
+            raise UserError(f"num_samples x (prompt + max_tokens) is over serve.max_tokens_per_request="
+                            f"{self.s.max_tokens_per_request}", status=413)
+        temperature, top_p = float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0))
+        top_k = int(params.get("top_k", -1))
+        if not 0 <= temperature <= 10 or not 0 < top_p <= 1 or top_k == 0 or top_k < -1:
+            raise UserError(f"sampling_params: temperature={temperature} must be in [0, 10], top_p={top_p} in (0, 1], "
+                            f"top_k={top_k} -1 or >= 1")
+        if body.get("prompt_logprobs") and sampler.adapter and _adapts_head(sampler.adapter):
+            raise UserError("prompt log-probs of an adapter trained with train_unembed=True are not served: vLLM's "
+                            "LoRA computes the LM head's adapter per sequence, not per prompt token; train with "
+                            "train_unembed=False, or score the prompt with TrainingClient.forward")
+        if any(body.get(k) for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
+                                     "target_prompt_logprobs", "prompt_logprobs_last_n")):
+            raise UserError("top-k, target and alternative-token log-probs are not served: ask for prompt_logprobs "
+                            "only")
+        stop = params.get("stop")
+        strings = tokens_stop = None
+        if isinstance(stop, str):
+            strings = [stop]
+        elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and stop:
+            strings = stop
+        elif isinstance(stop, list) and all(isinstance(s, int) for s in stop) and stop:
+            self._check_tokens(stop, "sampling_params.stop")
+            tokens_stop = stop
+        elif stop is not None and stop != []:
+            raise UserError(f"sampling_params.stop={stop!r}: a string, a list of strings or a list of token ids")
+        seed = params.get("seed")
+        base_seed = int(seed) if seed is not None else next(self._seeds) * 7919 + int(time.time())
+        requests = [GenerationRequest(prompt_ids=list(tokens), prompt_text="", group_id=0, sample_index=i,
+                                      seed=(base_seed + i) % 2**31, max_tokens=max_tokens, temperature=temperature,
+                                      adapter=sampler.adapter, top_p=top_p, top_k=top_k if top_k > 0 else None,
+                                      stop=strings, stop_token_ids=tokens_stop, ignore_eos=stop == [],
+                                      prompt_logprobs=bool(body.get("prompt_logprobs")))
+                    for i in range(n)]
+        sequence_ids = [f"{sampler.id}:seq:{secrets.token_hex(4)}" for _ in range(n)]
+
+        def run() -> dict[str, Any]:
+            started = time.perf_counter()
+            with self._fleet_lock:
+                self.fleet.repair()  # a worker lost under an earlier call is replaced first
+                samples = self.fleet.generate(requests)
+            errors = [s.error for s in samples if s.error]
+            if errors:
+                raise UserError(errors[0])
+            self.stats["sample_tokens"] += sum(len(s.completion_ids) for s in samples)
+            self.stats["sample_s"] += time.perf_counter() - started
+            return encode_sample([(s.completion_ids, s.logprobs, s.finish_reason) for s in samples],
+                                 samples[0].prompt_logprobs if requests[0].prompt_logprobs else None)
+
+        return self.futures.submit(sampler.session, run), sequence_ids
+
+    def close(self) -> None:
+        self.futures.close()
+        with self._lock:
+            models, self.models = list(self.models.values()), {}
+        for model in models:
+            if model.group is not None:
+                model.group.shutdown()

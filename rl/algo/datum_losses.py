@@ -1,0 +1,94 @@
+"""The loss functions a Tinker-protocol client names in `forward_backward` (`launch/tinker/`), as
+pure tensor functions over one datum's tokens.
+
+A datum is one sequence: the model reads its input tokens and at position t predicts
+`target_tokens[t]`, whose log-prob under the model being trained is `logp[t]`. Every other input
+(`weights`, the sampler's `logprobs`, `advantages`) is per position too. The client's own code does
+all the normalising (its advantages and weights carry it), so each loss is a plain *sum* over the
+datum's positions, and a batch's loss is the sum over its data, as the Tinker documentation defines
+them. The policy-gradient losses are our registered ones (rl/algo/losses.py) on those sums:
+`importance_sampling` is the PPO surrogate without a clip; `ppo`, `cispo` and `gspo` take the
+client's ratio bounds (`clip_low_threshold`, `clip_high_threshold`, e.g. 0.8 and 1.2) as our
+`clip_eps_low = 1 - low`, `clip_eps_high = high - 1`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from rl.algo.losses import cispo_loss, gspo_loss, ppo_clip_loss
+
+# loss -> (inputs it needs besides target_tokens, config keys it takes with their defaults)
+DATUM_LOSSES: dict[str, tuple[tuple[str, ...], dict[str, float]]] = {
+    "cross_entropy": (("weights",), {}),
+    "importance_sampling": (("logprobs", "advantages"), {}),
+    "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "gspo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+}
+
+
+class DatumLossError(ValueError):
+    """A loss the client asked for that cannot be computed as asked (the client's fault: a 400)."""
+
+
+@dataclass(frozen=True)
+class DatumLoss:
+    """A checked choice of loss: its name and its settings (defaults filled in)."""
+
+    name: str
+    config: Mapping[str, float]
+
+    @staticmethod
+    def of(name: str, config: Mapping[str, Any] | None) -> "DatumLoss":
+        """Check `name` and `config`: an unknown loss, an unknown key or a bound out of range is a
+        DatumLossError naming it and the choices."""
+        if name not in DATUM_LOSSES:
+            raise DatumLossError(f"loss_fn={name!r} is not supported here; choose one of {sorted(DATUM_LOSSES)}"
+                                 + (" (custom losses run client-side: forward_backward_custom is not served)"
+                                    if name == "custom" else ""))
+        _, defaults = DATUM_LOSSES[name]
+        config = dict(config or {})
+        unknown = sorted(set(config) - set(defaults))
+        if unknown:
+            raise DatumLossError(f"loss_fn_config keys {unknown} are not taken by loss_fn={name!r} "
+                                 f"(it takes {sorted(defaults) or 'none'})")
+        merged = {**defaults, **{k: float(v) for k, v in config.items()}}
+        for key, value in merged.items():
+            if not math.isfinite(value):
+                raise DatumLossError(f"loss_fn_config.{key}={value} must be a finite number")
+        if merged and not 0.0 <= merged["clip_low_threshold"] <= 1.0 <= merged["clip_high_threshold"]:
+            raise DatumLossError(f"loss_fn_config: clip_low_threshold={merged['clip_low_threshold']} and "
+                                 f"clip_high_threshold={merged['clip_high_threshold']} must satisfy 0 <= low <= 1 "
+                                 "<= high (they bound the probability ratio, e.g. 0.8 and 1.2)")
+        return DatumLoss(name, merged)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return ("target_tokens", *DATUM_LOSSES[self.name][0])
+
+
+def datum_loss(loss: DatumLoss, logp: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the datum's loss, a scalar sum; the per-position loss [T]) of `logp` [T], the log-probs of
+    its target tokens under the model being trained (with gradient), and its `inputs` [T] each."""
+    if loss.name == "cross_entropy":
+        per_token = -inputs["weights"].to(logp.dtype) * logp
+        return per_token.sum(), per_token
+    sampler = inputs["logprobs"].to(logp.dtype)[None]
+    advantages = inputs["advantages"].to(logp.dtype)[None]
+    if loss.name == "importance_sampling":
+        per_token, _ = ppo_clip_loss(logp[None], sampler, advantages, math.inf, math.inf)
+    else:
+        eps_low, eps_high = 1.0 - loss.config["clip_low_threshold"], loss.config["clip_high_threshold"] - 1.0
+        if loss.name == "ppo":
+            per_token, _ = ppo_clip_loss(logp[None], sampler, advantages, eps_low, eps_high)
+        elif loss.name == "cispo":
+            per_token, _ = cispo_loss(logp[None], sampler, advantages, eps_low, eps_high)
+        else:  # gspo: the sequence's ratio is the mean log-ratio over its trained positions
+            per_token, _ = gspo_loss(logp[None], sampler, advantages, eps_low, eps_high,
+                                     mask=(advantages != 0).to(logp.dtype))
+    return per_token.sum(), per_token[0]

@@ -180,6 +180,17 @@ class VLLMEngine(BatchQueue):
         return each_or_refused(self._generate, requests, request_errors(), self.version)
 
     def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        # vLLM 0.32's LoRA logits layer applies one adapter slot per sequence of the batch; the
+        # prompt's log-probs are computed over every prompt token, which only the slot of a batch of
+        # one broadcasts to (a larger batch fails its shape check). So with LoRA on, a request that
+        # asks for them runs alone.
+        if self.rollout.max_loras > 0 and len(requests) > 1 and any(r.prompt_logprobs for r in requests):
+            alone = [i for i, r in enumerate(requests) if r.prompt_logprobs]
+            rest = [i for i, r in enumerate(requests) if not r.prompt_logprobs]
+            out: dict[int, Sample] = {i: self._generate([requests[i]])[0] for i in alone}
+            if rest:
+                out.update(zip(rest, self._generate([requests[i] for i in rest])))
+            return [out[i] for i in range(len(requests))]
         params = [sampling_params(self.rollout, req) for req in requests]
         prompts = [{"prompt_token_ids": list(req.prompt_ids)} for req in requests]
         adapters = [self._adapters(req) for req in requests]

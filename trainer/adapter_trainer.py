@@ -158,6 +158,10 @@ class AdapterTrainer:
             missing = [k for k in loss.inputs if k not in d.inputs]
             if missing:
                 raise ValueError(f"datum {i}: loss_fn={loss_name!r} needs loss_fn_inputs {missing}")
+            extra = sorted(set(d.inputs) - set(loss.inputs))
+            if extra:
+                raise ValueError(f"datum {i}: loss_fn={loss_name!r} takes loss_fn_inputs {list(loss.inputs)}, not "
+                                 f"{extra} (per-token clip thresholds are not served: use loss_fn_config)")
             bad = [k for k in loss.inputs if tuple(d.inputs[k].shape) != (len(d.tokens),)]
             if bad:
                 raise ValueError(f"datum {i}: loss_fn_inputs {bad} must have shape [{len(d.tokens)}] (one value per "
@@ -171,7 +175,7 @@ class AdapterTrainer:
                 total = total + value
                 per_datum.append({"logprobs": logp.detach().float().cpu(), "elementwise_loss": per_token.detach().float().cpu()})
             if not forward_only:
-                if not math.isfinite(float(total)):
+                if not math.isfinite(float(total.detach())):
                     raise ValueError(f"the loss is {float(total)}: check the advantages and logprobs sent")
                 self.engine.backward(total, scale_wrt_gas=False)
                 self._pending += 1

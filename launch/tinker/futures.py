@@ -29,10 +29,11 @@ class UserError(ValueError):
 
 class SeqGate:
     """Runs a training model's calls in `seq_id` order: `turn(seq_id)` waits until every lower id
-    has run (or failed), `done(seq_id)` lets the next one in. A repeated id is refused."""
+    has run (or failed, or was refused at submission: `skip`), `done(seq_id)` lets the next one in.
+    A repeated id is refused."""
 
     def __init__(self, wait_s: float):
-        self.wait_s, self.next, self.seen = wait_s, 1, set()
+        self.wait_s, self.next, self.seen, self.finished = wait_s, 1, set(), set()
         self._cond = threading.Condition()
 
     def claim(self, seq_id: int) -> None:
@@ -45,6 +46,14 @@ class SeqGate:
                                 status=409)
             self.seen.add(seq_id)
 
+    def skip(self, seq_id: int) -> None:
+        """A call refused at submission still takes its number: the calls after it go on."""
+        try:
+            self.claim(seq_id)
+        except UserError:
+            return
+        self.done(seq_id)
+
     def turn(self, seq_id: int) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: self.next == seq_id, timeout=self.wait_s):
@@ -53,7 +62,10 @@ class SeqGate:
 
     def done(self, seq_id: int) -> None:
         with self._cond:
-            self.next = max(self.next, seq_id + 1)
+            self.finished.add(seq_id)
+            while self.next in self.finished:
+                self.finished.discard(self.next)
+                self.next += 1
             self._cond.notify_all()
 
 

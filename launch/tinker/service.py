@@ -16,6 +16,7 @@ or sampler is unknown to this one), token ids against the vocabulary, shapes, si
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -36,15 +37,6 @@ from rl.data.types import GenerationRequest
 
 TINKER_PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([A-Za-z0-9_.\-]+)$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
-
-
-def _adapts_head(adapter: str) -> bool:
-    """Whether a saved peft adapter has LoRA on the LM head (`train_unembed`)."""
-    import json
-
-    with open(os.path.join(adapter, "adapter_config.json")) as f:
-        targets = json.load(f).get("target_modules") or []
-    return "lm_head" in targets
 
 
 @dataclass
@@ -293,9 +285,23 @@ class TinkerService:
 
     def forward_backward(self, message: Any) -> str:
         """Submit a forward_backward (or, `forward_only`, a forward) from its protobuf message."""
+        model = self.model(message.model_id)
+        with self._refusing(model, int(message.seq_id)):
+            return self._forward_backward(model, message)
+
+    @contextlib.contextmanager
+    def _refusing(self, model: TrainingModel, seq_id: int):
+        """A training call refused at submission still uses up its seq_id (the SDK numbers the next
+        call after it), so the model's later calls do not wait for it."""
+        try:
+            yield
+        except UserError:
+            model.gate.skip(seq_id)
+            raise
+
+    def _forward_backward(self, model: TrainingModel, message: Any) -> str:
         from trainer.adapter_trainer import Datum
 
-        model = self.model(message.model_id)
         try:
             loss = DatumLoss.of(message.loss_fn, loss_config_of(message))
             data, total = [], 0
@@ -332,6 +338,10 @@ class TinkerService:
 
     def optim_step(self, model_id: str, seq_id: int, adam: dict[str, Any]) -> str:
         model = self.model(model_id)
+        with self._refusing(model, seq_id):
+            return self._optim_step(model, seq_id, adam)
+
+    def _optim_step(self, model: TrainingModel, seq_id: int, adam: dict[str, Any]) -> str:
         params = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-12, "weight_decay": 0.0,
                   "grad_clip_norm": 0.0, **adam}
         unknown = sorted(set(params) - {"learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})
@@ -357,11 +367,12 @@ class TinkerService:
         adapters as a peft folder; without a name, an unnamed copy with a new sampler on it)."""
         model = self.model(model_id)
         kind = "sampler_weights" if for_sampler else "weights"
-        if name is None and not for_sampler:
-            raise UserError("save_weights needs a path (the checkpoint's name)")
-        if name is None:
-            name = f"ephemeral-{seq_id}"
-        folder, path = self.weights_path(model_id, kind, name)
+        with self._refusing(model, seq_id):
+            if name is None and not for_sampler:
+                raise UserError("save_weights needs a path (the checkpoint's name)")
+            if name is None:
+                name = f"ephemeral-{seq_id}"
+            folder, path = self.weights_path(model_id, kind, name)
 
         def run() -> dict[str, Any]:
             if os.path.exists(folder):
@@ -430,10 +441,6 @@ class TinkerService:
         if not 0 <= temperature <= 10 or not 0 < top_p <= 1 or top_k == 0 or top_k < -1:
             raise UserError(f"sampling_params: temperature={temperature} must be in [0, 10], top_p={top_p} in (0, 1], "
                             f"top_k={top_k} -1 or >= 1")
-        if body.get("prompt_logprobs") and sampler.adapter and _adapts_head(sampler.adapter):
-            raise UserError("prompt log-probs of an adapter trained with train_unembed=True are not served: vLLM's "
-                            "LoRA computes the LM head's adapter per sequence, not per prompt token; train with "
-                            "train_unembed=False, or score the prompt with TrainingClient.forward")
         if any(body.get(k) for k in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k",
                                      "target_prompt_logprobs", "prompt_logprobs_last_n")):
             raise UserError("top-k, target and alternative-token log-probs are not served: ask for prompt_logprobs "
@@ -455,8 +462,8 @@ class TinkerService:
                                       seed=(base_seed + i) % 2**31, max_tokens=max_tokens, temperature=temperature,
                                       adapter=sampler.adapter, top_p=top_p, top_k=top_k if top_k > 0 else None,
                                       stop=strings, stop_token_ids=tokens_stop, ignore_eos=stop == [],
-                                      prompt_logprobs=bool(body.get("prompt_logprobs")))
-                    for i in range(n)]
+                                      prompt_logprobs=bool(body.get("prompt_logprobs")) and i == 0)
+                    for i in range(n)]  # (one prompt: its log-probs come with the first sample)
         sequence_ids = [f"{sampler.id}:seq:{secrets.token_hex(4)}" for _ in range(n)]
 
         def run() -> dict[str, Any]:

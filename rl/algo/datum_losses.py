@@ -28,7 +28,7 @@ DATUM_LOSSES: dict[str, tuple[tuple[str, ...], dict[str, float]]] = {
     "importance_sampling": (("logprobs", "advantages"), {}),
     "ppo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
     "cispo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
-    "gspo": (("logprobs", "advantages"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
+    "gspo": (("logprobs", "advantages", "sequence_ratio_mask"), {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}),
 }
 
 
@@ -88,7 +88,7 @@ def datum_loss(loss: DatumLoss, logp: torch.Tensor, inputs: Mapping[str, torch.T
             per_token, _ = ppo_clip_loss(logp[None], sampler, advantages, eps_low, eps_high)
         elif loss.name == "cispo":
             per_token, _ = cispo_loss(logp[None], sampler, advantages, eps_low, eps_high)
-        else:  # gspo: the sequence's ratio is the mean log-ratio over its trained positions
+        else:  # gspo: the sequence's ratio is the mean log-ratio over the positions its mask marks
             per_token, _ = gspo_loss(logp[None], sampler, advantages, eps_low, eps_high,
-                                     mask=(advantages != 0).to(logp.dtype))
+                                     mask=(inputs["sequence_ratio_mask"] != 0).to(logp.dtype)[None])
     return per_token.sum(), per_token[0]

@@ -11,10 +11,11 @@ import os
 from typing import Any
 
 from rl.config.schema import validate
+from rl.config.serve import validate_serve
 from rl.config.supervised import validate_rm, validate_sft
 
 CONFIG_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "configs"))
-VALIDATORS = {"train": validate, "train_rm": validate_rm, "train_sft": validate_sft}
+VALIDATORS = {"train": validate, "train_rm": validate_rm, "train_sft": validate_sft, "serve": validate_serve}
 
 
 def compose(app: str, overrides: list[str] | tuple[str, ...] = ()) -> Any:

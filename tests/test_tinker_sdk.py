@@ -1,0 +1,264 @@
+"""Issue 49: the real `tinker` 0.38 SDK client against the real service (`python -m launch.serve` in
+its own process: Ray, the vLLM fleet with LoRA, one AdapterTrainer actor per training model), on
+the untrained tiny model. Every supported call; two clients training at once stay isolated; hostile
+requests each get the SDK's error and harm nothing else. Full lane: the service and its training
+models start in ~60 s each on 2 cores (the default lane's budget, issue 45)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+tinker = pytest.importorskip("tinker")
+from tinker import types  # noqa: E402
+
+pytestmark = pytest.mark.full
+KEY = "tml-test-key"
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+
+
+@pytest.fixture(scope="module")
+def service(tiny_untrained, tmp_path_factory):
+    """(base URL, model path) of a service started as its users start it, stopped after the module."""
+    model = os.path.join(tiny_untrained, "model")
+    run_dir = tmp_path_factory.mktemp("serve") / "run"
+    log = open(run_dir.parent / "serve.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.serve", f"model.path={model}", "serve.port=0", f"serve.api_key={KEY}",
+         "serve.seq_wait_s=5", "serve.max_tokens_per_request=4000", "serve.max_models=6", f"run.dir={run_dir}"],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url, deadline = None, time.monotonic() + 600
+    while url is None:
+        log.seek(0)
+        found = re.search(r"at (http://127\.0\.0\.1:\d+)", log.read())
+        url = found.group(1) if found else None
+        if proc.poll() is not None or time.monotonic() > deadline:
+            log.seek(0)
+            raise RuntimeError(f"launch.serve did not start:\n{log.read()[-4000:]}")
+        time.sleep(0.5)
+    os.environ["TINKER_API_KEY"] = KEY
+    yield url, model
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _datum(tokens, **inputs):
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                       loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+SEQ = [1, 5, 6, 11, 7, 8, 10, 9, 12, 2]  # "<bos> 1 2 + 3 4 = ..." in the tiny tokenizer's ids
+
+
+def _ce(tokens=SEQ):
+    return _datum(tokens, weights=[0.0] * 5 + [1.0] * (len(tokens) - 6))
+
+
+def test_the_sdk_trains_samples_saves_and_restores(service):
+    url, model = service
+    sc = tinker.ServiceClient(base_url=url)
+    tc = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
+    info = tc.get_info()
+    assert info.model_id.endswith(":train:0") and info.lora_rank == 4 and info.model_data.model_name == model
+    assert tc.get_tokenizer() is not None  # loaded by the name the service reports
+    before = tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"]
+    assert tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"] == before  # no update
+    losses = []
+    for _ in range(5):
+        fb = tc.forward_backward([_ce()] * 4, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result(timeout=300)
+        out = fb.result(timeout=300)
+        assert list(out.loss_fn_outputs[0]["logprobs"].shape) == [len(SEQ) - 1]
+        losses.append(out.metrics["loss:sum"])
+    assert losses[-1] < losses[0] * 0.8, losses
+
+    saved = tc.save_weights_for_sampler("step-4").result(timeout=300)
+    assert saved.path.startswith("tinker://") and saved.path.endswith("/sampler_weights/step-4")
+    sampler = sc.create_sampling_client(model_path=saved.path).result(timeout=600)
+    prompt = types.ModelInput.from_ints(SEQ[:7])
+    res = sampler.sample(prompt, num_samples=3, sampling_params=types.SamplingParams(max_tokens=6, seed=7),
+                         include_prompt_logprobs=True).result(timeout=300)
+    assert len(res.sequences) == 3 and all(1 <= len(s.tokens) <= 6 for s in res.sequences)
+    again = sampler.sample(prompt, num_samples=3, sampling_params=types.SamplingParams(max_tokens=6, seed=7)) \
+        .result(timeout=300)
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in res.sequences]  # seeded
+    # the sampler's log-probs are the learner's forward on the same tokens
+    for seq in res.sequences:
+        full = SEQ[:7] + list(seq.tokens)
+        lp = tc.forward([_datum(full, weights=[1.0] * (len(full) - 1))], "cross_entropy").result(timeout=300) \
+            .loss_fn_outputs[0]["logprobs"].tolist()
+        assert np.allclose(lp[-len(seq.tokens):], seq.logprobs, atol=1e-4), (lp, seq.logprobs)
+        assert seq.stop_reason == ("stop" if seq.tokens[-1] == 2 else "length")
+    assert res.prompt_logprobs[0] is None
+    assert np.allclose(res.prompt_logprobs[1:], lp[:6], atol=1e-4)
+    stopped = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, seed=7, stop=[res.sequences[0].tokens[0]])) \
+        .result(timeout=300)
+    assert stopped.sequences[0].tokens == res.sequences[0].tokens[:1] and stopped.sequences[0].stop_reason == "stop"
+
+    ephemeral = tc.save_weights_and_get_sampling_client().result(timeout=600)  # the cookbook's RL loop samples like this
+    assert len(ephemeral.sample(prompt, 1, types.SamplingParams(max_tokens=3)).result(timeout=300).sequences) == 1
+    base = sc.create_sampling_client(base_model=model).result(timeout=600)
+    base_lp = base.compute_logprobs(types.ModelInput.from_ints(SEQ)).result(timeout=300)
+    assert base_lp[0] is None and not np.allclose(base_lp[1:7], lp[:6], atol=1e-3)  # the base is not the adapter
+
+    state = tc.save_state("state-4").result(timeout=300)
+    restored = sc.create_training_client_from_state_with_optimizer(state.path).result(timeout=300)
+    assert restored.model_id.endswith(":train:1")
+    mine = tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"]
+    assert restored.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"] == pytest.approx(mine)
+
+    custom = tc.forward_backward_custom([_ce()], lambda data, logprobs: (-(logprobs[0] * 0.5).sum(), {}))
+    assert "loss:sum" in custom.result(timeout=300).metrics  # the SDK's client-side loss, over our cross_entropy
+
+    rest = tinker.RestClient(base_url=url)
+    caps = rest.get_server_capabilities().result(timeout=60)
+    assert [m.model_name for m in caps.supported_models] == [model]
+    paths = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result(timeout=60).checkpoints]
+    assert saved.path in paths and state.path in paths
+    sc.close("success")
+
+
+def test_two_clients_train_at_once_and_never_see_each_others_weights(service):
+    url, model = service
+    a, b = tinker.ServiceClient(base_url=url), tinker.ServiceClient(base_url=url)
+    ta = a.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
+    tb = b.create_lora_training_client(base_model=model, rank=8, train_unembed=False).result(timeout=600)
+    b_before = tb.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"]
+    pending = [(ta.forward_backward([_ce()] * 2, "cross_entropy"), ta.optim_step(types.AdamParams(learning_rate=5e-2)))
+               for _ in range(3)]
+    other = [tb.forward([_ce(SEQ[:6] + [3, 4, 2])], "cross_entropy") for _ in range(3)]  # meanwhile, on B
+    for fb, op in pending:
+        fb.result(timeout=300), op.result(timeout=300)
+    assert all(f.result(timeout=300) for f in other)
+    assert tb.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"] == b_before
+    assert ta.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"] < b_before
+    sa = ta.save_weights_and_get_sampling_client().result(timeout=600)
+    sb = tb.save_weights_and_get_sampling_client().result(timeout=600)
+    prompt = types.ModelInput.from_ints(SEQ[:7])
+    lp_a = sa.sample(prompt, 1, types.SamplingParams(max_tokens=4, seed=3)).result(timeout=300).sequences[0]
+    lp_b = sb.sample(prompt, 1, types.SamplingParams(max_tokens=4, seed=3)).result(timeout=300).sequences[0]
+    assert lp_a.tokens != lp_b.tokens or not np.allclose(lp_a.logprobs, lp_b.logprobs, atol=1e-3)
+    a.close("success")  # A's session ends: its model is gone, B's trains on
+    with pytest.raises(tinker.NotFoundError, match="no such training model"):
+        httpx_post(url, "/api/v1/get_info", {"model_id": ta.model_id})
+    tb.forward_backward([_ce()], "cross_entropy").result(timeout=300)
+    b.close("success")
+
+
+def httpx_post(url, path, body, key=KEY, raw=None, headers=None):
+    """A request the SDK would never send (malformed, aimed elsewhere), raising the SDK's error
+    for its status as the SDK's own client does."""
+    r = httpx.post(url + path, json=body if raw is None else None, content=raw,
+                   headers={"x-api-key": key, **(headers or {})}, timeout=60)
+    if r.status_code == 404:
+        raise tinker.NotFoundError(r.text, response=r, body=r.json())
+    if r.status_code >= 400:
+        raise tinker.APIStatusError(r.text, response=r, body=r.json() if r.content else None)
+    return r
+
+
+def test_hostile_requests_get_the_sdks_error_and_harm_nothing(service):
+    url, model = service
+    sc = tinker.ServiceClient(base_url=url)
+    tc = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
+    good = tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"]
+
+    def refused(exc, match, call):
+        with pytest.raises(exc, match=match):
+            out = call()
+            if hasattr(out, "result"):
+                out.result(timeout=120)
+
+    # a key that is not the service's
+    refused(tinker.AuthenticationError, "not this service", lambda: tinker.ServiceClient(
+        base_url=url, api_key="tml-wrong").create_lora_training_client(base_model=model, rank=4))
+    # what the service does not serve
+    refused(tinker.BadRequestError, "serves", lambda: sc.create_lora_training_client(base_model="org/other", rank=4))
+    refused(tinker.BadRequestError, "rank", lambda: sc.create_lora_training_client(base_model=model, rank=4096))
+    refused(tinker.BadRequestError, "choose one of", lambda: tc.forward_backward([_ce()], "dro"))
+    refused(tinker.BadRequestError, "clip_eps", lambda: tc.forward_backward(
+        [_datum(SEQ, logprobs=[-1.0] * 9, advantages=[1.0] * 9)], "ppo", {"clip_eps": 0.2}))
+    # out of range, malformed, huge
+    refused(tinker.BadRequestError, "outside the vocabulary", lambda: tc.forward_backward(
+        [_datum([1, 99999, 3], weights=[1.0, 1.0])], "cross_entropy"))
+    refused(tinker.BadRequestError, "NaN", lambda: tc.forward_backward(
+        [_datum(SEQ, logprobs=[-1.0] * 9, advantages=[float("nan")] * 9)], "importance_sampling"))
+    refused(tinker.RequestFailedError, "needs loss_fn_inputs", lambda: tc.forward_backward(
+        [_datum(SEQ, logprobs=[-1.0] * 9)], "ppo"))
+    refused(tinker.RequestFailedError, "shape", lambda: tc.forward_backward(
+        [_datum(SEQ, weights=[1.0] * 3)], "cross_entropy"))
+    refused(tinker.APIStatusError, "max_tokens_per_request", lambda: tc.forward_backward(
+        [_ce()] * 500, "cross_entropy"))
+    refused(tinker.BadRequestError, "max_model_len", lambda: tc.forward_backward(
+        [_datum([1] * 80, weights=[1.0] * 79)], "cross_entropy"))
+    base = sc.create_sampling_client(base_model=model).result(timeout=600)
+    refused(tinker.BadRequestError, "max_tokens", lambda: base.sample(
+        types.ModelInput.from_ints(SEQ), 1, types.SamplingParams(max_tokens=1000)))
+    refused(tinker.BadRequestError, "num_samples", lambda: base.sample(
+        types.ModelInput.from_ints(SEQ), 100000, types.SamplingParams(max_tokens=2)))
+    refused(tinker.BadRequestError, "outside the vocabulary", lambda: base.sample(
+        types.ModelInput.from_ints([1, 70000]), 1, types.SamplingParams(max_tokens=2)))
+    refused(tinker.BadRequestError, "not served", lambda: base.sample(
+        types.ModelInput.from_ints(SEQ[:4]), 1, types.SamplingParams(max_tokens=2), topk_prompt_logprobs=3))
+    # aimed at what is not there, or not this session's
+    refused(tinker.NotFoundError, "no such training model", lambda: httpx_post(
+        url, "/api/v1/optim_step", {"model_id": "sess-0:train:0", "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}))
+    refused(tinker.NotFoundError, "no such live session", lambda: httpx_post(
+        url, "/api/v1/create_model", {"session_id": "sess-none", "model_seq_id": 0, "base_model": model,
+                                      "lora_config": {"rank": 4}}))
+    refused(tinker.NotFoundError, "no such sampler", lambda: httpx_post(
+        url, "/api/v1/asample", {"sampling_session_id": "sess-0:sample:0", "prompt": {"chunks": []}}))
+    refused(tinker.NotFoundError, "no request", lambda: httpx_post(url, "/api/v1/retrieve_future",
+                                                                   {"request_id": "req-0-0000"}))
+    refused(tinker.APIStatusError, "already used", lambda: httpx_post(
+        url, "/api/v1/optim_step", {"model_id": tc.model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}}))
+    refused(tinker.APIStatusError, "not a tinker_public", lambda: httpx_post(
+        url, "/api/v1/forward_backward", None, raw=b"\xff\xfe garbage", headers={"content-type": "application/x-protobuf"}))
+    refused(tinker.APIStatusError, "not JSON", lambda: httpx_post(url, "/api/v1/get_info", None, raw=b"{oops"))
+    refused(tinker.APIStatusError, "max_request_mib", lambda: httpx_post(
+        url, "/api/v1/get_info", None, raw=b" " * (65 * 2**20), headers={"content-type": "application/json"}))
+    # a call whose predecessor never comes fails at serve.seq_wait_s, and only that call
+    tc2 = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
+    gap = httpx_post(url, "/api/v1/optim_step", {"model_id": tc2.model_id, "seq_id": 50,
+                                                 "adam_params": {"learning_rate": 1e-3}}).json()["request_id"]
+    failed = httpx_post(url, "/api/v1/retrieve_future", {"request_id": gap}).json()
+    assert failed["category"] == "user" and "never came" in failed["error"]
+    # a client that goes away mid-poll: the call still ends and its result waits for whoever asks
+    pending = httpx_post(url, "/api/v1/optim_step", {"model_id": tc2.model_id, "seq_id": 60,
+                                                     "adam_params": {"learning_rate": 1e-3}}).json()["request_id"]
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/api/v1/retrieve_future", json={"request_id": pending}, headers={"x-api-key": KEY}, timeout=0.5)
+    assert "never came" in httpx_post(url, "/api/v1/retrieve_future", {"request_id": pending}).json()["error"]
+    assert tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"] == pytest.approx(good)
+    # nothing else was harmed: the model still trains and its sampler samples
+    tc.forward_backward([_ce()], "cross_entropy").result(timeout=300)
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=300)
+    assert tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"] < good
+    s = tc.save_weights_and_get_sampling_client().result(timeout=600)
+    assert s.sample(types.ModelInput.from_ints(SEQ[:7]), 2, types.SamplingParams(max_tokens=3)).result(timeout=300)
+    assert tc2.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"] == pytest.approx(good)
+    sc.close("success")
+
+
+def test_a_finished_session_frees_its_models_and_a_heartbeat_after_it_is_refused(service):
+    url, model = service
+    sc = tinker.ServiceClient(base_url=url)
+    tc = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
+    sid = tc.model_id.split(":")[0]
+    sc.close("success")
+    r = httpx.post(url + "/api/v1/session_heartbeat", json={"session_id": sid, "type": "session_heartbeat"},
+                   headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 410  # the SDK stops heartbeating on 410
+    r = httpx.post(url + "/api/v1/get_info", json={"model_id": tc.model_id}, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 404 and "no such training model" in r.text

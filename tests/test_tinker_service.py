@@ -1,0 +1,257 @@
+"""Issue 49: the Tinker-protocol service (launch/serve.py, launch/tinker/).
+
+Pure parts with hand-computed values (the losses, the seq-id gate, the config); our protobuf
+messages against the SDK's own generated ones; the update of forward_backward + optim_step against
+our trainer's objective; and the real `tinker` 0.38 SDK's client against the real service (Ray, the
+vLLM fleet with LoRA, AdapterTrainer actors): every supported call, and hostile requests each
+answered with the SDK's error while the rest goes on."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from launch.tinker.futures import SeqGate, UserError
+from rl.algo.datum_losses import DatumLoss, DatumLossError, datum_loss
+
+# ---- the losses: sums over the datum's tokens, as the Tinker docs define them -------------------------
+
+LOGP = torch.tensor([-1.0, -0.5, -2.0])
+SAMPLER = torch.tensor([-1.0, -1.0, -1.0])  # ratios exp(0)=1, exp(0.5)=1.6487, exp(-1)=0.3679
+ADV = torch.tensor([1.0, 2.0, -1.0])
+
+
+def _loss(name, config=None, **inputs):
+    value, per_token = datum_loss(DatumLoss.of(name, config), LOGP, inputs)
+    return float(value), per_token.tolist()
+
+
+def test_cross_entropy_is_minus_the_weighted_logprob_sum():
+    value, per_token = _loss("cross_entropy", weights=torch.tensor([0.0, 1.0, 2.0]))
+    assert per_token == pytest.approx([0.0, 0.5, 4.0])
+    assert value == pytest.approx(4.5)
+
+
+def test_importance_sampling_is_minus_ratio_times_advantage_unclipped():
+    value, _ = _loss("importance_sampling", logprobs=SAMPLER, advantages=ADV)
+    r = [1.0, math.exp(0.5), math.exp(-1.0)]
+    assert value == pytest.approx(-(r[0] * 1 + r[1] * 2 + r[2] * -1), rel=1e-6)  # -4.6653
+
+
+def test_ppo_clips_the_ratio_to_the_clients_bounds():
+    # token 2: ratio 1.6487 clipped to 1.2 (A > 0: min picks 1.2*2); token 3: ratio 0.3679, A < 0:
+    # min(-0.3679, -0.8) = -0.8 (clipped to the lower bound 0.8)
+    value, per_token = _loss("ppo", None, logprobs=SAMPLER, advantages=ADV)
+    assert per_token == pytest.approx([-1.0, -2.4, 0.8], rel=1e-6)
+    assert value == pytest.approx(-2.6, rel=1e-6)
+    wider, _ = _loss("ppo", {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}, logprobs=SAMPLER, advantages=ADV)
+    assert wider == pytest.approx(-(1.0 + 2 * math.exp(0.5)) + 0.5, rel=1e-6)
+
+
+def test_cispo_weighs_each_logprob_by_the_clipped_ratio():
+    # weights clip(1, 1.6487, 0.3679) to [0.8, 1.2] = 1, 1.2, 0.8; loss = -sum w * A * logp
+    value, _ = _loss("cispo", None, logprobs=SAMPLER, advantages=ADV)
+    assert value == pytest.approx(-(1 * 1 * -1.0 + 1.2 * 2 * -0.5 + 0.8 * -1 * -2.0), rel=1e-6)
+
+
+def test_gspo_uses_one_ratio_per_sequence_over_the_masked_tokens():
+    # mask the first two tokens: mean log-ratio (0 + 0.5) / 2 = 0.25, s = 1.2840 for every token;
+    # clipped to 1.2 where A > 0, kept at 1.2840 where A < 0 (min(-1.284, -1.2) = -1.284)
+    mask = torch.tensor([1.0, 1.0, 0.0])
+    value, _ = _loss("gspo", None, logprobs=SAMPLER, advantages=ADV, sequence_ratio_mask=mask)
+    s = math.exp(0.25)
+    assert value == pytest.approx(-(1.2 * 1 + 1.2 * 2) + s, rel=1e-5)
+
+
+@pytest.mark.parametrize("name,config,words", [
+    ("custom", None, "forward_backward_custom"),
+    ("dro", None, "choose one of"),
+    ("ppo", {"clip_eps": 0.2}, "clip_eps"),
+    ("cross_entropy", {"clip_low_threshold": 0.8}, "takes none"),
+    ("ppo", {"clip_low_threshold": 1.5}, "0 <= low <= 1 <= high"),
+    ("ppo", {"clip_high_threshold": float("nan")}, "finite"),
+])
+def test_a_loss_the_service_cannot_compute_is_refused_naming_it(name, config, words):
+    with pytest.raises(DatumLossError, match=words):
+        DatumLoss.of(name, config)
+
+
+# ---- calls in seq-id order ------------------------------------------------------------------------------
+
+def test_seq_gate_runs_calls_in_number_order_whatever_order_they_arrive_in():
+    gate, order = SeqGate(wait_s=10), []
+
+    def call(n):
+        gate.turn(n)
+        order.append(n)
+        gate.done(n)
+
+    for n in (3, 2, 1):  # the SDK sends a split forward_backward's first chunk last
+        gate.claim(n)
+    threads = [threading.Thread(target=call, args=(n,)) for n in (3, 2, 1)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join(10)
+    assert order == [1, 2, 3]
+    with pytest.raises(UserError, match="already used"):
+        gate.claim(2)
+    with pytest.raises(UserError, match="numbered from 1"):
+        gate.claim(0)
+
+
+def test_seq_gate_fails_a_call_whose_predecessor_never_comes():
+    gate = SeqGate(wait_s=0.2)
+    gate.claim(2)
+    started = time.monotonic()
+    with pytest.raises(UserError, match="seq_id=1, which never came"):
+        gate.turn(2)
+    assert time.monotonic() - started < 2
+
+
+# ---- the config, before Ray ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override,field", [
+    ("serve.host=example.org", "serve.host"),
+    ("serve.host=0.0.0.0", "serve.api_key"),
+    ("serve.api_key=secret", "serve.api_key"),
+    ("serve.poll_s=60", "serve.poll_s"),
+    ("serve.port=70000", "serve.port"),
+    ("rollout.backend=hf", "rollout.backend"),
+    ("rollout.max_loras=0", "rollout.max_loras"),
+    ("rollout.max_lora_rank=8", "rollout.max_lora_rank"),
+    ("model.lora.rank=8", "model.lora.rank"),
+    ("serve.max_models=0", "serve.max_models"),
+])
+def test_bad_serve_config_is_refused_naming_the_field(override, field):
+    from rl.config.compose import compose
+    from rl.config.schema import ConfigError
+
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        compose("serve", [override])
+
+
+def test_the_default_serve_config_is_valid():
+    from rl.config.compose import compose
+
+    cfg = compose("serve")
+    assert cfg.serve.host == "127.0.0.1" and cfg.rollout.max_loras >= 1
+
+
+# ---- the binary messages against the SDK's own -----------------------------------------------------------
+
+def test_our_protobuf_messages_read_and_write_what_the_sdk_does():
+    pb = pytest.importorskip("tinker.proto.tinker_public_pb2")
+    from tinker.proto.response_conv import deserialize_forward_backward_output, deserialize_sample_response
+
+    from launch.tinker import proto
+
+    request = pb.ForwardBackwardRequest(model_id="s:train:0", seq_id=3, loss_fn="ppo", forward_only=True)
+    request.loss_fn_config["clip_low_threshold"] = 0.7
+    request.loss_fn_config_v2["clip_high_threshold"].number = 1.3
+    datum = request.data.add()
+    datum.model_input.add().encoded_text.tokens = np.array([5, 6, 7], "<i4").tobytes()
+    t = datum.loss_fn_inputs["target_tokens"]
+    t.dense, t.dtype = np.array([6, 7, 8], "<i8").tobytes(), pb.DTYPE_INT64
+    t.shape.append(3)
+    m = proto.decode_forward_backward(request.SerializeToString())
+    assert (m.model_id, m.seq_id, m.loss_fn, m.forward_only) == ("s:train:0", 3, "ppo", True)
+    assert proto.loss_config_of(m) == {"clip_low_threshold": 0.7, "clip_high_threshold": 1.3}
+    assert proto.tokens_of(m.data[0].model_input, "d") == [5, 6, 7]
+    assert proto.tensor_from_proto(m.data[0].loss_fn_inputs["target_tokens"], "t").tolist() == [6, 7, 8]
+    with pytest.raises(proto.WireError):
+        proto.decode_forward_backward(b"\xff\xff\xff not a message")
+
+    out = deserialize_forward_backward_output(proto.encode_forward_backward(
+        [{"logprobs": torch.tensor([-1.0, -2.0])}, {"logprobs": torch.tensor([-3.0])}], {"loss:sum": 6.0}))
+    assert [o["logprobs"].tolist() for o in out.loss_fn_outputs] == [[-1.0, -2.0], [-3.0]]
+    assert out.metrics == {"loss:sum": 6.0}
+    sample = deserialize_sample_response(proto.encode_sample([([4, 5], [-0.25, -0.5], "stop"), ([6], [-1.0], "length")],
+                                                             [None, -1.5]))
+    assert [(s.tokens, s.logprobs, s.stop_reason) for s in sample.sequences] == \
+        [([4, 5], [-0.25, -0.5], "stop"), ([6], [-1.0], "length")]
+    assert sample.prompt_logprobs == [None, -1.5]
+
+
+# ---- numbers agree: the service's update is our trainer's objective's ---------------------------------------
+
+@pytest.mark.slow
+def test_forward_backward_and_optim_step_make_our_objectives_update(tiny_untrained):
+    """forward_backward + optim_step of AdapterTrainer, for ppo, cispo and importance_sampling in
+    turn, against the same batch through rl.algo.objective.policy_objective (seq_mean_token_sum:
+    Tinker's sum over tokens and data is 3 rows x ours) and torch AdamW on a peft copy holding the
+    same adapters: the loss, the returned log-probs, the gradients (x 3) and the adapters after the
+    step agree within fp32 noise, and the step moved them."""
+    import copy
+
+    from trainer.adapter_trainer import AdapterSpec, AdapterTrainer, Datum
+    from trainer.engine import restored_dist_env
+
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randint(4, 16, (n,), generator=gen).tolist() for n in (9, 7, 11)]
+    data = []
+    for seq in rows:
+        n = len(seq) - 1
+        adv = torch.zeros(n)
+        adv[3:] = torch.randn(n - 3, generator=gen)
+        data.append(Datum(seq[:-1], {"target_tokens": torch.tensor(seq[1:]), "advantages": adv,
+                                     "logprobs": -2.5 + 0.3 * torch.randn(n, generator=gen)}))
+    with restored_dist_env():
+        trainer = AdapterTrainer(AdapterSpec(base_path=f"{tiny_untrained}/model", base_model="tiny", rank=4,
+                                             train_unembed=False, seed=3))
+        for i, (loss, policy_loss) in enumerate((("ppo", "ppo_clip"), ("cispo", "cispo"),
+                                                  ("importance_sampling", None))):
+            # the step itself is compared on the first (later ones start from Adam's moments)
+            _same_update(trainer, copy.deepcopy(trainer.engine.module), rows, data, loss, policy_loss, step=i == 0)
+
+
+def _same_update(trainer, peft_model, rows, data, loss, policy_loss, step):
+    from rl.algo.losses import LossNormalizer
+    from rl.algo.objective import policy_objective
+    from rl.config.schema import AlgorithmConfig
+    from trainer.logprobs import token_logprobs
+
+    initial = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    out = trainer.forward_backward(data, loss, {})
+    grads = {n: p.grad.detach().clone() for n, p in trainer.engine.module.named_parameters() if p.requires_grad}
+    trainer.optim_step(learning_rate=1e-2, eps=1e-12)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    adam = torch.optim.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-12, weight_decay=0.0)
+    width = max(len(s) for s in rows)
+    ids, am = torch.zeros((3, width), dtype=torch.long), torch.zeros((3, width), dtype=torch.long)
+    old, adv, mask = (torch.zeros((3, width - 1)) for _ in range(3))
+    for i, (seq, d) in enumerate(zip(rows, data)):
+        ids[i, :len(seq)], am[i, :len(seq)] = torch.tensor(seq), 1
+        old[i, :len(seq) - 1], adv[i, :len(seq) - 1] = d.inputs["logprobs"], d.inputs["advantages"]
+        mask[i, :len(seq) - 1] = 1
+    logp, _ = token_logprobs(peft_model, ids, am)
+    algo = AlgorithmConfig(policy_loss=policy_loss or "ppo_clip", loss_agg="seq_mean_token_sum",
+                           importance_correction="none", kl_coef=0.0,
+                           **({"clip_eps_low": 0.2, "clip_eps_high": 0.2} if policy_loss else
+                              {"clip_eps_low": math.inf, "clip_eps_high": math.inf}))
+    ours = policy_objective(logp, old, old, adv, mask, algo, LossNormalizer.of(mask), kl_coef=0.0)
+    assert float(ours.loss.detach()) * 3 == pytest.approx(out["metrics"]["loss:sum"], rel=1e-4, abs=1e-5), loss
+    for d, o, row in zip(data, out["outputs"], logp):  # the returned log-probs are the targets'
+        assert torch.allclose(o["logprobs"], row[:len(d.tokens)].detach(), atol=1e-5), loss
+    ours.loss.backward()
+    for name, p in peft_model.named_parameters():
+        if p.requires_grad:
+            scale = float(p.grad.abs().max()) * 3
+            assert float((grads[name] - 3 * p.grad).abs().max()) <= 1e-4 * scale + 1e-8, (loss, name)
+    if not step:
+        return
+    adam.step()
+    trained = {n: p for n, p in trainer.engine.module.named_parameters() if p.requires_grad}
+    moved = 0.0
+    for name, p in peft_model.named_parameters():
+        if p.requires_grad:  # where the gradient is not ~0 (there Adam's first step is the sign of noise)
+            real = grads[name].abs() > 1e-4 * grads[name].abs().max()
+            assert torch.allclose(trained[name][real], p[real], atol=1e-6), (loss, name)
+            moved = max(moved, float((p - initial[name]).abs().max()))
+    assert moved > 1e-3, loss  # the step moved the adapters (Adam's first step: about lr)

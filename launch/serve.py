@@ -32,8 +32,12 @@ def check_serve(cfg: DictConfig) -> str:
     from launch.model_files import require_model, require_vllm_architecture
     from rl.config.serve import validate_serve
 
+    from launch.hub import looks_like_hub_id
+
     validate_serve(cfg)
-    name = cfg.serve.model_name or cfg.model.path
+    # a Hub id is its own name; a local folder is named by its absolute path (clients load its tokenizer)
+    path = cfg.model.path
+    name = cfg.serve.model_name or (path if looks_like_hub_id(path) and not os.path.exists(path) else os.path.abspath(path))
     resolve_hub_ids(cfg)
     ensure_builtin([cfg.model.path], cfg.run.seed)
     model_config = require_model(cfg.model.path)

@@ -29,6 +29,7 @@ from typing import Any, Callable
 
 import torch
 
+from launch.tinker.batching import SampleBatcher
 from launch.tinker.futures import Futures, SeqGate, UserError
 from launch.tinker.proto import (WireError, encode_forward_backward, encode_sample, loss_config_of, tensor_from_proto,
                                  tokens_of)
@@ -103,7 +104,7 @@ class TinkerService:
         self.samplers: dict[str, Sampler] = {}
         self._lock = threading.RLock()
         self._seeds = itertools.count(1)
-        self._fleet_lock = threading.Lock()  # one sampling batch on the fleet at a time (it batches within one)
+        self._batcher = SampleBatcher(self._on_fleet)  # sample calls that arrive together: one batch
         self.stats: dict[str, float] = {"forward_backward_tokens": 0, "forward_backward_s": 0.0,
                                         "sample_tokens": 0, "sample_s": 0.0}
 
@@ -198,7 +199,8 @@ class TinkerService:
     # ---- training models ----------------------------------------------------------------------
 
     def _check_base(self, base_model: str | None) -> None:
-        if base_model and base_model != self.model_name:
+        same_folder = bool(base_model) and os.path.isdir(base_model) and os.path.samefile(base_model, self.base_path)
+        if base_model and base_model != self.model_name and not same_folder:
             raise UserError(f"base_model={base_model!r}: this service serves {self.model_name!r} only (start "
                             "launch.serve with model.path=<that model> to serve another)")
 
@@ -468,9 +470,7 @@ class TinkerService:
 
         def run() -> dict[str, Any]:
             started = time.perf_counter()
-            with self._fleet_lock:
-                self.fleet.repair()  # a worker lost under an earlier call is replaced first
-                samples = self.fleet.generate(requests)
+            samples = self._batcher(requests, self.s.op_timeout_s)
             errors = [s.error for s in samples if s.error]
             if errors:
                 raise UserError(errors[0])
@@ -481,7 +481,13 @@ class TinkerService:
 
         return self.futures.submit(sampler.session, run), sequence_ids
 
+    def _on_fleet(self, requests: list[GenerationRequest]) -> list[Any]:
+        if self.fleet.repair():  # a worker lost under an earlier call is replaced first; it loads the base
+            self.fleet.synced()  # weights from model.path and adapters per request, so it is up to date
+        return self.fleet.generate(requests)
+
     def close(self) -> None:
+        self._batcher.close()
         self.futures.close()
         with self._lock:
             models, self.models = list(self.models.values()), {}

@@ -55,7 +55,7 @@ class Served:
         import uvicorn
         from transformers import AutoTokenizer
 
-        from launch.components import start_ray, usable_cores
+        from launch.components import usable_cores
         from launch.console import actor_env, rollout_env
         from launch.tinker.app import make_app
         from launch.tinker.service import TinkerService

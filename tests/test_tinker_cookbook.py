@@ -11,20 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from hub_cache import add_snapshot
+from tests.hub_cache import add_snapshot
+from tests.serve_proc import ROOT, serving
 
 pytestmark = pytest.mark.full
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 NAME = "meta-llama/Llama-3.2-1B"
 
 
@@ -48,25 +44,8 @@ def served(tiny_untrained, tmp_path_factory):
             shutil.copy(f, tokenizer / f.name)
     add_snapshot(cache, "thinkingmachineslabinc/meta-llama-3-instruct-tokenizer", tokenizer, "2" * 40)
     env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "TINKER_API_KEY": "tml-cookbook"}
-    log = open(root / "serve.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "launch.serve", f"model.path={NAME}", "serve.port=0",
-                             f"run.dir={root / 'run'}"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    url, deadline = None, time.monotonic() + 600
-    while url is None:
-        log.seek(0)
-        found = re.search(r"at (http://127\.0\.0\.1:\d+)", log.read())
-        url = found.group(1) if found else None
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            raise RuntimeError(f"launch.serve did not start:\n{log.read()[-4000:]}")
-        time.sleep(0.5)
-    yield url, env
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    with serving([f"model.path={NAME}", f"run.dir={root / 'run'}"], root / "serve.log", env) as url:
+        yield url, env
 
 
 def _metrics(path: Path) -> list[dict]:

@@ -6,51 +6,32 @@ models start in ~60 s each on 2 cores (the default lane's budget, issue 45)."""
 
 from __future__ import annotations
 
+import json
 import os
-import re
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import numpy as np
 import pytest
+
+from tests.serve_proc import serving
 
 tinker = pytest.importorskip("tinker")
 from tinker import types  # noqa: E402
 
 pytestmark = pytest.mark.full
 KEY = "tml-test-key"
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
 @pytest.fixture(scope="module")
 def service(tiny_untrained, tmp_path_factory):
-    """(base URL, model path) of a service started as its users start it, stopped after the module."""
+    """(base URL, model path, run.dir) of a service started as its users start it, stopped after the module."""
     model = os.path.join(tiny_untrained, "model")
     run_dir = tmp_path_factory.mktemp("serve") / "run"
-    log = open(run_dir.parent / "serve.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "launch.serve", f"model.path={model}", "serve.port=0", f"serve.api_key={KEY}",
-         "serve.seq_wait_s=5", "serve.max_tokens_per_request=4000", "serve.max_models=6", f"run.dir={run_dir}"],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url, deadline = None, time.monotonic() + 600
-    while url is None:
-        log.seek(0)
-        found = re.search(r"at (http://127\.0\.0\.1:\d+)", log.read())
-        url = found.group(1) if found else None
-        if proc.poll() is not None or time.monotonic() > deadline:
-            log.seek(0)
-            raise RuntimeError(f"launch.serve did not start:\n{log.read()[-4000:]}")
-        time.sleep(0.5)
     os.environ["TINKER_API_KEY"] = KEY
-    yield url, model
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    with serving([f"model.path={model}", f"serve.api_key={KEY}", "serve.seq_wait_s=5",
+                  "serve.max_tokens_per_request=4000", "serve.max_models=6", f"run.dir={run_dir}"],
+                 run_dir.parent / "serve.log") as url:
+        yield url, model, run_dir
 
 
 def _datum(tokens, **inputs):
@@ -66,7 +47,7 @@ def _ce(tokens=SEQ):
 
 
 def test_the_sdk_trains_samples_saves_and_restores(service):
-    url, model = service
+    url, model, run_dir = service
     sc = tinker.ServiceClient(base_url=url)
     tc = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
     info = tc.get_info()
@@ -127,10 +108,13 @@ def test_the_sdk_trains_samples_saves_and_restores(service):
     paths = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result(timeout=60).checkpoints]
     assert saved.path in paths and state.path in paths
     sc.close("success")
+    calls = [json.loads(line) for line in (run_dir / "calls.jsonl").read_text().splitlines()]
+    fb_calls = [c for c in calls if c["call"] == "forward_backward" and c["of"] == tc.model_id]
+    assert [round(c["loss:sum"], 4) for c in fb_calls[:5]] == [round(x, 4) for x in losses]  # the run's log
 
 
 def test_two_clients_train_at_once_and_never_see_each_others_weights(service):
-    url, model = service
+    url, model, run_dir = service
     a, b = tinker.ServiceClient(base_url=url), tinker.ServiceClient(base_url=url)
     ta = a.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
     tb = b.create_lora_training_client(base_model=model, rank=8, train_unembed=False).result(timeout=600)
@@ -169,7 +153,7 @@ def httpx_post(url, path, body, key=KEY, raw=None, headers=None):
 
 
 def test_hostile_requests_get_the_sdks_error_and_harm_nothing(service):
-    url, model = service
+    url, model, run_dir = service
     sc = tinker.ServiceClient(base_url=url)
     tc = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
     good = tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"]
@@ -252,7 +236,7 @@ def test_hostile_requests_get_the_sdks_error_and_harm_nothing(service):
 
 
 def test_a_finished_session_frees_its_models_and_a_heartbeat_after_it_is_refused(service):
-    url, model = service
+    url, model, run_dir = service
     sc = tinker.ServiceClient(base_url=url)
     tc = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
     sid = tc.model_id.split(":")[0]

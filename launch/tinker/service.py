@@ -107,6 +107,16 @@ class TinkerService:
         self._batcher = SampleBatcher(self._on_fleet)  # sample calls that arrive together: one batch
         self.stats: dict[str, float] = {"forward_backward_tokens": 0, "forward_backward_s": 0.0,
                                         "sample_tokens": 0, "sample_s": 0.0}
+        self._calls = open(os.path.join(run_dir, "calls.jsonl"), "a", buffering=1)  # one line per finished call
+        self._calls_lock = threading.Lock()
+
+    def _record(self, call: str, owner: str, seconds: float, **figures: Any) -> None:
+        """A finished call in `run.dir/calls.jsonl`: what, whose, how long, its figures."""
+        import json
+
+        with self._calls_lock:
+            self._calls.write(json.dumps({"time": round(time.time(), 3), "call": call, "of": owner,
+                                          "seconds": round(seconds, 4), **figures}) + "\n")
 
     # ---- sessions ---------------------------------------------------------------------------
 
@@ -334,6 +344,9 @@ class TinkerService:
                              kind="forward_backward", timeout_s=self.s.op_timeout_s)
             self.stats["forward_backward_tokens"] += total
             self.stats["forward_backward_s"] += time.perf_counter() - started
+            self._record("forward" if message.forward_only else "forward_backward", model.id,
+                         time.perf_counter() - started, loss_fn=loss.name, data=len(data), tokens=total,
+                         **{"loss:sum": out["metrics"]["loss:sum"]})
             return encode_forward_backward(out["outputs"], out["metrics"])
 
         return self._ordered(model, int(message.seq_id), run)
@@ -358,7 +371,9 @@ class TinkerService:
             raise UserError(f"adam_params {params}: need learning_rate >= 0, beta1 and beta2 in [0, 1), eps > 0, "
                             "weight_decay >= 0, grad_clip_norm >= 0")
         def run() -> dict[str, Any]:
+            started = time.perf_counter()
             metrics = model.call("optim_step", kind="optim_step", timeout_s=self.s.op_timeout_s, **params)
+            self._record("optim_step", model.id, time.perf_counter() - started, **params, **metrics)
             return {"type": "optim_step", "metrics": {f"optim/{k}:mean": v for k, v in metrics.items()}}
 
         return self._ordered(model, seq_id, run)
@@ -476,6 +491,8 @@ class TinkerService:
                 raise UserError(errors[0])
             self.stats["sample_tokens"] += sum(len(s.completion_ids) for s in samples)
             self.stats["sample_s"] += time.perf_counter() - started
+            self._record("sample", sampler.id, time.perf_counter() - started, samples=n,
+                         sampled_tokens=sum(len(s.completion_ids) for s in samples))
             return encode_sample([(s.completion_ids, s.logprobs, s.finish_reason) for s in samples],
                                  samples[0].prompt_logprobs if requests[0].prompt_logprobs else None)
 
@@ -489,6 +506,7 @@ class TinkerService:
     def close(self) -> None:
         self._batcher.close()
         self.futures.close()
+        self._calls.close()
         with self._lock:
             models, self.models = list(self.models.values()), {}
         for model in models:

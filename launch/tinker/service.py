@@ -373,7 +373,7 @@ class TinkerService:
         def run() -> dict[str, Any]:
             started = time.perf_counter()
             metrics = model.call("optim_step", kind="optim_step", timeout_s=self.s.op_timeout_s, **params)
-            self._record("optim_step", model.id, time.perf_counter() - started, **params, **metrics)
+            self._record("optim_step", model.id, time.perf_counter() - started, **{**params, **metrics})
             return {"type": "optim_step", "metrics": {f"optim/{k}:mean": v for k, v in metrics.items()}}
 
         return self._ordered(model, seq_id, run)

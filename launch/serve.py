@@ -11,6 +11,7 @@ The protocol is launch/tinker/app.py, what each call does launch/tinker/service.
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from typing import Any
@@ -31,6 +32,7 @@ def check_serve(cfg: DictConfig) -> str:
     from launch.hub import resolve_hub_ids
     from launch.model_files import require_model, require_vllm_architecture
     from rl.config.serve import validate_serve
+    from rl.run.run_log import refuse_existing_run
 
     from launch.hub import looks_like_hub_id
 
@@ -44,6 +46,7 @@ def check_serve(cfg: DictConfig) -> str:
     require_length(cfg.model.path, model_config, cfg.rollout.max_model_len)
     require_vllm_architecture(cfg.model.path, model_config)
     require_writable(cfg.run.dir)
+    refuse_existing_run(cfg.run.dir)  # a service's metrics and saved weights are never written over
     return name
 
 
@@ -62,15 +65,20 @@ class Served:
         from rl.config.serve import ServeConfig
         from rl.run.actor_group import ActorGroup
         from rl.run.faults import Deadlines
+        from rl.run.run_log import RunLog
         from rollout.fleet import RolloutFleet
         from rollout.protocol import RolloutSpec
         from rollout.vllm_engine import vllm_env
         from trainer.adapter_trainer import AdapterTrainer
 
-        os.makedirs(cfg.run.dir, exist_ok=True)
-        with open(os.path.join(cfg.run.dir, "config.yaml"), "w") as f:
-            f.write(OmegaConf.to_yaml(cfg, resolve=True))
         OmegaConf.update(cfg, "serve.model_name", model_name)
+        # the run directory as launch.train keeps one: config.yaml, metrics.jsonl (a row per
+        # optim_step) and the run's loggers; summary.json and report.png/md when it stops
+        self.run_log = RunLog(cfg.run.dir, 0, title="TINKER", progress=False,
+                              config_yaml=OmegaConf.to_yaml(cfg, resolve=True), loggers=list(cfg.run.loggers),
+                              config=OmegaConf.to_container(cfg, resolve=True),
+                              sink_options={"project": cfg.run.project,
+                                            "mlflow_tracking_uri": cfg.run.mlflow_tracking_uri})
         config: ServeConfig = OmegaConf.to_object(cfg)
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
@@ -90,7 +98,8 @@ class Served:
             return group
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.service = TinkerService(config, self.fleet, tokenizer, cfg.model.path, cfg.run.dir, start_trainer)
+        self.service = TinkerService(config, self.fleet, tokenizer, cfg.model.path, cfg.run.dir, start_trainer,
+                                     run_log=self.run_log)
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.service), host=cfg.serve.host, port=cfg.serve.port,
                                                     log_level="warning", timeout_keep_alive=75))
         self._thread = threading.Thread(target=self.server.run, name="tinker-http", daemon=True)
@@ -111,16 +120,24 @@ class Served:
             self.service.expire()
 
     def stop(self) -> None:
+        """Stop serving, end the actors, then write summary.json and the report (each step even
+        when an earlier one failed: actors may be gone already, e.g. after a SIGTERM to the group)."""
         import ray
+
+        from launch.train import write_report_or_warn
 
         if getattr(self, "_stopping", None) is not None:
             self._stopping.set()
         self.server.should_exit = True
         self._thread.join(timeout=10)
-        self.service.close()
-        self.fleet.shutdown()
-        if self.owns_ray:
-            ray.shutdown()
+        for step in (self.service.close, self.fleet.shutdown, ray.shutdown if self.owns_ray else None):
+            try:
+                if step is not None:
+                    step()
+            except Exception as err:  # noqa: BLE001 - the run's files come next, whatever failed here
+                print(f"warning: stopping the service: {type(err).__name__}: {err}", flush=True)
+        self.run_log.finish({"service": self.service.stats})
+        write_report_or_warn(self.run_log.run_dir)
 
 
 @hydra.main(config_path="../configs", config_name="serve", version_base=None)
@@ -133,6 +150,7 @@ def main(cfg: DictConfig) -> None:
     except INPUT_ERRORS as err:
         fail(err)
     served = Served(cfg, name)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(served.server, "should_exit", True))  # stop as on Ctrl-C
     print(f"Tinker service for {name} at {served.url} (run directory {cfg.run.dir}); point the SDK at it: "
           f"tinker.ServiceClient(base_url={served.url!r}) with TINKER_API_KEY=tml-...", flush=True)
     try:

@@ -32,6 +32,10 @@ def service(tiny_untrained, tmp_path_factory):
                   "serve.max_tokens_per_request=4000", "serve.max_models=6", f"run.dir={run_dir}"],
                  run_dir.parent / "serve.log") as url:
         yield url, model, run_dir
+    # stopped (SIGTERM): the run directory holds what launch.train's does
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["service"]["forward_backward_tokens"] > 0 and summary["service"]["sample_tokens"] > 0
+    assert (run_dir / "report.png").exists() and (run_dir / "report.md").exists() and (run_dir / "tb").is_dir()
 
 
 def _datum(tokens, **inputs):
@@ -111,6 +115,10 @@ def test_the_sdk_trains_samples_saves_and_restores(service):
     calls = [json.loads(line) for line in (run_dir / "calls.jsonl").read_text().splitlines()]
     fb_calls = [c for c in calls if c["call"] == "forward_backward" and c["of"] == tc.model_id]
     assert [round(c["loss:sum"], 4) for c in fb_calls[:5]] == [round(x, 4) for x in losses]  # the run's log
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mine = [r for r in rows if r["tinker/model"] == 0]  # the service's first model: this test's
+    assert [round(r["tinker/loss_sum"], 4) for r in mine[:5]] == [round(x, 4) for x in losses]
+    assert [r["tinker/model_step"] for r in mine[:5]] == [1, 2, 3, 4, 5] and all(r["time/step_s"] > 0 for r in mine)
 
 
 def test_two_clients_train_at_once_and_never_see_each_others_weights(service):

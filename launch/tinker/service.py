@@ -58,7 +58,11 @@ class TrainingModel:
     spec: Any  # trainer.adapter_trainer.AdapterSpec
     group: Any  # the ActorGroup of its one AdapterTrainer
     gate: SeqGate
-    lock: threading.Lock = field(default_factory=threading.Lock)
+    index: int = 0  # the service's count of models when this one was made (metrics.jsonl's tinker/model)
+    loss_sum: float = 0.0  # forward_backward losses since the last optim_step
+    tokens: int = 0
+    steps: int = 0
+    last_step: float = field(default_factory=time.monotonic)
 
     def call(self, method: str, *args: Any, kind: str, timeout_s: float, **kwargs: Any) -> Any:
         """`method` on the model's actor within `timeout_s`; an error the actor raised for what
@@ -87,9 +91,11 @@ class Sampler:
 
 class TinkerService:
     def __init__(self, cfg: Any, fleet: Any, tokenizer: Any, base_path: str, run_dir: str,
-                 start_trainer: Callable[[Any, str], Any], log: Callable[[str], None] = print):
+                 start_trainer: Callable[[Any, str], Any], log: Callable[[str], None] = print, run_log: Any = None):
         """`fleet`: the RolloutFleet of the base model (vLLM with LoRA); `start_trainer(spec, name)`
-        starts one AdapterTrainer actor group (launch/serve.py starts them on Ray)."""
+        starts one AdapterTrainer actor group (launch/serve.py starts them on Ray); `run_log` (a
+        rl.run.run_log.RunLog) gets a metrics row at every optim_step of any model."""
+        self.run_log, self._steps = run_log, itertools.count(1)
         self.cfg, self.s = cfg, cfg.serve
         self.fleet, self.tokenizer, self.base_path, self.log = fleet, tokenizer, base_path, log
         self.model_name = self.s.model_name or cfg.model.path
@@ -250,7 +256,8 @@ class TinkerService:
             if live >= self.s.max_models:
                 raise UserError(f"{live} training models are alive (serve.max_models={self.s.max_models}): "
                                 "close a ServiceClient or start the service with a higher serve.max_models", status=429)
-            placeholder = TrainingModel(model_id, sid, spec.rank, spec, None, SeqGate(self.s.seq_wait_s))
+            placeholder = TrainingModel(model_id, sid, spec.rank, spec, None, SeqGate(self.s.seq_wait_s),
+                                        index=len(self.models))
             self.models[model_id] = placeholder
             self.sessions[sid].models.append(model_id)
 
@@ -344,6 +351,9 @@ class TinkerService:
                              kind="forward_backward", timeout_s=self.s.op_timeout_s)
             self.stats["forward_backward_tokens"] += total
             self.stats["forward_backward_s"] += time.perf_counter() - started
+            if not message.forward_only:
+                model.loss_sum += out["metrics"]["loss:sum"]
+                model.tokens += total
             self._record("forward" if message.forward_only else "forward_backward", model.id,
                          time.perf_counter() - started, loss_fn=loss.name, data=len(data), tokens=total,
                          **{"loss:sum": out["metrics"]["loss:sum"]})
@@ -374,9 +384,23 @@ class TinkerService:
             started = time.perf_counter()
             metrics = model.call("optim_step", kind="optim_step", timeout_s=self.s.op_timeout_s, **params)
             self._record("optim_step", model.id, time.perf_counter() - started, **{**params, **metrics})
+            self._step_row(model, metrics)
             return {"type": "optim_step", "metrics": {f"optim/{k}:mean": v for k, v in metrics.items()}}
 
         return self._ordered(model, seq_id, run)
+
+    def _step_row(self, model: TrainingModel, metrics: dict[str, float]) -> None:
+        """metrics.jsonl (and the run's loggers): one row per optim_step, of whichever model."""
+        now = time.monotonic()
+        model.steps += 1
+        row = {"tinker/model": float(model.index), "tinker/model_step": float(model.steps),
+               "tinker/loss_sum": model.loss_sum, "tinker/trained_tokens": float(model.tokens),
+               "actor/grad_norm": metrics["grad_norm"], "actor/lr": metrics["learning_rate"],
+               "time/step_s": now - model.last_step}
+        model.loss_sum, model.tokens, model.last_step = 0.0, 0, now
+        if self.run_log is not None:
+            with self._calls_lock:
+                self.run_log.metrics(next(self._steps), row, advance=False, echo=False)
 
     def save_weights(self, model_id: str, seq_id: int, name: str | None, for_sampler: bool,
                      sampler_seq_id: int | None = None) -> str:

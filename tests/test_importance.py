@@ -99,3 +99,10 @@ def test_model_flops_per_token():
     weights = 2 * (192 + 384) + 80
     assert forward_flops_per_token(config, seq_len=6) == 2 * weights + 2 * 2 * 2 * 4 * 6
     assert train_flops(config, [6, 6]) == 3 * 2 * 6 * forward_flops_per_token(config, 6)
+
+
+def test_ess_is_at_most_one_when_on_policy_ratios_round():
+    # three ratios of 1 summed as the learner sums them (fp32 rounding): (3 + 1e-7)^2 / (3 * 3) > 1
+    # before the clamp; a full lane's async and streaming runs failed `ess_frac <= 1` at step 0
+    assert effective_sample_size(3.0000001, 3.0, 3) == 1.0
+    assert effective_sample_size(2.0, 4.0, 2) == pytest.approx(0.5)  # weights 0 and 2: Kish's 4 / (2 * 4)

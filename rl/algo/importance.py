@@ -114,4 +114,5 @@ def effective_sample_size(w_sum: float, w_sq_sum: float, tokens: float) -> float
     every ratio is equal (on-policy), towards 1/tokens when one token carries all the weight."""
     if tokens <= 0 or w_sq_sum <= 0:
         return 1.0
-    return w_sum * w_sum / (tokens * w_sq_sum)
+    # at most 1 (Cauchy-Schwarz); on-policy ratios of 1 +- rounding summed in fp32 gave 1.000000008
+    return min(1.0, w_sum * w_sum / (tokens * w_sq_sum))

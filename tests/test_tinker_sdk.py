@@ -107,6 +107,8 @@ def test_the_sdk_trains_samples_saves_and_restores(service):
     assert "loss:sum" in custom.result(timeout=300).metrics  # the SDK's client-side loss, over our cross_entropy
 
     rest = tinker.RestClient(base_url=url)
+    info = rest.get_weights_info_by_tinker_path(state.path).result(timeout=60)
+    assert info.base_model == model and info.is_lora and info.lora_rank == 4 and info.train_unembed is False
     caps = rest.get_server_capabilities().result(timeout=60)
     assert [m.model_name for m in caps.supported_models] == [model]
     paths = [c.tinker_path for c in rest.list_checkpoints(tc.model_id).result(timeout=60).checkpoints]
@@ -226,6 +228,11 @@ def test_hostile_requests_get_the_sdks_error_and_harm_nothing(service):
                                                  "adam_params": {"learning_rate": 1e-3}}).json()["request_id"]
     failed = httpx_post(url, "/api/v1/retrieve_future", {"request_id": gap}).json()
     assert failed["category"] == "user" and "never came" in failed["error"]
+    # a call the client cancels fails as cancelled (the SDK cancels abandoned sample futures)
+    doomed = httpx_post(url, "/api/v1/optim_step", {"model_id": tc2.model_id, "seq_id": 70,
+                                                    "adam_params": {"learning_rate": 1e-3}}).json()["request_id"]
+    httpx_post(url, "/api/v1/cancel_future", {"request_id": doomed})
+    assert "cancelled" in httpx_post(url, "/api/v1/retrieve_future", {"request_id": doomed}).json()["error"]
     # a client that goes away mid-poll: the call still ends and its result waits for whoever asks
     pending = httpx_post(url, "/api/v1/optim_step", {"model_id": tc2.model_id, "seq_id": 60,
                                                      "adam_params": {"learning_rate": 1e-3}}).json()["request_id"]

@@ -99,19 +99,23 @@ class Futures:
         _, submitted, _ = self.get(request_id)
         return self.op_timeout_s - (time.monotonic() - submitted)
 
-    def give_up(self, request_id: str) -> Future:
-        """The call ran past `op_timeout_s`: its result is now that failure (its thread may go on,
-        but nothing waits for it)."""
+    def give_up(self, request_id: str, why: BaseException | None = None) -> Future:
+        """The call ran past `op_timeout_s` (or `why`): its result is now that failure (its thread
+        may go on, but nothing waits for it)."""
         future, submitted, owner = self.get(request_id)
         future.cancel()
         failed: Future = Future()
-        failed.set_exception(TimeoutError(f"the call did not finish in {self.op_timeout_s:.0f} s (serve.op_timeout_s)"))
+        failed.set_exception(why or TimeoutError(f"the call did not finish in {self.op_timeout_s:.0f} s "
+                                                 "(serve.op_timeout_s)"))
         with self._lock:
             self._futures[request_id] = (failed, submitted, owner)
         return failed
 
-    def cancel(self, request_id: str) -> bool:
-        return self.get(request_id)[0].cancel()
+    def cancel(self, request_id: str) -> None:
+        """The client gave the call up: a call not finished yet fails as cancelled (one running goes on
+        in its thread; its result is dropped)."""
+        if not self.get(request_id)[0].done():
+            self.give_up(request_id, UserError("the call was cancelled by the client"))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -98,7 +98,6 @@ class AdapterTrainer:
         self.engine = build_engine(load, config, lr=1e-4, weight_decay=0.0, lr_lambda=lambda _: 1.0)
         self.targets = targets
         self.engine.train()
-        self._pending = 0  # forward_backward calls since the last optim_step
         self.steps = 0
 
     def where(self) -> dict[str, Any]:
@@ -178,7 +177,6 @@ class AdapterTrainer:
                 if not math.isfinite(float(total.detach())):
                     raise ValueError(f"the loss is {float(total)}: check the advantages and logprobs sent")
                 self.engine.backward(total, scale_wrt_gas=False)
-                self._pending += 1
         return {"outputs": per_datum, "metrics": {"loss:sum": float(total.detach())}}
 
     def optim_step(self, learning_rate: float, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-12,
@@ -197,7 +195,6 @@ class AdapterTrainer:
             self.engine.step()
             self.steps += 1
         self.engine.module.zero_grad(set_to_none=True)
-        self._pending = 0
         return {"grad_norm": norm, "learning_rate": learning_rate}
 
     # ---- files -----------------------------------------------------------------------------------

@@ -234,6 +234,16 @@ def write_report(run_dir: str) -> tuple[str, str]:
     return png, md
 
 
+def write_report_or_warn(run_dir: str) -> None:
+    """write_report for a run that just ended (launch.train, launch.serve): a report that fails
+    never fails the run, whose results are written already."""
+    try:
+        png, _ = write_report(run_dir)
+        print(f"Report: {png} (and report.md)", flush=True)
+    except Exception as err:  # noqa: BLE001 - the run's results are written already
+        print(f"warning: no report for {run_dir}: {type(err).__name__}: {err}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m launch.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", help="a run directory (finished or in progress)")

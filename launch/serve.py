@@ -124,16 +124,15 @@ class Served:
         when an earlier one failed: actors may be gone already, e.g. after a SIGTERM to the group)."""
         import ray
 
-        from launch.train import write_report_or_warn
+        from launch.report import write_report_or_warn
 
         if getattr(self, "_stopping", None) is not None:
             self._stopping.set()
         self.server.should_exit = True
         self._thread.join(timeout=10)
-        for step in (self.service.close, self.fleet.shutdown, ray.shutdown if self.owns_ray else None):
+        for step in [self.service.close, self.fleet.shutdown] + ([ray.shutdown] if self.owns_ray else []):
             try:
-                if step is not None:
-                    step()
+                step()
             except Exception as err:  # noqa: BLE001 - the run's files come next, whatever failed here
                 print(f"warning: stopping the service: {type(err).__name__}: {err}", flush=True)
         self.run_log.finish({"service": self.service.stats})

@@ -20,6 +20,7 @@ from launch.cli import INPUT_ERRORS, fail
 from launch.cluster import Cluster
 from launch.components import make_episodes, make_source, start_agents, start_ray
 from launch.console import quiet_driver
+from launch.report import write_report_or_warn
 from rl.run.colocation import GpuHandover
 from rl.config.schema import TrainConfig
 
@@ -44,17 +45,6 @@ def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, Any]:
             out.setdefault("components", {})[name] = {
                 "first_steps_mean": statistics.fmean(values[:k]), "last_steps_mean": statistics.fmean(values[-k:])}
     return out
-
-
-def write_report_or_warn(run_dir: str) -> None:
-    """report.png and report.md (`launch.report`); a report that fails never fails the run."""
-    from launch.report import write_report
-
-    try:
-        png, _ = write_report(run_dir)
-        print(f"Report: {png} (and report.md)", flush=True)
-    except Exception as err:  # noqa: BLE001 - the run's results are written already
-        print(f"warning: no report for {run_dir}: {type(err).__name__}: {err}", flush=True)
 
 
 def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = False) -> dict[str, Any]:

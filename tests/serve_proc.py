@@ -40,3 +40,4 @@ def serving(args: list[str], log_path: Path, env: dict[str, str] | None = None, 
             proc.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+        log.close()

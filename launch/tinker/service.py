@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import re
 import secrets
@@ -114,13 +115,11 @@ class TinkerService:
         self.stats: dict[str, float] = {"forward_backward_tokens": 0, "forward_backward_s": 0.0,
                                         "sample_tokens": 0, "sample_s": 0.0}
         self._calls = open(os.path.join(run_dir, "calls.jsonl"), "a", buffering=1)  # one line per finished call
-        self._calls_lock = threading.Lock()
+        self._log_lock = threading.Lock()  # calls.jsonl and the run log: written from the calls' threads
 
     def _record(self, call: str, owner: str, seconds: float, **figures: Any) -> None:
         """A finished call in `run.dir/calls.jsonl`: what, whose, how long, its figures."""
-        import json
-
-        with self._calls_lock:
+        with self._log_lock:
             self._calls.write(json.dumps({"time": round(time.time(), 3), "call": call, "of": owner,
                                           "seconds": round(seconds, 4), **figures}) + "\n")
 
@@ -349,14 +348,14 @@ class TinkerService:
             started = time.perf_counter()
             out = model.call("forward_backward", data, loss.name, dict(loss.config), bool(message.forward_only),
                              kind="forward_backward", timeout_s=self.s.op_timeout_s)
+            took, loss_sum = time.perf_counter() - started, out["metrics"]["loss:sum"]
             self.stats["forward_backward_tokens"] += total
-            self.stats["forward_backward_s"] += time.perf_counter() - started
+            self.stats["forward_backward_s"] += took
             if not message.forward_only:
-                model.loss_sum += out["metrics"]["loss:sum"]
+                model.loss_sum += loss_sum
                 model.tokens += total
-            self._record("forward" if message.forward_only else "forward_backward", model.id,
-                         time.perf_counter() - started, loss_fn=loss.name, data=len(data), tokens=total,
-                         **{"loss:sum": out["metrics"]["loss:sum"]})
+            self._record("forward" if message.forward_only else "forward_backward", model.id, took,
+                         loss_fn=loss.name, data=len(data), tokens=total, **{"loss:sum": loss_sum})
             return encode_forward_backward(out["outputs"], out["metrics"])
 
         return self._ordered(model, int(message.seq_id), run)
@@ -399,7 +398,7 @@ class TinkerService:
                "time/step_s": now - model.last_step}
         model.loss_sum, model.tokens, model.last_step = 0.0, 0, now
         if self.run_log is not None:
-            with self._calls_lock:
+            with self._log_lock:
                 self.run_log.metrics(next(self._steps), row, advance=False, echo=False)
 
     def save_weights(self, model_id: str, seq_id: int, name: str | None, for_sampler: bool,
@@ -513,10 +512,10 @@ class TinkerService:
             errors = [s.error for s in samples if s.error]
             if errors:
                 raise UserError(errors[0])
-            self.stats["sample_tokens"] += sum(len(s.completion_ids) for s in samples)
-            self.stats["sample_s"] += time.perf_counter() - started
-            self._record("sample", sampler.id, time.perf_counter() - started, samples=n,
-                         sampled_tokens=sum(len(s.completion_ids) for s in samples))
+            took, sampled = time.perf_counter() - started, sum(len(s.completion_ids) for s in samples)
+            self.stats["sample_tokens"] += sampled
+            self.stats["sample_s"] += took
+            self._record("sample", sampler.id, took, samples=n, sampled_tokens=sampled)
             return encode_sample([(s.completion_ids, s.logprobs, s.finish_reason) for s in samples],
                                  samples[0].prompt_logprobs if requests[0].prompt_logprobs else None)
 

@@ -2,7 +2,7 @@
 trained as it is (`task=calculator_agent`, `task.agent: examples.calculator_agent:solve`).
 
 Nothing here knows about RL. The trainer calls `solve(base_url, row)` once per sample, with a base
-URL of its own on the agent server (rl/run/agents.py, rollout/agent_server.py); every chat call made
+URL of its own on the agent server (reward/agents/runner.py, reward/agents/server.py); every chat call made
 there is sampled from the policy being trained and recorded token for token, and `solve`'s return
 value is the episode's reward. Any agent harness works the same way: point its OpenAI client at
 `base_url` and return a score.

@@ -146,11 +146,11 @@ def build_components(cfg: TrainConfig, log=print, started: dict[str, Any] | None
 def load_agent(cfg) -> Any:
     """The `task.agent` function (None without one), checked in the driver before Ray starts: it
     loads, is callable as fn(base_url, row, **task.agent_kwargs). The episodes load it again, each
-    in its own process (reward/agent_procs.py)."""
+    in its own process (reward/agents/pool.py)."""
     if not cfg.task.agent:
         return None
     if cfg.task.agent_python:  # loaded where it will run: a zygote of that interpreter, then closed
-        from reward.agent_procs import AgentLimits, AgentPool
+        from reward.agents.pool import AgentLimits, AgentPool
 
         AgentPool(cfg.task.agent, os.getcwd(), 1, AgentLimits(cfg.task.agent_timeout_s),
                   plain_dict(cfg.task.agent_kwargs), python=cfg.task.agent_python).close()
@@ -168,9 +168,9 @@ def start_agents(cfg: TrainConfig, tokenizer, fleet, repairs):
         return None
     import logging
 
-    from reward.agent_procs import AgentLimits, AgentPool
-    from rl.run.agents import AgentRunner
-    from rollout.agent_server import AgentServer, RequestRejected
+    from reward.agents.pool import AgentLimits, AgentPool
+    from reward.agents.runner import AgentRunner
+    from reward.agents.server import AgentServer, RequestRejected
 
     def generate(request):  # a request the engine refused is that call's error (a 400), never a fault
         sample = fleet.generate_one(request)

@@ -179,9 +179,9 @@ def _check_signature(fn: Callable[..., Any], prefix: str) -> None:
 def load_agent_function(spec: str, base_dir: str | None, kwargs: dict[str, Any],
                         field: str = "task.agent") -> Callable[..., Any]:
     """Import the agent function named by `spec` and check, before any episode, that it can be
-    called as `fn(base_url, row, **kwargs)` (rl/run/agents.py), and, when the function has a
+    called as `fn(base_url, row, **kwargs)` (reward/agents/runner.py), and, when the function has a
     `check_kwargs` attribute, that `fn.check_kwargs(**kwargs)` accepts their values. An async
-    function is accepted: reward.agent_procs runs the coroutine it returns with asyncio.run."""
+    function is accepted: reward.agents.pool runs the coroutine it returns with asyncio.run."""
     obj = load_object(spec, base_dir, field=field)
     if not callable(obj):
         raise RewardLoadError(

@@ -207,7 +207,7 @@ def imported_packages(stderr: str) -> set[str]:
 
 
 def play_episodes(server, pool, rows: list[dict], wait_s: float):
-    """Each row an episode of `pool`'s agent against `server` (a rollout.agent_server.AgentServer):
+    """Each row an episode of `pool`'s agent against `server` (a reward.agents.server.AgentServer):
     (outcome per row index, the calls each episode made), waiting at most `wait_s` for them."""
     opened = {i: server.open_episode(seed_base=i) for i in range(len(rows))}
     for i, row in enumerate(rows):

@@ -1,4 +1,4 @@
-"""reward.agent_procs: agent functions in worker processes that deadlines, crashes and floods cannot
+"""reward.agents.pool: agent functions in worker processes that deadlines, crashes and floods cannot
 take down with them, in both isolation regimes (cgroups, and the fallback forced by hand); and
 reward.loader.load_agent_function's errors. Real processes throughout."""
 
@@ -14,8 +14,8 @@ import time
 import psutil
 import pytest
 
-from reward import agent_procs
-from reward.agent_procs import AgentLimits, AgentPool
+from reward.agents import pool as agent_procs
+from reward.agents.pool import AgentLimits, AgentPool
 from reward.loader import RewardLoadError, load_agent_function
 
 TIMEOUT_S = 2.0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from reward.agent_procs import AgentLimits, AgentPool
+from reward.agents.pool import AgentLimits, AgentPool
 from reward.loader import RewardLoadError
 
 AGENT = '''

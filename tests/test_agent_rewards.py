@@ -1,11 +1,11 @@
-"""rl.run.agents.episode_reward (issue 47): an agent's reward is a real number within
+"""reward.agents.runner.episode_reward (issue 47): an agent's reward is a real number within
 task.agent_reward_bound; a bool, a non-number or a huge value is an error naming the value."""
 
 from __future__ import annotations
 
 import pytest
 
-from rl.run.agents import episode_reward
+from reward.agents.runner import episode_reward
 
 
 @pytest.mark.parametrize("value,reward", [(None, None), (1, 1.0), (0.5, 0.5), (-1e6, -1e6)])

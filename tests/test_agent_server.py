@@ -1,4 +1,4 @@
-"""The agent server (`rollout.agent_server`) and its episodes (`rl.data.agent_calls`): agents written
+"""The agent server (`reward.agents.server`) and its episodes (`rl.data.agent_calls`): agents written
 with the plain `openai` client, served by the real SmolLM2-135M-Instruct through `HFEngine` (fp32,
 CPU), give token-exact trajectories whose log-probs the model itself reproduces.
 
@@ -30,7 +30,7 @@ import torch
 from rl.config.schema import ModelConfig, RolloutConfig
 from rl.data.agent_calls import RecordedCall, episode_sample
 from rl.data.types import GenerationRequest, Sample
-from rollout.agent_server import MAX_HEADER_BYTES, AgentServer, RequestRejected, split_tool_calls
+from reward.agents.server import MAX_HEADER_BYTES, AgentServer, RequestRejected, split_tool_calls
 from rollout.hf_engine import HFEngine
 from rollout.protocol import RolloutSpec
 

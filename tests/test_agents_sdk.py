@@ -17,7 +17,7 @@ from examples.calculator import calculator_tokenizer  # noqa: E402
 from rl.data.agent_calls import episode_sample  # noqa: E402
 from rl.data.tools import ToolCall, format_tool_call  # noqa: E402
 from rl.data.types import GenerationRequest, Sample  # noqa: E402
-from rollout.agent_server import AgentServer  # noqa: E402
+from reward.agents.server import AgentServer  # noqa: E402
 
 
 def _scripted(tok, turns: list[str]):

@@ -84,7 +84,7 @@ def served(tiny_calc):
     failures (each one would have cost a rollout worker)."""
     from transformers import AutoTokenizer
 
-    from rollout.agent_server import AgentServer, RequestRejected
+    from reward.agents.server import AgentServer, RequestRejected
     from rollout.hf_engine import HFEngine
     from rollout.protocol import RolloutSpec
 
@@ -114,8 +114,8 @@ def served(tiny_calc):
 
 @pytest.mark.slow  # a real engine and 30 agent processes, ~25 s: the default lane, not the fast one
 def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
-    from reward.agent_procs import AgentLimits, AgentPool
-    from rl.run.agents import AgentRunner
+    from reward.agents.pool import AgentLimits, AgentPool
+    from reward.agents.runner import AgentRunner
 
     server, failures, vocab = served
     key, closed_url = server.open_episode(seed_base=1)
@@ -187,7 +187,7 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
 def _pids_limited() -> bool:
     """Whether the pool can bound an agent's processes: with cgroups (pids), or as a user other
     than root (RLIMIT_NPROC; root ignores it)."""
-    from reward.agent_procs import _cgroups_usable
+    from reward.agents.pool import _cgroups_usable
 
     return _cgroups_usable() or os.getuid() != 0
 
@@ -199,8 +199,8 @@ def test_a_call_after_the_agent_returned_is_refused_and_recorded_nowhere(served,
     or anyone holding the key) gets a 404, and the episode holds only the agent's own call."""
     import httpx
 
-    from reward.agent_procs import AgentLimits, AgentPool
-    from rl.run.agents import AgentRunner
+    from reward.agents.pool import AgentLimits, AgentPool
+    from reward.agents.runner import AgentRunner
     from tests.hostile_agents import GOOD
 
     server, failures, vocab = served

@@ -1,4 +1,4 @@
-"""OpenEnv environments, unchanged (reward/openenv_agent.py): an environment written with
+"""OpenEnv environments, unchanged (reward/agents/openenv.py): an environment written with
 openenv-core's own `Environment`, server and `EnvClient` (examples/openenv_sum), served as its
 authors serve it (uvicorn, in the OpenEnv virtual environment `launch/agent_env.sh openenv` makes),
 played through the agent server token for token; the reward is the environment's own; a server
@@ -18,10 +18,10 @@ import time
 import pytest
 
 from examples.calculator import calculator_tokenizer
-from reward.agent_procs import AgentLimits, AgentPool
+from reward.agents.pool import AgentLimits, AgentPool
 from rl.data.agent_calls import episode_sample
 from rl.data.types import GenerationRequest, Sample
-from rollout.agent_server import AgentServer
+from reward.agents.server import AgentServer
 from tests.conftest import play_episodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
@@ -82,7 +82,7 @@ def test_an_openenv_environment_plays_token_exact_with_its_own_rewards(openenv_p
     rows = [{"prompt": "", "seed": s} for s in range(4)]
     for wrong_first, reward, turns in ((False, 1.0, 1), (True, 1.0, 2)):
         with AgentServer(tok, _policy(tok, wrong_first), max_new_tokens=8, max_model_len=256) as server:
-            pool = AgentPool("reward.openenv_agent:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python)
+            pool = AgentPool("reward.agents.openenv:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python)
             try:
                 outcomes, calls = play_episodes(server, pool, rows, 60)
             finally:
@@ -106,7 +106,7 @@ def test_a_url_alone_plays_through_openenv_s_generic_client(openenv_python, sum_
               "action_field": "message", "max_turns": 2}
     rows = [{"prompt": "", "seed": s} for s in range(4)]
     with AgentServer(tok, _policy(tok, True), max_new_tokens=8, max_model_len=256) as server:
-        pool = AgentPool("reward.openenv_agent:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python)
+        pool = AgentPool("reward.agents.openenv:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python)
         try:
             outcomes, calls = play_episodes(server, pool, rows, 60)
         finally:
@@ -125,7 +125,7 @@ def test_a_server_that_hangs_or_is_gone_costs_only_its_episode(openenv_python, s
     hung_url = f"http://127.0.0.1:{silent.getsockname()[1]}"
     gone_url = f"http://127.0.0.1:{_free_port()}"
     (tmp_path / "by_row.py").write_text(
-        "from reward.openenv_agent import episode\n\n"
+        "from reward.agents.openenv import episode\n\n"
         "async def play(base_url, row, **kw):\n"
         "    return await episode(base_url, row, **{**kw, 'server_url': row.get('server_url') or kw['server_url']})\n")
     rows = [{"prompt": "", "seed": 1}, {"prompt": "", "seed": 2, "server_url": hung_url},

@@ -1,4 +1,4 @@
-"""verifiers environments, unchanged (reward/verifiers_agent.py): a `v1` taskset with its own reward
+"""verifiers environments, unchanged (reward/agents/verifiers.py): a `v1` taskset with its own reward
 (examples/verifiers_sum, packaged as its authors package one) installed beside verifiers in the
 virtual environment `launch/agent_env.sh verifiers` makes, played through verifiers' own
 `run_episode` with our agent server as its model endpoint, token for token; the reward is the
@@ -20,17 +20,17 @@ import time
 import pytest
 
 from examples.calculator import calculator_tokenizer
-from reward.agent_procs import AgentLimits, AgentPool
+from reward.agents.pool import AgentLimits, AgentPool
 from reward.loader import RewardLoadError
 from rl.data.agent_calls import episode_sample
 from rl.data.types import GenerationRequest, Sample
-from rollout.agent_server import AgentServer
+from reward.agents.server import AgentServer
 from tests.conftest import play_episodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-AGENT = "reward.verifiers_agent:episode"
+AGENT = "reward.agents.verifiers:episode"
 
 # A taskset whose reward misbehaves as its config says: raises, hangs, or returns NaN.
 HOSTILE = '''
@@ -89,7 +89,7 @@ def _policy(tok, wrong: bool = False):
 
 def _answers(python: str, n: int) -> list[str]:
     """The taskset's own answers for its first `n` tasks, read in the verifiers environment."""
-    code = ("import json, itertools, reward.verifiers_agent as va\n"
+    code = ("import json, itertools, reward.agents.verifiers as va\n"
             f"env = va.load('verifiers_sum')\n"
             f"print(json.dumps([t.data.answer for t in itertools.islice(env.taskset, {n})]))\n")
     out = subprocess.run([python, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
@@ -132,7 +132,7 @@ def test_a_broken_taskset_or_row_costs_only_its_episode(verifiers_python, tmp_pa
     (tmp_path / "by_row.py").write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(tmp_path)!r})\n"
-        "from reward.verifiers_agent import episode\n\n"
+        "from reward.agents.verifiers import episode\n\n"
         "async def play(base_url, row, **kw):\n"
         "    env = row.get('env', kw['environment'])\n"
         "    args = {'mode': row['mode']} if 'mode' in row else kw.get('taskset_args')\n"

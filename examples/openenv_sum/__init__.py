@@ -2,7 +2,7 @@
 it for any OpenEnv trainer: `models.py` (its Action and Observation), `server.py` (its
 `Environment` and the FastAPI app openenv-core makes of it: `uvicorn examples.openenv_sum.server:app`)
 and `client.py` (its `EnvClient`). Nothing here knows about this trainer; `task=openenv_sum` trains
-it through `reward.openenv_agent` in the OpenEnv virtual environment (`launch/agent_env.sh openenv`).
+it through `reward.agents.openenv` in the OpenEnv virtual environment (`launch/agent_env.sh openenv`).
 """
 
 from __future__ import annotations

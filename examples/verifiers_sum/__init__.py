@@ -1,7 +1,7 @@
 """A verifiers environment, unchanged: `verifiers_sum/` is a verifiers `v1` taskset packaged as its
 authors package one (`pyproject.toml`; installed into .venv-verifiers by
 `bash launch/agent_env.sh verifiers examples/verifiers_sum`). `task=verifiers_sum` plays its tasks
-through `reward.verifiers_agent` in that virtual environment; this module only writes the rows
+through `reward.agents.verifiers` in that virtual environment; this module only writes the rows
 that say which task each episode plays.
 """
 

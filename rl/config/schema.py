@@ -194,7 +194,7 @@ class TaskConfig:
     # Multi-turn episodes (rl/data/env.py): the environment class, "package.module:Class" or
     # "path/file.py:Class", built per episode with env_kwargs; null = single-turn completions.
     # "openenv:<EnvClient class or http://server>": an OpenEnv environment (expand_openenv
-    # below: played as agent episodes of reward/openenv_agent.py, env_kwargs theirs)
+    # below: played as agent episodes of reward/agents/openenv.py, env_kwargs theirs)
     env: str | None = None
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     max_turns: int = 4  # model turns per episode at most (rollout.max_new_tokens is per turn)
@@ -207,7 +207,7 @@ class TaskConfig:
     # fn(base_url, row, **agent_kwargs) once per sample, in a process of its own, with its own
     # OpenAI-compatible base URL; it runs any agent code (the `openai` client) and returns the
     # episode's reward (a finite number, or None to leave it to reward.functions). The calls it
-    # makes there are the trajectory, token for token (rl/run/agents.py).
+    # makes there are the trajectory, token for token (reward/agents/runner.py).
     agent: str | None = None
     agent_kwargs: dict[str, Any] = field(default_factory=dict)
     agent_workers: int = 16  # episodes running at once (worker processes)
@@ -663,13 +663,13 @@ def plain_dict(node: Any) -> dict[str, Any]:
     return copy.deepcopy(dict(node or {}))
 
 
-OPENENV_AGENT = "reward.openenv_agent:episode"
+OPENENV_AGENT = "reward.agents.openenv:episode"
 OPENENV_GENERIC_CLIENT = "openenv.core.generic_client:GenericEnvClient"  # openenv-core's dict-in, dict-out client
 
 
 def expand_openenv(cfg: Any) -> None:
     """`task.env=openenv:<EnvClient class or server URL>`: an OpenEnv environment, whose server runs
-    outside the trainer, so its episodes are agent episodes of reward/openenv_agent.py; task.agent
+    outside the trainer, so its episodes are agent episodes of reward/agents/openenv.py; task.agent
     and task.agent_kwargs are filled in from it (with task.env_kwargs and task.max_turns). A URL
     alone plays through openenv-core's GenericEnvClient, actions and observations as dicts."""
     env = cfg.task.env

@@ -1,7 +1,7 @@
 """An agent's recorded model calls made into one training episode (docs/architecture.md "Agents",
 "Episodes").
 
-The agent server (`rollout.agent_server`) records every call of one episode token-exactly: the
+The agent server (`reward.agents.server`) records every call of one episode token-exactly: the
 prompt ids it rendered, the ids the model sampled with their log-probs and policy versions. A
 well-behaved agent only appends to its conversation, so each call's prompt is the previous call's
 prompt + completion + new ids (tool results, user turns: the template's tokens, tokenized once).

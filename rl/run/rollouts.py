@@ -2,7 +2,7 @@
 schedule and one for the samples, so the loop never asks which ones it has.
 
 A `Source` makes samples: single completions from the fleet (`Completions`), environment episodes
-(`EnvEpisodes`, the framework driving `task.env`) or agent episodes (`rl.run.agents.AgentRunner`,
+(`EnvEpisodes`, the framework driving `task.env`) or agent episodes (`reward.agents.runner.AgentRunner`,
 the user's `task.agent`). Each takes a batch (`run`, blocking) and a stream (`submit`/`drain`).
 
 `Rollouts` schedules them against the learner: `LockStep` generates a step's batch when the step

@@ -88,7 +88,7 @@ def cost_metrics(cfg: TrainConfig, train_metrics: dict[str, float], learner_s: f
 
 def episode_metrics(samples: list[Sample]) -> dict[str, float]:
     """Turns per episode, and the share of an episode's tokens that are observations; agents that
-    failed (rl/run/agents.py names them in the error), and those killed at their deadline."""
+    failed (reward/agents/runner.py names them in the error), and those killed at their deadline."""
     episodes = [s for s in samples if s.turns is not None]
     if not episodes:
         return {}

@@ -70,7 +70,7 @@ from sandbox.backend import SandboxError
 
 log = logging.getLogger(__name__)
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _LOAD_TIMEOUT_S = 300.0  # the zygote's import of the agent module (torch-heavy ones take ~10 s)
 _IO_TIMEOUT_S = 5.0      # one message to or from our own code in a worker or the zygote
 _CLOSE_WAIT_S = 0.5
@@ -134,7 +134,7 @@ class AgentPool:
         signature raises RewardLoadError here, before any episode. `python`: the interpreter the
         zygote (so every episode) runs in, e.g. another virtual environment's, for agent code whose
         packages conflict with ours (None: this one); it imports only this module's standard-library
-        closure of ours (reward.agent_procs, reward.loader, sandbox._cgroup), from this checkout."""
+        closure of ours (reward.agents.pool, reward.loader, sandbox._cgroup), from this checkout."""
         self.size, self.limits, self.name = workers, limits, name
         self._cgroups = _cgroups_usable()
         config = dict(spec=spec, base_dir=base_dir, kwargs=dict(kwargs or {}), name=name, limits=limits,
@@ -491,7 +491,7 @@ def _cgroups_usable() -> bool:
         _cgroup.RunCgroups(f"{os.getpid()}-agent-probe-{next(_names)}", memory_bytes=1 << 30, pids_max=1).remove()
     except (OSError, SandboxError) as exc:
         log.warning("agent workers: no cgroups (%s): process-group kills and rlimits instead "
-                    "(reward/agent_procs.py says what that does not cover)", exc)
+                    "(reward/agents/pool.py says what that does not cover)", exc)
         return False
     log.info("agent workers: each in memory and pids cgroups of its own")
     return True
@@ -503,7 +503,7 @@ def _start_zygote(config: dict, python: str) -> tuple[subprocess.Popen, socket.s
     field = f"{config['name']}={config['spec']!r}"
     data = pickle.dumps(config)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    code = (f"import sys; sys.path.insert(0, {_ROOT!r}); from reward.agent_procs import _zygote_main; "
+    code = (f"import sys; sys.path.insert(0, {_ROOT!r}); from reward.agents.pool import _zygote_main; "
             f"_zygote_main({theirs.fileno()})")
     try:
         proc = subprocess.Popen([python, "-c", code], stdin=subprocess.PIPE, pass_fds=[theirs.fileno()],

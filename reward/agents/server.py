@@ -46,7 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl.data.agent_calls import RecordedCall
-from rollout.http_limits import (MAX_HEADER_BYTES, AnswerFaults, ApiError, Connection, ConnectionBudget, check_text,
+from reward.agents.http_limits import (MAX_HEADER_BYTES, AnswerFaults, ApiError, Connection, ConnectionBudget, check_text,
                                  check_values, loads, read_body)
 from rl.data.dataset import derive_seed
 from rl.data.episodes import ObservationEncoder

@@ -1,5 +1,5 @@
 """verifiers environments (its `v1` API: an `Env` or `SingleAgentEnv` with a taskset and reward
-functions), played as agent episodes: `task.agent=reward.verifiers_agent:episode`.
+functions), played as agent episodes: `task.agent=reward.agents.verifiers:episode`.
 
 verifiers pins `openai < 3` and `mcp 2.0.0`, which conflict with ours, so the episode runs in a
 virtual environment of its own (`task.agent_python`, made by `launch/agent_env.sh verifiers`, with
@@ -124,9 +124,9 @@ episode.check_kwargs = check_kwargs
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m reward.verifiers_agent ENVIRONMENT OUT.jsonl [TASKSET_ARGS_JSON]`, in the verifiers
+    """`python -m reward.agents.verifiers ENVIRONMENT OUT.jsonl [TASKSET_ARGS_JSON]`, in the verifiers
     virtual environment: one row per task of the environment (`task_index`, and its prompt when it
-    is text, else a label), the training rows for `task.agent=reward.verifiers_agent:episode`."""
+    is text, else a label), the training rows for `task.agent=reward.agents.verifiers:episode`."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (2, 3):
         raise SystemExit(main.__doc__)

@@ -1,5 +1,5 @@
 """OpenEnv environments (openenv-core: an `Environment` served by its own server, reached through
-its `EnvClient`), played as agent episodes: `task.agent=reward.openenv_agent:episode`.
+its `EnvClient`), played as agent episodes: `task.agent=reward.agents.openenv:episode`.
 
 openenv-core's dependencies (gradio's pillow pin among them) conflict with ours, so the episode runs
 in a virtual environment of its own (`task.agent_python`, made by `launch/agent_env.sh openenv`),

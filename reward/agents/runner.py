@@ -40,7 +40,7 @@ class Outcome(Protocol):
 
 
 class AgentProcesses(Protocol):
-    """`reward.agent_procs.AgentPool`: agents in killable processes; `on_end(job_id)` is called as
+    """`reward.agents.pool.AgentPool`: agents in killable processes; `on_end(job_id)` is called as
     each agent returns, dies or is killed, before its outcome is in `results`."""
 
     on_end: Callable[[Hashable], None] | None

@@ -18,6 +18,8 @@ import json
 import os
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -30,7 +32,8 @@ import torch
 from rl.config.schema import ModelConfig, RolloutConfig
 from rl.data.agent_calls import RecordedCall, episode_sample
 from rl.data.types import GenerationRequest, Sample
-from reward.agents.server import MAX_HEADER_BYTES, AgentServer, RequestRejected, split_tool_calls
+from reward.agents.chat import split_tool_calls
+from reward.agents.server import MAX_HEADER_BYTES, AgentServer, RequestRejected
 from rollout.hf_engine import HFEngine
 from rollout.protocol import RolloutSpec
 
@@ -778,6 +781,85 @@ def test_an_ended_episode_refuses_later_calls_and_records_nothing(fake):
     assert late == [404] * 3
     [call] = fake.close_episode(key)
     assert call.prompt_ids == [1, 2]
+
+
+class GatedPolicy(FakePolicy):
+    """A FakePolicy whose calls with the prompt [9] wait for `release` (a slow generate): the call
+    an agent leaves in flight when it returns."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer)
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, request: GenerationRequest) -> Sample:
+        if request.prompt_ids == [9]:
+            self.started.set()
+            assert self.release.wait(20)
+        return super().__call__(request)
+
+
+def _leave_a_call_in_flight(url: str) -> tuple[threading.Thread, list]:
+    """What an agent that returns too early leaves: a call through the openai client, in a thread,
+    whose generate has begun; the list gets its answer or its error."""
+    got: list = []
+
+    def call() -> None:
+        try:
+            got.append(client(url).completions.create(model="policy", prompt=[9], max_tokens=2))
+        except openai.APIStatusError as err:
+            got.append(err)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    return thread, got
+
+
+def test_a_call_in_flight_when_the_episode_ends_is_not_recorded(tokenizer):
+    """Issue 58: an episode closes when its agent returns. A call still running on the fleet then
+    (a slow generate) is answered with the closed episode's 404 and is not in close_episode's
+    record; the calls completed before it are."""
+    policy = GatedPolicy(tokenizer)
+    with AgentServer(tokenizer, policy, max_new_tokens=MAX_NEW, max_model_len=1024) as s:
+        key, url = s.open_episode(seed_base=0)
+        done = [client(url).completions.create(model="policy", prompt=p, max_tokens=2) for p in ([1, 2], [3])]
+        thread, got = _leave_a_call_in_flight(url)
+        assert policy.started.wait(10)
+        s.end_episode(key)  # the agent returned
+        policy.release.set()
+        thread.join(timeout=20)
+        [err] = got
+        assert isinstance(err, openai.NotFoundError) and err.body["code"] == "episode_not_found"
+        calls = s.close_episode(key)
+    assert [c.prompt_ids for c in calls] == [[1, 2], [3]]
+    assert [c.completion_text for c in calls] == [r.choices[0].text for r in done]
+
+
+def test_calls_finishing_after_the_agent_returned_are_dropped_when_its_end_comes_late(tokenizer):
+    """Issue 58, as a user found it: the pool learns that an agent returned a while after it did
+    (0.42 s in the field), and a call the agent left in flight finished in between and was recorded.
+    end_episode(key, at=) takes when the agent returned, `time.monotonic()` in the agent's own
+    process (one clock for the host: a subprocess here): the calls recorded from then on are
+    dropped, those before are kept, and later calls get the 404."""
+    policy = GatedPolicy(tokenizer)
+    with AgentServer(tokenizer, policy, max_new_tokens=MAX_NEW, max_model_len=1024) as s:
+        key, url = s.open_episode(seed_base=0)
+        agent = client(url)
+        first = agent.completions.create(model="policy", prompt=[1, 2], max_tokens=2)
+        thread, got = _leave_a_call_in_flight(url)
+        assert policy.started.wait(10)
+        before = time.monotonic()
+        returned_at = float(subprocess.run([sys.executable, "-c", "import time; print(time.monotonic())"],
+                                           capture_output=True, text=True, check=True, timeout=60).stdout)
+        assert before <= returned_at <= time.monotonic()  # the agent's process reads the server's clock
+        policy.release.set()  # the call left in flight finishes before the pool reports the return
+        thread.join(timeout=20)
+        assert got[0].choices[0].text == "ok" * 2  # answered: the server did not know yet
+        s.end_episode(key, at=returned_at)
+        with pytest.raises(openai.NotFoundError):
+            agent.completions.create(model="policy", prompt=[1, 2, 3], max_tokens=2)
+        [call] = s.close_episode(key)
+    assert call.prompt_ids == [1, 2] and call.completion_text == first.choices[0].text
+    assert len(policy.requests) == 2  # the dropped call did reach the fleet
 
 
 def test_fair_share_caps_calls_and_requests_per_episode_and_logs_once(tokenizer, caplog):

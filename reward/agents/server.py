@@ -1,43 +1,35 @@
 """An OpenAI-compatible endpoint in front of the rollout fleet, recording token-exact episodes
-(docs/architecture.md "Agents").
+(docs/architecture.md "Agents"): the HTTP app, its episodes and its routes.
 
 Any agent written with the plain `openai` client becomes an environment: each episode gets its own
 base URL (`http://HOST:PORT/episodes/{key}/v1`), and every call made there is recorded as a
 `RecordedCall` (exact prompt ids, sampled ids, log-probs, policy versions) that
-`rl.data.agent_calls.episode_sample` turns into one training Sample.
-
-The server owns tokenization. A chat call whose messages are the previous call's messages + the
-assistant message it returned + new messages gets, as its prompt, the previous prompt + the
-previous completion exactly as sampled + the template's tokens for the new messages
-(`ObservationEncoder`, tokenized once), so nothing the model sampled is ever re-tokenized. Any
-other conversation is rendered afresh (and `episode_sample` will say the agent rewrote history).
+`rl.data.agent_calls.episode_sample` turns into one training Sample. A call is parsed and checked
+by `requests`, its prompt built token-exactly by `chat`, sampled here, and answered by `answers`.
 
 Calls of one episode are served one at a time (an episode is one trajectory); episodes run
-concurrently, each call in a worker thread that blocks on `generate` (the fleet).
+concurrently, each call in a worker thread that blocks on `generate` (the fleet). An episode ends
+when its agent returns: a call still in flight then is not recorded (issue 58).
 
 Agents are untrusted code. An episode's key is a secret (`secrets`): the base URL is the only
 way into the episode, and a key that is unknown, closed or malformed gets the same 404, so no
-agent can reach or probe another's episode. What the policy samples is the run's: a request
-asking for another temperature, top_p, penalty or the like is refused (the learner scores every
-token at the run's settings), as is anything the engine would choke on (token ids out of the
-vocabulary, non-finite numbers, lone surrogates). Bodies, headers, reads and connections are
-bounded, so a hostile or broken client costs a bounded amount of memory and time.
+agent can reach or probe another's episode. What the policy samples is the run's (`requests`
+refuses other sampling settings). Bodies, headers, reads and connections are bounded
+(`http_limits`), so a hostile or broken client costs a bounded amount of memory and time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import math
-import reprlib
 import secrets
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import anyio
 import uvicorn
@@ -46,27 +38,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rl.data.agent_calls import RecordedCall
-from reward.agents.http_limits import (MAX_HEADER_BYTES, AnswerFaults, ApiError, Connection, ConnectionBudget, check_text,
-                                 check_values, loads, read_body)
 from rl.data.dataset import derive_seed
-from rl.data.episodes import ObservationEncoder
-from rl.data.tools import BadToolCall, ToolCall, format_tool_call, parse_tool_calls, text_outside_tool_calls
 from rl.data.types import GenerationRequest, Sample
+from reward.agents import answers, requests
+from reward.agents.chat import Conversation, Prompts
+from reward.agents.http_limits import MAX_HEADER_BYTES, AnswerFaults, ApiError, Connection, ConnectionBudget, read_body
+
+__all__ = ["MAX_HEADER_BYTES", "AgentServer", "RequestRejected"]
 
 log = logging.getLogger(__name__)
-
-# Body fields: served; accepted and ignored (no effect on what is sampled); refused unless they
-# have their neutral value (they change sampling in a way the learner would not score, or ask for
-# more than the one completion the policy samples). temperature and top_p are checked per episode.
-_SERVED = {"messages", "prompt", "tools", "tool_choice", "temperature", "top_p", "max_tokens",
-           "max_completion_tokens", "seed", "stream", "stream_options", "logprobs"}
-_IGNORED = {"model", "user", "store", "metadata", "service_tier", "parallel_tool_calls", "prompt_cache_key",
-            "safety_identifier"}
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "logit_bias": ({},), "presence_penalty": (0,), "frequency_penalty": (0,),
-    "repetition_penalty": (1,), "top_k": (-1,), "min_p": (0,), "stop": ([], ""), "top_logprobs": (0,),
-    "logprobs_mode": (), "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",),
-}
 
 
 class RequestRejected(Exception):
@@ -74,105 +54,10 @@ class RequestRejected(Exception):
     never a fault."""
 
 
-def _show(value: Any) -> str:
-    """A client's value quoted in an error: cut short, however long or deeply nested."""
-    return reprlib.repr(value)
-
-
 def _not_found() -> ApiError:
     """The one answer for a key that is unknown, closed or malformed (and any other path): the
     same bytes whatever the key, so an agent learns nothing about other episodes."""
     return ApiError(404, "unknown episode: use the base_url the trainer gave this episode", code="episode_not_found")
-
-
-def _neutral(value: Any, options: tuple[Any, ...]) -> bool:
-    """`value` is null or one of `options` (a bool never stands for a number)."""
-    return value is None or any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in options)
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def split_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
-    """The model's text as (content outside the <tool_call> tags, or None when empty; the calls).
-    Text with no call, or a malformed one (the agent then sees the raw text), has no calls."""
-    try:
-        calls = parse_tool_calls(text)
-    except BadToolCall:
-        return text, []
-    if not calls:
-        return text, []
-    return text_outside_tool_calls(text) or None, calls
-
-
-def _text(content: Any, param: str) -> str:
-    """A message's content as text: a string, None, or a list of text parts."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-        return "".join(str(p.get("text", "")) for p in content)
-    raise ApiError(400, f"{param}: only text content is supported (a string or a list of text parts)", param)
-
-
-def _calls(tool_calls: Any, param: str) -> tuple[tuple[str, str], ...]:
-    """An assistant message's tool calls as ((name, canonical JSON arguments), ...)."""
-    if not isinstance(tool_calls, (list, type(None))):
-        raise ApiError(400, f"{param} must be a list of tool calls", param)
-    out = []
-    for j, tc in enumerate(tool_calls or []):
-        fn = tc.get("function") if isinstance(tc, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise ApiError(400, f"{param}[{j}]: a tool call needs function.name and function.arguments",
-                           f"{param}[{j}]")
-        args = fn.get("arguments") or {}
-        if isinstance(args, str):
-            args = loads(args, f"{param}[{j}].function.arguments")
-            check_values(args, f"{param}[{j}].function.arguments")
-        out.append((fn["name"], json.dumps(args, sort_keys=True)))
-    return tuple(out)
-
-
-@dataclass(frozen=True)
-class _Message:
-    """A chat message reduced to what the template sees (compared across calls)."""
-
-    role: str
-    content: str
-    tool_calls: tuple[tuple[str, str], ...] = ()
-    tool_call_id: str | None = None
-    name: str | None = None
-
-    @property
-    def reply_key(self) -> tuple[str, tuple[tuple[str, str], ...]]:
-        """What identifies an assistant message the server returned (whitespace around it aside)."""
-        return self.content.strip(), self.tool_calls
-
-
-def _messages(raw: Any) -> list[_Message]:
-    if not isinstance(raw, list) or not raw:
-        raise ApiError(400, "messages: a non-empty list of messages is required", "messages")
-    out = []
-    for i, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}]: a message is an object with a role", f"messages[{i}]")
-        for name in ("tool_call_id", "name"):
-            if not isinstance(m.get(name), (str, type(None))):
-                raise ApiError(400, f"messages[{i}].{name} must be a string", f"messages[{i}].{name}")
-        out.append(_Message(m["role"], _text(m.get("content"), f"messages[{i}].content"),
-                            _calls(m.get("tool_calls"), f"messages[{i}].tool_calls"), m.get("tool_call_id"),
-                            m.get("name")))
-    return out
-
-
-@dataclass
-class _Chat:
-    """An episode's last chat call, for extending its prompt token-exactly."""
-
-    messages: list[_Message]
-    tools: str  # canonical JSON
-    reply: tuple[str, tuple[tuple[str, str], ...]]
-    call: RecordedCall
 
 
 @dataclass
@@ -185,10 +70,9 @@ class _Episode:
     # calls need nor more than one body (a connection buffers 64 KiB before uvicorn stops reading)
     turn: asyncio.Lock = field(default_factory=asyncio.Lock)
     calls: list[RecordedCall] = field(default_factory=list)
-    replies: dict[tuple, str] = field(default_factory=dict)  # returned assistant message -> raw model text
-    chat: _Chat | None = None
-    text: tuple[str, RecordedCall] | None = None  # last /completions call: its prompt text and record
-    done: bool = False  # closed: nothing more is recorded
+    recorded_at: list[float] = field(default_factory=list)  # time.monotonic() each call was recorded
+    conv: Conversation = field(default_factory=Conversation)
+    done: bool = False  # ended or closed: nothing more is recorded
     waiting: int = 0  # its requests in flight or waiting their turn (at most max_pending_per_episode)
     refused: str | None = None  # the first cap it ran into (logged once per episode, not per request)
 
@@ -239,20 +123,10 @@ class AgentServer:
         self.max_body_bytes = max_body_bytes if max_body_bytes is not None else \
             max(1 << 20, 64 * (max_model_len or 1 << 16))
         self.read_timeout_s, self.keep_alive_s = read_timeout_s, keep_alive_s
-        self.eos, self.vocab_size = tokenizer.eos_token_id, len(tokenizer)
-        try:  # "the template's tokens after an assistant turn ending at EOS", as in-process episodes compute them
-            self._encoder: ObservationEncoder | None = ObservationEncoder(tokenizer, chat=True, role=observation_role,
-                                                                          cap=1 << 30)
-        except Exception as err:  # noqa: BLE001 - no template, or one that cannot be extended: render afresh
-            log.warning("agent server: chat prompts cannot extend earlier calls token-exactly (%s); every chat call "
-                        "is rendered afresh, so multi-call episodes will be flagged as rewritten", err)
-            self._encoder = None
+        self.vocab_size = len(tokenizer)
+        self._prompts = Prompts(tokenizer, observation_role)
         self._lock = threading.Lock()
-        # HF fast tokenizers may refuse concurrent use ("Already borrowed") when a call changes their
-        # truncation/padding state: prompts are built one at a time (fast next to generating)
-        self._tokenizer_lock = threading.Lock()
         self._episodes: dict[str, _Episode] = {}
-        self._tools_checked = False
         self._limiter: anyio.CapacityLimiter | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -324,7 +198,8 @@ class AgentServer:
         run's; evaluation opens greedy episodes with 0.0)."""
         if self._thread is None:
             raise RuntimeError("AgentServer is not serving: call start() first (its port is chosen then)")
-        if temperature is not None and not (_number(temperature) and math.isfinite(temperature) and temperature >= 0):
+        if temperature is not None and not (requests.is_number(temperature) and math.isfinite(temperature)
+                                            and temperature >= 0):
             raise ValueError(f"episode temperature must be a finite number >= 0, got {temperature!r}")
         key = secrets.token_urlsafe(24)
         with self._lock:
@@ -332,35 +207,41 @@ class AgentServer:
                                            self.temperature if temperature is None else float(temperature))
         return key, f"{self.url}/episodes/{key}/v1"
 
+    def end_episode(self, key: str, at: float | None = None) -> None:
+        """The agent returned, died or was killed: the episode is over (issue 58). Its calls from now
+        on are refused (404), a call in flight is answered 404 and not recorded, and a call recorded
+        at or after `at` is dropped: `at` is when the agent returned, `time.monotonic()` in its own
+        process (one clock for the whole host), since the pool learns of it later; None: now. What
+        is left is what `close_episode` returns. Unknown key: nothing (issue 47)."""
+        now = time.monotonic()
+        at = now if at is None else min(at, now)
+        with self._lock:
+            ep = self._episodes.get(key)
+            if ep is None:
+                return
+            ep.done, kept = True, len(ep.calls)
+            while kept and ep.recorded_at[kept - 1] >= at:  # recorded in order: the late ones are last
+                kept -= 1
+            dropped = len(ep.calls) - kept
+            del ep.calls[kept:], ep.recorded_at[kept:]
+        if dropped:
+            log.debug("agent server: an episode (seed_base %d) dropped %d calls that finished after its agent "
+                      "returned", ep.seed_base, dropped)
+
     def close_episode(self, key: str) -> list[RecordedCall]:
-        """Ends the episode at once and returns its calls so far; never waits for a call in flight
-        (that call's result is not recorded, and it answers 404). Unknown key: KeyError."""
+        """Ends the episode at once (as `end_episode` with no time) and returns its calls, those
+        recorded before its end; never waits for a call in flight (that call's result is not
+        recorded, and it answers 404). Unknown key: KeyError."""
         with self._lock:
             ep = self._episodes.pop(key)
             ep.done = True
             return list(ep.calls)
-
-    def end_episode(self, key: str) -> None:
-        """The agent returned, died or was killed: from now on its calls are refused (404) and nothing
-        more is recorded; `close_episode` still returns what was. Unknown key: nothing (issue 47)."""
-        with self._lock:
-            ep = self._episodes.get(key)
-            if ep is not None:
-                ep.done = True
 
     def refusal(self, key: str) -> str | None:
         """The cap the episode ran into, if any (the runner makes it the sample's error)."""
         with self._lock:
             ep = self._episodes.get(key)
             return None if ep is None else ep.refused
-
-    def _refuse(self, ep: _Episode, why: str, close: bool = False) -> ApiError:
-        with self._lock:
-            first, ep.refused = ep.refused is None, ep.refused or why
-        if first:
-            log.warning("agent server: an episode (seed_base %d) %s; its further refusals are not logged",
-                        ep.seed_base, why)
-        return ApiError(429, why, code="rate_limit_exceeded", close=close)
 
     def open_count(self) -> int:
         with self._lock:
@@ -372,6 +253,15 @@ class AgentServer:
         if ep is None:
             raise _not_found()
         return ep
+
+    def _refuse(self, ep: _Episode, why: str, close: bool = False) -> ApiError:
+        """The 429 for an episode past a cap; the episode's first is logged and is its refusal."""
+        with self._lock:
+            first, ep.refused = ep.refused is None, ep.refused or why
+        if first:
+            log.warning("agent server: an episode (seed_base %d) %s; its further refusals are not logged",
+                        ep.seed_base, why)
+        return ApiError(429, why, code="rate_limit_exceeded", close=close)
 
     # ---- HTTP -----------------------------------------------------------------------------------
 
@@ -398,7 +288,8 @@ class AgentServer:
             if self._limiter is None:  # made on the server's event loop
                 self._limiter = anyio.CapacityLimiter(self.max_concurrent_calls)
             if ep.waiting >= self.max_pending_per_episode:
-                raise self._refuse(ep, f"had over {self.max_pending_per_episode} requests in flight at once", close=True)  # body unread
+                raise self._refuse(ep, f"had over {self.max_pending_per_episode} requests in flight at once",
+                                   close=True)  # body unread
             ep.waiting += 1
             try:
                 async with ep.turn:
@@ -426,58 +317,39 @@ class AgentServer:
 
         return app
 
-    def _call(self, completions: bool, ep: _Episode, raw: bytes) -> Any:
-        body = loads(raw, None)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        _check_fields(body, completions)
-        self._check_sampling(ep, body)
-        check_values(body, "")
+    # ---- one call (a worker thread) -------------------------------------------------------------
+
+    def _call(self, completions: bool, ep: _Episode, raw: bytes) -> answers.Answer:
+        body = requests.parse_body(raw, completions, ep.temperature, self.top_p)
         if ep.done:
             raise _not_found()
         if len(ep.calls) >= self.max_calls:
             raise self._refuse(ep, f"made over task.agent_max_calls={self.max_calls} calls")
         return self._completion(ep, body) if completions else self._chat(ep, body)
 
-    # ---- one call -------------------------------------------------------------------------------
+    def _chat(self, ep: _Episode, body: dict[str, Any]) -> answers.Answer:
+        messages = requests.messages(body.get("messages"))
+        tools, use_tools = requests.tools(body)
+        prompt = self._prompts.chat(ep.conv, messages, tools, ep.calls[-1] if ep.calls else None)
+        call, index = self._sample(ep, body, prompt, "messages")
+        content, tool_calls = self._prompts.reply(ep.conv, messages, tools, use_tools, call, index)
+        return answers.chat(call, content, tool_calls, body, self.model_name, self._prompts.tokens)
 
-    def _check_sampling(self, ep: _Episode, body: dict[str, Any]) -> None:
-        """400 unless the body samples as the learner scores: temperature and top_p omitted or the
-        episode's (another value would be trained on as if sampled at these), max_tokens an integer
-        >= 1 (capped later), seed an integer."""
-        for name, value, whose in (("temperature", ep.temperature, "the run's rollout.temperature unless the trainer "
-                                    "set this episode's"), ("top_p", self.top_p, "the run's rollout.top_p")):
-            got = body.get(name)
-            if got is not None and not (_number(got) and got == value):
-                raise ApiError(400, f"{name}={_show(got)}: every call of this episode samples at {name}={value} "
-                                    f"({whose}), the distribution the learner scores; omit {name} or send {value}",
-                               name)
-        for name in ("max_tokens", "max_completion_tokens"):
-            got = body.get(name)
-            if got is not None and not (_number(got) and isinstance(got, int) and got >= 1):
-                raise ApiError(400, f"{name} must be an integer >= 1, got {_show(got)}", name)
-        seed = body.get("seed")
-        if seed is not None and not (_number(seed) and isinstance(seed, int)):
-            raise ApiError(400, f"seed must be an integer, got {_show(seed)}", "seed")
-
-    def _max_tokens(self, body: dict[str, Any], prompt_len: int, param: str) -> int:
-        """What the body asks for (else all it may have), capped at max_new_tokens and the room
-        max_model_len leaves; 400 when the prompt leaves none."""
-        cap = self.max_new_tokens
-        if self.max_model_len is not None:
-            room = self.max_model_len - prompt_len
-            if room < 1:
-                raise ApiError(400, f"the prompt is {prompt_len} tokens; this server's context is {self.max_model_len} "
-                                    "tokens (rollout.max_model_len), leaving no room to generate", param,
-                               "context_length_exceeded")
-            cap = min(cap, room)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        return cap if asked is None else min(asked, cap)
+    def _completion(self, ep: _Episode, body: dict[str, Any]) -> answers.Answer:
+        prompt = requests.prompt(body, self.vocab_size)
+        ids = self._prompts.text(ep.conv, prompt, ep.calls[-1] if ep.calls else None) if isinstance(prompt, str) \
+            else prompt
+        if not ids:
+            raise ApiError(400, "prompt: it is empty once tokenized; the model needs at least one token", "prompt")
+        call, _ = self._sample(ep, body, ids, "prompt")
+        ep.conv.text = (prompt, call) if isinstance(prompt, str) else None
+        return answers.text(call, body, self.model_name, self._prompts.tokens)
 
     def _sample(self, ep: _Episode, body: dict[str, Any], prompt_ids: list[int],
                 param: str) -> tuple[RecordedCall, int]:
-        """Generate for `prompt_ids` and record the call; returns it and its index in the episode."""
-        max_tokens = self._max_tokens(body, len(prompt_ids), param)
+        """Generate for `prompt_ids` and record the call, unless the episode ended meanwhile (then a
+        404, nothing recorded); returns the call and its index in the episode."""
+        max_tokens = requests.max_tokens(body, len(prompt_ids), self.max_new_tokens, self.max_model_len, param)
         seed, index = body.get("seed"), len(ep.calls)
         request = GenerationRequest(prompt_ids=list(prompt_ids), prompt_text="", group_id=0, sample_index=0,
                                     seed=derive_seed(ep.seed_base, index) if seed is None else seed & 0x7FFFFFFF,
@@ -494,196 +366,8 @@ class AgentServer:
         call = RecordedCall(list(prompt_ids), list(out.completion_ids), list(out.logprobs), list(versions),
                             out.finish_reason, out.completion_text, out.policy_version)
         with self._lock:
-            if ep.done:  # closed while this call ran
+            if ep.done:  # ended while this call ran: its agent has returned
                 raise _not_found()
             ep.calls.append(call)
+            ep.recorded_at.append(time.monotonic())
         return call, index
-
-    def _chat(self, ep: _Episode, body: dict[str, Any]) -> Any:
-        messages = _messages(body.get("messages"))
-        tools = body.get("tools") or None
-        if tools is not None and not isinstance(tools, list):
-            raise ApiError(400, "tools must be a list of tool definitions", "tools")
-        choice = body.get("tool_choice")
-        if choice not in (None, "auto", "none"):
-            raise ApiError(400, f"tool_choice={_show(choice)}: only 'auto' and 'none' are supported (the model is "
-                                "never forced to call a tool)", "tool_choice")
-        tools_key = json.dumps(tools, sort_keys=True)
-        with self._tokenizer_lock:
-            prompt = self._extend(ep, messages, tools_key)
-            if prompt is None:
-                prompt = self._render(ep, messages, tools)
-        call, index = self._sample(ep, body, prompt, "messages")
-        content, calls = split_tool_calls(call.completion_text) if tools and choice != "none" else \
-            (call.completion_text, [])
-        tool_calls = [{"id": f"call_{index}_{j}", "type": "function",
-                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for j, c in enumerate(calls)]
-        reply = _Message("assistant", content or "", _calls(tool_calls, "tool_calls"))
-        ep.replies[reply.reply_key] = call.completion_text
-        ep.chat = _Chat(messages, tools_key, reply.reply_key, call)
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        finish = "tool_calls" if tool_calls else call.finish_reason
-        logprobs = {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                                for t, lp in zip(self._tokens(call), call.logprobs)]} if body.get("logprobs") else None
-        head = {"id": f"chatcmpl-{secrets.token_hex(12)}", "created": int(time.time()), "model": self.model_name}
-        usage = _usage(call)
-        if not body.get("stream"):
-            return {**head, "object": "chat.completion", "usage": usage, "choices": [
-                {"index": 0, "message": message, "finish_reason": finish, "logprobs": logprobs}]}
-        delta = {**message, "tool_calls": [{"index": j, **tc} for j, tc in enumerate(tool_calls)]} if tool_calls \
-            else message
-        chunks = [{**head, "object": "chat.completion.chunk", "choices": [
-                       {"index": 0, "delta": delta, "finish_reason": None, "logprobs": logprobs}]},
-                  {**head, "object": "chat.completion.chunk", "choices": [
-                      {"index": 0, "delta": {}, "finish_reason": finish, "logprobs": None}]}]
-        if (body.get("stream_options") or {}).get("include_usage"):
-            chunks.append({**head, "object": "chat.completion.chunk", "choices": [], "usage": usage})
-        return _sse(chunks)
-
-    def _extend(self, ep: _Episode, messages: list[_Message], tools_key: str) -> list[int] | None:
-        """The prompt as the last chat call's prompt + its completion + the new messages' template
-        tokens, when `messages` continue that call's conversation with its reply; else None."""
-        last, n = ep.chat, len(ep.chat.messages) if ep.chat else 0
-        if (last is None or self._encoder is None or last.tools != tools_key or len(messages) <= n + 1
-                or messages[:n] != last.messages or messages[n].role != "assistant"
-                or messages[n].reply_key != last.reply or ep.calls[-1] is not last.call):
-            return None
-        completion = last.call.completion_ids
-        if completion and completion[-1] == self.eos:
-            closing: list[int] = []
-        elif last.call.finish_reason == "length":  # the template closes a cut-off turn with its EOS
-            closing = [self.eos]
-        else:  # stopped at another stop token: the template's turn end would not follow it
-            return None
-        try:
-            observation = self._encoder([self._template_message(ep, m) for m in messages[n + 1:]])
-        except ValueError as err:
-            log.warning("agent server: new messages cannot be appended token-exactly (%s); rendering the "
-                        "conversation afresh", err)
-            return None
-        return last.call.prompt_ids + completion + closing + observation
-
-    def _template_message(self, ep: _Episode, m: _Message) -> dict[str, Any]:
-        """A message as the chat template gets it: an assistant message the server returned is the
-        model's own text (tool calls in its tags); another one's tool calls are written in them."""
-        content = m.content
-        if m.role == "assistant":
-            content = ep.replies.get(m.reply_key) or content + "".join(
-                format_tool_call(ToolCall(name, json.loads(args))) for name, args in m.tool_calls)
-        out: dict[str, Any] = {"role": m.role, "content": content}
-        if m.tool_call_id is not None:
-            out["tool_call_id"] = m.tool_call_id
-        if m.name is not None:
-            out["name"] = m.name
-        return out
-
-    def _render(self, ep: _Episode, messages: list[_Message], tools: list[Any] | None) -> list[int]:
-        """The whole conversation rendered by the chat template, with the generation prompt."""
-        kwargs = {"tools": tools} if tools else {}
-        try:
-            out = self.tokenizer.apply_chat_template([self._template_message(ep, m) for m in messages],
-                                                     add_generation_prompt=True, tokenize=True, **kwargs)
-        except Exception as err:  # noqa: BLE001 - jinja's TemplateError, the template's raise_exception, no template
-            raise ApiError(400, f"messages: the model's chat template cannot render them: {type(err).__name__}: "
-                                f"{err}", "messages") from None
-        ids = list(out["input_ids"] if hasattr(out, "keys") else out)
-        if tools and not self._tools_checked:
-            self._tools_checked = True
-            bare = self.tokenizer.apply_chat_template([self._template_message(ep, m) for m in messages],
-                                                      add_generation_prompt=True, tokenize=True)
-            if list(bare["input_ids"] if hasattr(bare, "keys") else bare) == ids:
-                log.warning("agent server: the model's chat template ignores `tools`: the model does not see the "
-                            "tool definitions (describe the tools in a message instead)")
-        return ids
-
-    def _completion(self, ep: _Episode, body: dict[str, Any]) -> Any:
-        """A text prompt that starts with the previous call's prompt + the text it returned continues
-        it: the sampled ids (EOS included, though the returned text does not show it) + the rest,
-        tokenized once. Any other text is tokenized whole (with the tokenizer's special tokens)."""
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            last = ep.text
-            head = last[0] + last[1].completion_text if last else None
-            if last and ep.calls[-1] is last[1] and prompt.startswith(head):  # continue token-exactly
-                rest = prompt[len(head):]
-                with self._tokenizer_lock:
-                    ids = last[1].prompt_ids + last[1].completion_ids + \
-                        (list(self.tokenizer(rest, add_special_tokens=False).input_ids) if rest else [])
-            else:
-                with self._tokenizer_lock:
-                    ids = list(self.tokenizer(prompt).input_ids)
-            text = prompt
-        elif isinstance(prompt, list) and prompt and not any(isinstance(p, (str, list)) for p in prompt):
-            ids, text = self._token_ids(prompt), None
-        else:  # a batch of prompts too: an episode is one sequence of calls
-            raise ApiError(400, "prompt must be one string or one non-empty list of token ids", "prompt")
-        if not ids:
-            raise ApiError(400, "prompt: it is empty once tokenized; the model needs at least one token", "prompt")
-        call, index = self._sample(ep, body, ids, "prompt")
-        ep.text = (text, call) if text is not None else None
-        logprobs = None
-        if body.get("logprobs") is not None:  # the sampled tokens' log-probs; top_logprobs are not available
-            tokens = self._tokens(call)
-            offsets = [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-            logprobs = {"tokens": tokens, "token_logprobs": call.logprobs, "top_logprobs": None,
-                        "text_offset": offsets}
-        choice = {"index": 0, "text": call.completion_text, "finish_reason": call.finish_reason, "logprobs": logprobs}
-        head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
-        if not body.get("stream"):
-            return {**head, "choices": [choice], "usage": _usage(call)}
-        chunks = [{**head, "choices": [choice]}]
-        if (body.get("stream_options") or {}).get("include_usage"):
-            chunks.append({**head, "choices": [], "usage": _usage(call)})
-        return _sse(chunks)
-
-    def _token_ids(self, prompt: list[Any]) -> list[int]:
-        """`prompt` as token ids, 400 naming the first that is not one of the model's."""
-        for i, t in enumerate(prompt):
-            if not (_number(t) and isinstance(t, int) and 0 <= t < self.vocab_size):
-                raise ApiError(400, f"prompt[{i}]={_show(t)}: a token id is an integer in [0, {self.vocab_size}) (the "
-                                    "model's vocabulary)", f"prompt[{i}]")
-        return list(prompt)
-
-    def _tokens(self, call: RecordedCall) -> list[str]:
-        return [self.tokenizer.decode([t]) for t in call.completion_ids]
-
-
-def _check_fields(body: dict[str, Any], completions: bool) -> None:
-    """400 for a field this server cannot honour or does not know (never silently ignored): one
-    that would change what is sampled (the learner scores the run's distribution), or ask for more
-    than the one completion the policy samples, unless it has its neutral value."""
-    for name, value in body.items():
-        check_text(name, "the body", "a field's name")
-        if name not in _SERVED | _IGNORED | set(_NEUTRAL):
-            raise ApiError(400, f"unsupported field {_show(name)}: this training server refuses what it cannot honour "
-                                "exactly rather than ignore it; omit it", name)
-        if name in _NEUTRAL and not _neutral(value, _NEUTRAL[name]):
-            neutral = " or ".join(json.dumps(o) for o in _NEUTRAL[name]) or "nothing else"
-            raise ApiError(400, f"{name}={_show(value)} is not supported by this training server (it samples one "
-                                f"completion with the run's sampling settings, which the learner scores, and records "
-                                f"it exactly); omit {name} (or send null or {neutral})", name)
-    wrong = ("messages", "tools", "tool_choice", "max_completion_tokens", "top_logprobs") if completions \
-        else ("prompt", "echo", "suffix", "best_of")
-    for name in wrong:
-        if name in body:
-            raise ApiError(400, f"{name} belongs to the {'chat' if completions else 'completions'} API; "
-                                f"use /{'chat/completions' if completions else 'completions'}", name)
-    if not isinstance(body.get("stream_options"), (dict, type(None))):
-        raise ApiError(400, "stream_options must be an object", "stream_options")
-
-
-def _usage(call: RecordedCall) -> dict[str, int]:
-    n, m = len(call.prompt_ids), len(call.completion_ids)
-    return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
-
-
-def _sse(chunks: list[dict[str, Any]]) -> Iterator[str]:
-    """Server-sent events: the whole answer in one content chunk, then the end, then [DONE]."""
-    for chunk in chunks:
-        yield f"data: {json.dumps(chunk)}\n\n"
-    yield "data: [DONE]\n\n"

@@ -6,14 +6,22 @@ Clients written against Thinking Machines' `tinker` SDK (and the tinker-cookbook
 own (trainer/adapter_trainer.py), sampling runs on the vLLM rollout fleet with the saved adapters
 (vLLM's LoRA), and saved weights live under `run.dir`. Bad input fails here before Ray starts.
 The protocol is launch/tinker/app.py, what each call does launch/tinker/service.py.
+
+SIGTERM or Ctrl-C stops it within seconds whatever its calls are waiting for: the HTTP server
+closes (long polls cut after `GRACE_S`), waiting calls end, summary.json and the report are
+written, the actors stop, and the process exits (a call still running in a thread is not waited
+for; after `STOP_S` it exits whatever is left).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
+import sys
 import threading
 import time
+import traceback
 from typing import Any
 
 import hydra
@@ -21,6 +29,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from launch.cli import INPUT_ERRORS, fail
 from rl.config import serve as _serve_schema  # noqa: F401 - registers serve_schema with Hydra
+
+GRACE_S = 3.0  # open connections (long-polled retrieve_future) get this long to end when stopping
+STOP_S = 30.0  # a stop that takes longer (an actor or Ray not answering) ends the process anyway
 
 
 def check_serve(cfg: DictConfig) -> str:
@@ -101,7 +112,8 @@ class Served:
         self.service = TinkerService(config, self.fleet, tokenizer, cfg.model.path, cfg.run.dir, start_trainer,
                                      run_log=self.run_log)
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.service), host=cfg.serve.host, port=cfg.serve.port,
-                                                    log_level="warning", timeout_keep_alive=75))
+                                                    log_level="warning", timeout_keep_alive=75,
+                                                    timeout_graceful_shutdown=GRACE_S))
         self._thread = threading.Thread(target=self.server.run, name="tinker-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 60
@@ -120,8 +132,9 @@ class Served:
             self.service.expire()
 
     def stop(self) -> None:
-        """Stop serving, end the actors, then write summary.json and the report (each step even
-        when an earlier one failed: actors may be gone already, e.g. after a SIGTERM to the group)."""
+        """Stop serving, end the calls waiting and the actors, write summary.json and the report
+        (each step even when an earlier one failed: actors may be gone already, e.g. after a
+        SIGTERM to the process group)."""
         import ray
 
         from launch.report import write_report_or_warn
@@ -129,7 +142,7 @@ class Served:
         if getattr(self, "_stopping", None) is not None:
             self._stopping.set()
         self.server.should_exit = True
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=GRACE_S + 5)
         for step in [self.service.close, self.fleet.shutdown] + ([ray.shutdown] if self.owns_ray else []):
             try:
                 step()
@@ -137,6 +150,24 @@ class Served:
                 print(f"warning: stopping the service: {type(err).__name__}: {err}", flush=True)
         self.run_log.finish({"service": self.service.stats})
         write_report_or_warn(self.run_log.run_dir)
+
+
+def _exit(code: int) -> None:
+    """End the process now: its files are written; threads still inside a call (a Ray call, a
+    model's turn) are not waited for, as the interpreter's exit would wait for its thread pool's."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _watchdog(seconds: float) -> None:
+    def expire() -> None:
+        time.sleep(seconds)
+        print(f"warning: the service did not stop within {seconds:.0f} s; exiting anyway", flush=True)
+        _exit(1)
+
+    threading.Thread(target=expire, name="tinker-stop-watchdog", daemon=True).start()
 
 
 @hydra.main(config_path="../configs", config_name="serve", version_base=None)
@@ -149,16 +180,30 @@ def main(cfg: DictConfig) -> None:
     except INPUT_ERRORS as err:
         fail(err)
     served = Served(cfg, name)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(served.server, "should_exit", True))  # stop as on Ctrl-C
+    stopping = threading.Event()
+
+    def on_signal(*_: Any) -> None:  # SIGTERM: stop as on Ctrl-C
+        served.server.should_exit = True
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
     print(f"Tinker service for {name} at {served.url} (run directory {cfg.run.dir}); point the SDK at it: "
           f"tinker.ServiceClient(base_url={served.url!r}) with TINKER_API_KEY=tml-...", flush=True)
+    code = 0
     try:
-        while served._thread.is_alive():
-            served._thread.join(1.0)
+        while served._thread.is_alive() and not stopping.wait(1.0):
+            pass
     except KeyboardInterrupt:
         pass
     finally:
-        served.stop()
+        _watchdog(STOP_S)
+        try:
+            served.stop()
+        except BaseException:  # noqa: BLE001 - shown, then the process ends all the same
+            traceback.print_exc()
+            code = 1
+        print(f"Tinker service stopped (run directory {cfg.run.dir})", flush=True)
+        _exit(code)
 
 
 if __name__ == "__main__":

@@ -97,20 +97,53 @@ def sampling_params(rollout: RolloutConfig, req: GenerationRequest, **extra: Any
         logprobs=0, ignore_eos=req.ignore_eos, **own, **extra)
 
 
+def adapter_version(folder: str) -> tuple:
+    """What tells one save of an adapter folder from another: the folder's and its files' inode,
+    size and modification time. A folder saved again under the same path (the Tinker service's
+    `save_weights_for_sampler` with a name used before) is a new folder and new files
+    (trainer/adapter_trainer.swap_in), so its version differs even when the sizes do not."""
+    try:
+        files = []
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                st = entry.stat()
+                files.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        st = os.stat(folder)
+    except OSError:  # gone or not a folder: vLLM's load names the problem
+        return ()
+    return (st.st_ino, st.st_mtime_ns, tuple(sorted(files)))
+
+
 class AdapterRequests:
-    """vLLM's `LoRARequest` of each adapter folder a request names (`GenerationRequest.adapter`),
-    one integer id per folder for the engine's life (vLLM caches a loaded adapter by its id)."""
+    """vLLM's `LoRARequest` of each adapter folder a request names (`GenerationRequest.adapter`).
+    vLLM caches a loaded adapter by its integer id, so each *version* of a folder (`adapter_version`)
+    gets an id of its own: a request always samples the weights saved last under its folder, never
+    a copy cached from an earlier save. The ids a newer save retired wait in `stale` for the engine
+    to unload (`take_stale`)."""
 
     def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
+        self._current: dict[str, tuple[tuple, int]] = {}  # folder -> (its version, its id)
+        self._next_id = 1
+        self.stale: list[int] = []
 
     def __call__(self, req: GenerationRequest):
         if req.adapter is None:
             return None
         from vllm.lora.request import LoRARequest
 
-        lora_id = self._ids.setdefault(req.adapter, len(self._ids) + 1)
+        version = adapter_version(req.adapter)
+        known = self._current.get(req.adapter)
+        if known is None or known[0] != version:
+            if known is not None:
+                self.stale.append(known[1])
+            known = self._current[req.adapter] = (version, self._next_id)
+            self._next_id += 1
+        lora_id = known[1]
         return LoRARequest(f"adapter-{lora_id}", lora_id, req.adapter)
+
+    def take_stale(self) -> list[int]:
+        stale, self.stale = self.stale, []
+        return stale
 
 
 def prompt_logprobs_of(req: GenerationRequest, out: Any) -> list[float | None] | None:
@@ -194,6 +227,8 @@ class VLLMEngine(BatchQueue):
         params = [sampling_params(self.rollout, req) for req in requests]
         prompts = [{"prompt_token_ids": list(req.prompt_ids)} for req in requests]
         adapters = [self._adapters(req) for req in requests]
+        for lora_id in self._adapters.take_stale():  # an older save of a folder these requests sample
+            self.llm.llm_engine.remove_lora(lora_id)
         outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False,
                                     lora_request=adapters if any(adapters) else None)
         return [completion_sample(req, out.outputs[0], self.version, prompt_logprobs=prompt_logprobs_of(req, out))

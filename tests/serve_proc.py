@@ -17,9 +17,11 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
 
 @contextlib.contextmanager
-def serving(args: list[str], log_path: Path, env: dict[str, str] | None = None, start_s: float = 600) -> Iterator[str]:
+def serving(args: list[str], log_path: Path, env: dict[str, str] | None = None, start_s: float = 600,
+            stopped: dict | None = None) -> Iterator[str]:
     """The service with `args` (serve.port=0 is added: it prints the port it took), its output in
-    `log_path`; stopped (SIGTERM, then SIGKILL) on exit."""
+    `log_path`; stopped (SIGTERM, then SIGKILL after 60 s) on exit. `stopped` gets how long it took
+    to exit after the SIGTERM (`seconds`) and its `returncode` (None: it was killed)."""
     log = open(log_path, "w+")
     proc = subprocess.Popen([sys.executable, "-m", "launch.serve", "serve.port=0", *args], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -35,9 +37,14 @@ def serving(args: list[str], log_path: Path, env: dict[str, str] | None = None, 
             time.sleep(0.5)
         yield url
     finally:
+        signalled = time.monotonic()
         os.killpg(proc.pid, signal.SIGTERM)
         try:
-            proc.wait(60)
+            returncode = proc.wait(60)
         except subprocess.TimeoutExpired:
+            returncode = None
             os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+        if stopped is not None:
+            stopped.update(seconds=time.monotonic() - signalled, returncode=returncode)
         log.close()

@@ -28,11 +28,13 @@ def service(tiny_untrained, tmp_path_factory):
     model = os.path.join(tiny_untrained, "model")
     run_dir = tmp_path_factory.mktemp("serve") / "run"
     os.environ["TINKER_API_KEY"] = KEY
+    stopped: dict = {}
     with serving([f"model.path={model}", f"serve.api_key={KEY}", "serve.seq_wait_s=5",
                   "serve.max_tokens_per_request=4000", "serve.max_models=6", f"run.dir={run_dir}"],
-                 run_dir.parent / "serve.log") as url:
+                 run_dir.parent / "serve.log", stopped=stopped) as url:
         yield url, model, run_dir
-    # stopped (SIGTERM): the run directory holds what launch.train's does
+    # stopped (SIGTERM): within seconds, and the run directory holds what launch.train's does
+    assert stopped["returncode"] == 0 and stopped["seconds"] < 30, stopped
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["service"]["forward_backward_tokens"] > 0 and summary["service"]["sample_tokens"] > 0
     assert (run_dir / "report.png").exists() and (run_dir / "report.md").exists() and (run_dir / "tb").is_dir()
@@ -91,6 +93,26 @@ def test_the_sdk_trains_samples_saves_and_restores(service):
         .result(timeout=300)
     assert stopped.sequences[0].tokens == res.sequences[0].tokens[:1] and stopped.sequences[0].stop_reason == "stop"
 
+    # issue 60.1: saved again under the same name, the path serves the newer weights, to a sampler made
+    # after the second save and to the one made before it alike (vLLM caches an adapter by its id)
+    at_first_save = tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"]
+    for _ in range(2):
+        tc.forward_backward([_ce()] * 4, "cross_entropy").result(timeout=300)
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result(timeout=300)
+    moved = tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"]
+    assert abs(moved - at_first_save) > 0.1  # the second save is other weights
+    assert tc.save_weights_for_sampler("step-4").result(timeout=300).path == saved.path
+    again_sampler = sc.create_sampling_client(model_path=saved.path).result(timeout=600)
+    for client in (again_sampler, sampler):
+        newer = client.sample(prompt, 2, types.SamplingParams(max_tokens=6, seed=7)).result(timeout=300)
+        for seq in newer.sequences:
+            _same_as_the_trainer(tc, SEQ[:7], seq)
+    # dro (issue 60.4): Tinker's formula on the log-probs the forward returns
+    q, adv = [-2.0] * 9, [0.0] * 5 + [1.0, -1.0, 2.0, 0.5]
+    dro = tc.forward([_datum(SEQ, logprobs=q, advantages=adv)], "dro", {"beta": 0.1}).result(timeout=300)
+    lp = np.asarray(dro.loss_fn_outputs[0]["logprobs"].tolist())
+    assert dro.metrics["loss:sum"] == pytest.approx(-(lp * adv - 0.05 * (lp - q) ** 2).sum(), rel=1e-4)
+
     ephemeral = tc.save_weights_and_get_sampling_client().result(timeout=600)  # the cookbook's RL loop samples like this
     assert len(ephemeral.sample(prompt, 1, types.SamplingParams(max_tokens=3)).result(timeout=300).sequences) == 1
     base = sc.create_sampling_client(base_model=model).result(timeout=600)
@@ -121,6 +143,14 @@ def test_the_sdk_trains_samples_saves_and_restores(service):
     mine = [r for r in rows if r["tinker/model"] == 0]  # the service's first model: this test's
     assert [round(r["tinker/loss_sum"], 4) for r in mine[:5]] == [round(x, 4) for x in losses]
     assert [r["tinker/model_step"] for r in mine[:5]] == [1, 2, 3, 4, 5] and all(r["time/step_s"] > 0 for r in mine)
+
+
+def _same_as_the_trainer(tc, prompt, seq):
+    """A sampled sequence's log-probs are the training model's forward on the same tokens."""
+    full = list(prompt) + list(seq.tokens)
+    lp = tc.forward([_datum(full, weights=[1.0] * (len(full) - 1))], "cross_entropy").result(timeout=300) \
+        .loss_fn_outputs[0]["logprobs"].tolist()
+    assert np.allclose(lp[-len(seq.tokens):], seq.logprobs, atol=1e-4), (lp[-len(seq.tokens):], seq.logprobs)
 
 
 def test_two_clients_train_at_once_and_never_see_each_others_weights(service):
@@ -162,6 +192,16 @@ def httpx_post(url, path, body, key=KEY, raw=None, headers=None):
     return r
 
 
+def _next_seq_id(tc) -> int:
+    """The seq_id the SDK would give `tc`'s next call, taken for a request sent by hand: the SDK
+    numbers its own calls after it (and, as after each call it sent, lets its next one take its turn).
+    Call it with none of tc's calls in flight."""
+    number = tc._get_request_id()
+    assert tc._turn_counter == number and not tc._turn_waiters
+    tc._turn_counter += 1
+    return number + 1  # the SDK sends request id + 1
+
+
 def test_hostile_requests_get_the_sdks_error_and_harm_nothing(service):
     url, model, run_dir = service
     sc = tinker.ServiceClient(base_url=url)
@@ -180,7 +220,9 @@ def test_hostile_requests_get_the_sdks_error_and_harm_nothing(service):
     # what the service does not serve
     refused(tinker.BadRequestError, "serves", lambda: sc.create_lora_training_client(base_model="org/other", rank=4))
     refused(tinker.BadRequestError, "rank", lambda: sc.create_lora_training_client(base_model=model, rank=4096))
-    refused(tinker.BadRequestError, "choose one of", lambda: tc.forward_backward([_ce()], "dro"))
+    refused(tinker.BadRequestError, "stability information", lambda: tc.forward_backward([_ce()], "stable_reinforce"))
+    refused(tinker.BadRequestError, "beta", lambda: tc.forward_backward(
+        [_datum(SEQ, logprobs=[-1.0] * 9, advantages=[1.0] * 9)], "dro"))
     refused(tinker.BadRequestError, "clip_eps", lambda: tc.forward_backward(
         [_datum(SEQ, logprobs=[-1.0] * 9, advantages=[1.0] * 9)], "ppo", {"clip_eps": 0.2}))
     # out of range, malformed, huge
@@ -199,6 +241,11 @@ def test_hostile_requests_get_the_sdks_error_and_harm_nothing(service):
     base = sc.create_sampling_client(base_model=model).result(timeout=600)
     refused(tinker.BadRequestError, "max_tokens", lambda: base.sample(
         types.ModelInput.from_ints(SEQ), 1, types.SamplingParams(max_tokens=1000)))
+    refused(tinker.BadRequestError, "the prompt is 80 tokens.*served context of 64 tokens", lambda: base.sample(
+        types.ModelInput.from_ints([1] * 80), 1, types.SamplingParams(max_tokens=8)))
+    refused(tinker.BadRequestError, "record_stability_info is not served", lambda: sc.create_sampling_client(
+        base_model=model, record_stability_info=True).result(timeout=600).sample(
+        types.ModelInput.from_ints(SEQ[:4]), 1, types.SamplingParams(max_tokens=2)))
     refused(tinker.BadRequestError, "num_samples", lambda: base.sample(
         types.ModelInput.from_ints(SEQ), 100000, types.SamplingParams(max_tokens=2)))
     refused(tinker.BadRequestError, "outside the vocabulary", lambda: base.sample(
@@ -222,6 +269,21 @@ def test_hostile_requests_get_the_sdks_error_and_harm_nothing(service):
     refused(tinker.APIStatusError, "not JSON", lambda: httpx_post(url, "/api/v1/get_info", None, raw=b"{oops"))
     refused(tinker.APIStatusError, "max_request_mib", lambda: httpx_post(
         url, "/api/v1/get_info", None, raw=b" " * (65 * 2**20), headers={"content-type": "application/json"}))
+    # issue 60.2: a training call refused or not served at all gives its seq_id up: the next call runs
+    # at once (before, each later call waited serve.seq_wait_s for it and failed)
+    with pytest.warns(FutureWarning):  # the SDK deprecates load_state*; refused here
+        refused(tinker.BadRequestError, "create_training_client_from_state", lambda: tc.load_state(
+            "tinker://x/weights/y"))
+    with pytest.warns(FutureWarning):
+        refused(tinker.BadRequestError, "create_training_client_from_state", lambda: tc.load_state_with_optimizer(
+            "tinker://x/weights/y"))
+    refused(tinker.BadRequestError, "save_weights_external is not served", lambda: tc.save_weights_external("x"))
+    assert tc.forward([_ce()], "cross_entropy").result(timeout=30).metrics["loss:sum"] == pytest.approx(good)
+    refused(tinker.NotFoundError, "is not served", lambda: httpx_post(  # a route a newer SDK might call
+        url, "/api/v1/publish_weights", {"model_id": tc.model_id, "seq_id": _next_seq_id(tc), "path": "x"}))
+    refused(tinker.APIStatusError, "adam_params", lambda: httpx_post(  # refused by the route itself
+        url, "/api/v1/optim_step", {"model_id": tc.model_id, "seq_id": _next_seq_id(tc), "sgd_params": {}}))
+    assert tc.forward([_ce()], "cross_entropy").result(timeout=30).metrics["loss:sum"] == pytest.approx(good)
     # a call whose predecessor never comes fails at serve.seq_wait_s, and only that call
     tc2 = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
     gap = httpx_post(url, "/api/v1/optim_step", {"model_id": tc2.model_id, "seq_id": 50,
@@ -261,3 +323,30 @@ def test_a_finished_session_frees_its_models_and_a_heartbeat_after_it_is_refused
     assert r.status_code == 410  # the SDK stops heartbeating on 410
     r = httpx.post(url + "/api/v1/get_info", json={"model_id": tc.model_id}, headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == 404 and "no such training model" in r.text
+
+
+def test_sigterm_stops_the_service_within_seconds_whatever_its_calls_wait_for(tiny_untrained, tmp_path):
+    """Issue 60.3: a call waiting for a seq_id that never comes (serve.seq_wait_s=600) and a client
+    long-polling it: SIGTERM still ends the process within seconds, its report written (before, the
+    service wrote its report and lived on until the waiting calls' threads gave up)."""
+    import threading
+    import time
+
+    model = os.path.join(tiny_untrained, "model")
+    run_dir = tmp_path / "run"
+    os.environ["TINKER_API_KEY"] = KEY
+    stopped: dict = {}
+    with serving([f"model.path={model}", f"serve.api_key={KEY}", "serve.seq_wait_s=600", "serve.op_timeout_s=900",
+                  f"run.dir={run_dir}"], tmp_path / "serve.log", stopped=stopped) as url:
+        tc = tinker.ServiceClient(base_url=url).create_lora_training_client(base_model=model, rank=4,
+                                                                            train_unembed=False).result(timeout=600)
+        wedged = httpx_post(url, "/api/v1/optim_step", {"model_id": tc.model_id, "seq_id": 9,
+                                                        "adam_params": {"learning_rate": 1e-3}}).json()["request_id"]
+        polling = threading.Thread(target=lambda: httpx.post(  # a client long-polling it, as the SDK does
+            url + "/api/v1/retrieve_future", json={"request_id": wedged}, headers={"x-api-key": KEY}, timeout=120),
+            daemon=True)
+        polling.start()
+        time.sleep(1.0)
+    assert stopped["returncode"] == 0 and stopped["seconds"] < 20, stopped
+    assert (run_dir / "summary.json").exists() and (run_dir / "report.md").exists()
+    assert "Tinker service stopped" in (tmp_path / "serve.log").read_text()

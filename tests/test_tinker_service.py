@@ -9,6 +9,7 @@ answered with the SDK's error while the rest goes on."""
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 
@@ -68,9 +69,20 @@ def test_gspo_uses_one_ratio_per_sequence_over_the_masked_tokens():
     assert value == pytest.approx(-(1.2 * 1 + 1.2 * 2) + s, rel=1e-5)
 
 
+def test_dro_is_minus_logp_times_advantage_plus_half_beta_squared_log_ratio():
+    # Tinker's docs: -(logp * A - beta / 2 * (logp - q)^2); log-ratios 0, 0.5, -1
+    value, per_token = _loss("dro", {"beta": 0.1}, logprobs=SAMPLER, advantages=ADV)
+    assert per_token == pytest.approx([1.0, 1.0 + 0.05 * 0.25, -2.0 + 0.05 * 1.0], rel=1e-6)
+    assert value == pytest.approx(0.0625, rel=1e-5)
+    assert _loss("dro", {"beta": 0.0}, logprobs=SAMPLER, advantages=ADV)[0] == pytest.approx(0.0, abs=1e-6)
+
+
 @pytest.mark.parametrize("name,config,words", [
     ("custom", None, "forward_backward_custom"),
-    ("dro", None, "choose one of"),
+    ("stable_reinforce", None, "stability information"),
+    ("dro", None, r"needs loss_fn_config \['beta'\]"),
+    ("dro", {"beta": -1.0}, "beta=-1.0 must be >= 0"),
+    ("nonsense", None, "choose one of"),
     ("ppo", {"clip_eps": 0.2}, "clip_eps"),
     ("cross_entropy", {"clip_low_threshold": 0.8}, "takes none"),
     ("ppo", {"clip_low_threshold": 1.5}, "0 <= low <= 1 <= high"),
@@ -106,6 +118,46 @@ def test_seq_gate_runs_calls_in_number_order_whatever_order_they_arrive_in():
         gate.claim(0)
 
 
+def test_seq_gate_a_number_given_up_lets_the_next_call_in_at_once():
+    """Issue 60.2: a call refused before it was queued (or not served: a 404) gives its number up,
+    so the model's next call runs at once instead of failing after serve.seq_wait_s; a number a
+    queued call holds is not taken from it."""
+    gate = SeqGate(wait_s=30)
+    gate.claim(2)
+    gate.skip(1)  # seq 1 refused
+    started = time.monotonic()
+    gate.turn(2)
+    assert time.monotonic() - started < 1
+    gate.skip(2)  # a second request naming seq 2 (refused as a reuse) leaves it to the call holding it
+    assert gate.next == 2
+    gate.done(2)
+    assert gate.next == 3
+    for bad in (True, "3", None):
+        gate.skip(bad)
+    assert gate.next == 3
+
+
+def test_seq_gate_close_ends_every_wait_at_once():
+    """Issue 60.3: a stopping service leaves no thread waiting out serve.seq_wait_s."""
+    gate, errors = SeqGate(wait_s=300), []
+    gate.claim(5)
+
+    def wait():
+        try:
+            gate.turn(5)
+        except RuntimeError as err:
+            errors.append(err)
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    gate.close()
+    t.join(5)
+    assert not t.is_alive() and time.monotonic() - started < 2
+    assert "stopping" in str(errors[0])
+
+
 def test_seq_gate_fails_a_call_whose_predecessor_never_comes():
     gate = SeqGate(wait_s=0.2)
     gate.claim(2)
@@ -113,6 +165,84 @@ def test_seq_gate_fails_a_call_whose_predecessor_never_comes():
     with pytest.raises(UserError, match="seq_id=1, which never came"):
         gate.turn(2)
     assert time.monotonic() - started < 2
+
+
+# ---- a sampler serves the weights saved last under its path (issue 60.1) -----------------------------------
+
+def test_a_folder_saved_again_under_its_name_gets_a_new_lora_id_and_the_old_one_is_retired(tmp_path):
+    """vLLM caches a loaded adapter by its integer id: a second save under the same name (same
+    sizes, new numbers) must get a new id, or the engine samples the first save's weights."""
+    pytest.importorskip("vllm")
+    from rl.data.types import GenerationRequest
+    from rollout.vllm_engine import AdapterRequests
+    from trainer.adapter_trainer import swap_in
+
+    folder = str(tmp_path / "sampler_weights" / "same-name")
+    os.makedirs(os.path.dirname(folder))
+
+    def save(payload: bytes) -> None:  # as AdapterTrainer.save_adapter writes one
+        tmp = folder + "~tmp"
+        os.makedirs(tmp)
+        for name in ("adapter_model.safetensors", "adapter_config.json"):
+            with open(os.path.join(tmp, name), "wb") as f:
+                f.write(payload)
+        swap_in(tmp, folder)
+
+    adapters = AdapterRequests()
+    req = GenerationRequest(prompt_ids=[1, 2], prompt_text="", group_id=0, sample_index=0, seed=0, adapter=folder)
+    save(b"first save")
+    first = adapters(req)
+    assert adapters(req).lora_int_id == first.lora_int_id  # the same save: the same id (vLLM's cached copy)
+    save(b"other bytes")  # the same sizes: only the files' identity tells the saves apart
+    second = adapters(req)
+    assert second.lora_int_id != first.lora_int_id and second.lora_path == folder
+    assert adapters(req).lora_int_id == second.lora_int_id
+    assert adapters.take_stale() == [first.lora_int_id] and adapters.take_stale() == []  # the engine unloads it
+    assert sorted(os.listdir(os.path.dirname(folder))) == ["same-name"]  # nothing left beside it
+    other = GenerationRequest(prompt_ids=[1], prompt_text="", group_id=0, sample_index=0, seed=0, adapter=str(tmp_path))
+    assert adapters(other).lora_int_id not in (first.lora_int_id, second.lora_int_id)
+    assert adapters(GenerationRequest(prompt_ids=[1], prompt_text="", group_id=0, sample_index=0, seed=0)) is None
+
+
+# ---- what a sample call may ask, named with the numbers it broke (issue 60.5) ------------------------------
+
+@pytest.fixture
+def submit_only_service(tiny_untrained, tmp_path):
+    """A TinkerService over the tiny model's tokenizer with no fleet and no trainers: only what is
+    checked at submission, before anything would reach them (a refused call never does)."""
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from launch.tinker.service import TinkerService
+    from rl.config.compose import compose
+
+    model = f"{tiny_untrained}/model"
+    cfg = OmegaConf.to_object(compose("serve", [f"model.path={model}"]))
+    service = TinkerService(cfg, None, AutoTokenizer.from_pretrained(model), model, str(tmp_path), None, log=lambda _: None)
+    yield service
+    service.close()
+
+
+def test_a_prompt_over_the_context_is_refused_naming_its_length_and_the_context(submit_only_service):
+    service = submit_only_service
+    sid = service.create_session()
+    sampler = service.create_sampler(sid, 0, service.model_name, None)
+
+    def refusal(tokens, **params):
+        with pytest.raises(UserError) as err:
+            service.sample({"sampling_session_id": sampler, "prompt": {"chunks": [{"tokens": tokens}]},
+                            "num_samples": 1, "sampling_params": params})
+        return str(err.value)
+
+    long = refusal([5] * 80, max_tokens=8)
+    assert "80 tokens" in long and "context of 64 tokens" in long and "at most 63" in long
+    assert "[1, 0]" not in long
+    over = refusal([5] * 60, max_tokens=8)
+    assert "max_tokens=8" in over and "60 tokens" in over and "64" in over and "at most 4" in over
+    assert "positive integer" in refusal([5] * 4, max_tokens=0)
+    with pytest.raises(UserError, match="stability information"):
+        service.sample({"sampling_session_id": sampler, "prompt": {"chunks": [{"tokens": [5, 6]}]},
+                        "sampling_params": {"max_tokens": 2}, "record_stability_info": True})
 
 
 # ---- the config, before Ray ------------------------------------------------------------------------------

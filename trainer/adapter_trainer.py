@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -200,18 +202,20 @@ class AdapterTrainer:
     # ---- files -----------------------------------------------------------------------------------
 
     def save_adapter(self, path: str) -> str:
-        """The adapters alone as a peft folder (what a sampler loads), written whole or not at all."""
-        tmp = f"{path}.tmp"
+        """The adapters alone as a peft folder (what a sampler loads), written whole or not at all;
+        a folder saved before under `path` is replaced by the new one (`swap_in`)."""
+        tmp = _fresh(path)
         self.engine.module.save_pretrained(tmp, safe_serialization=True)
-        os.replace(tmp, path)
-        return path
+        return swap_in(tmp, path)
 
     def save_state(self, path: str) -> str:
-        """Adapters and optimizer (DeepSpeed's checkpoint), and what the adapter is (`STATE_META`)."""
-        self.engine.save_checkpoint(path, tag="state")
-        with open(os.path.join(path, STATE_META), "w") as f:
+        """Adapters and optimizer (DeepSpeed's checkpoint), and what the adapter is (`STATE_META`),
+        replacing a state saved before under `path`."""
+        tmp = _fresh(path)
+        self.engine.save_checkpoint(tmp, tag="state")
+        with open(os.path.join(tmp, STATE_META), "w") as f:
             json.dump(asdict(self.spec), f)
-        return path
+        return swap_in(tmp, path)
 
     def load_state(self, path: str, optimizer: bool) -> None:
         """The adapters of a saved state, and its optimizer's moments too when `optimizer`."""
@@ -220,6 +224,29 @@ class AdapterTrainer:
         if loaded is None:
             raise FileNotFoundError(f"no saved training state under {path}")
         self.engine.module.zero_grad(set_to_none=True)
+
+
+def _fresh(path: str) -> str:
+    """An empty folder beside `path` to write a save into (removed first if a failed save left it)."""
+    tmp = f"{path}~tmp"  # (~: never in a checkpoint name, launch/tinker/service._NAME)
+    if os.path.exists(tmp):
+        shutil.rmtree(tmp)
+    return tmp
+
+
+def swap_in(tmp: str, path: str) -> str:
+    """Put the folder `tmp` at `path`, replacing what was there: the old folder is moved aside, the
+    new one renamed in, the old one removed. A reader of `path` finds the old files or the new ones,
+    never a mix; the new folder (and its files) are new inodes, which is how the rollout engine
+    tells a second save under the same name from the first (rollout/vllm_engine.AdapterRequests)."""
+    old = None
+    if os.path.exists(path):
+        old = f"{path}~old-{os.getpid()}-{time.monotonic_ns()}"
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
 
 
 def saved_spec(path: str) -> AdapterSpec:

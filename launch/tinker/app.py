@@ -7,6 +7,11 @@ Errors are the SDK's: a request refused at submission is a 4xx with `{"detail": 
 raises BadRequestError, NotFoundError...); a call that fails once running is the future's result
 `{"error": ..., "category": "user" | "server"}` (the SDK raises RequestFailedError). Never a 400
 without a body (the SDK takes that for a proxy's and retries), never a 402 (it pauses for billing).
+
+A training call numbers itself with its model's next `seq_id` and the model's later calls wait for
+that number. So whatever request names a model and a seq_id and is not queued (refused, failed, or
+a route not served here at all: a 404) gives its number up (`TinkerService.release`): one refused
+call never holds up the calls after it.
 """
 
 from __future__ import annotations
@@ -51,14 +56,26 @@ def make_app(service: TinkerService) -> FastAPI:
             return _detail(413, f"request body of {int(size)} bytes is over serve.max_request_mib={s.max_request_mib}")
         return await call_next(request)
 
+    def give_up_number(request: Request) -> None:
+        """The request named a training model's seq_id and was not queued: its number is used up."""
+        named = getattr(request.state, "training_call", None)
+        if named is not None:
+            service.release(*named)
+
     @app.exception_handler(UserError)
     async def refused(request: Request, err: UserError):
+        give_up_number(request)
         return _detail(err.status, str(err))
 
     @app.exception_handler(Exception)
     async def failed(request: Request, err: Exception):  # one failed request never takes the service down
         log.exception("request %s failed", request.url.path)
+        give_up_number(request)
         return _detail(500, f"{type(err).__name__}: {err}")
+
+    def note_training_call(request: Request, model_id: Any, seq_id: Any) -> None:
+        if isinstance(model_id, str) and isinstance(seq_id, int) and not isinstance(seq_id, bool):
+            request.state.training_call = (model_id, seq_id)
 
     async def body_of(request: Request) -> dict[str, Any]:
         raw = await request.body()
@@ -70,6 +87,7 @@ def make_app(service: TinkerService) -> FastAPI:
             raise UserError("the request body is not JSON") from None
         if not isinstance(body, dict):
             raise UserError("the request body must be a JSON object")
+        note_training_call(request, body.get("model_id"), body.get("seq_id"))
         return body
 
     def need(body: dict[str, Any], key: str, kind: type | tuple[type, ...] = str) -> Any:
@@ -136,9 +154,10 @@ def make_app(service: TinkerService) -> FastAPI:
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request):
         body = await body_of(request)
-        if body.get("model_id"):
-            raise UserError("loading a state into an existing training model is not served: use "
-                            "ServiceClient.create_training_client_from_state")
+        if body.get("model_id"):  # TrainingClient.load_state[_with_optimizer], deprecated by the SDK
+            raise UserError("load_state / load_state_with_optimizer (a state loaded into an existing training model) "
+                            "is not served: use ServiceClient.create_training_client_from_state[_with_optimizer], "
+                            "as the SDK advises")
         sid, seq = need(body, "session_id"), need(body, "model_seq_id", int)
         return {"request_id": service.load_model(sid, seq, need(body, "path"), bool(body.get("optimizer"))),
                 "model_id": f"{sid}:train:{seq}"}
@@ -159,6 +178,7 @@ def make_app(service: TinkerService) -> FastAPI:
             message = decode_forward_backward(raw)
         except WireError as err:
             raise UserError(str(err)) from None
+        note_training_call(request, message.model_id, int(message.seq_id))
         return {"request_id": await asyncio.to_thread(service.forward_backward, message)}
 
     @app.post("/api/v1/optim_step")
@@ -187,6 +207,13 @@ def make_app(service: TinkerService) -> FastAPI:
         return {"request_id": service.save_weights(need(body, "model_id"), need(body, "seq_id", int),
                                                    body.get("path"), False)}
 
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request):
+        await body_of(request)
+        raise UserError("save_weights_external is not served: save_weights_for_sampler(name) writes the adapter as a "
+                        "peft folder (Hugging Face format) under the service's run.dir, tinker/<model>/sampler_weights/"
+                        "<name>")
+
     @app.post("/api/v1/weights_info")
     async def weights_info(request: Request):
         from trainer.adapter_trainer import saved_spec
@@ -210,6 +237,8 @@ def make_app(service: TinkerService) -> FastAPI:
         for kind, type_ in (("weights", "training"), ("sampler_weights", "sampler")):
             folder = os.path.dirname(service.weights_path(model_id, kind, "x")[0])
             for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+                if "~" in name:  # a save being swapped in (trainer/adapter_trainer.swap_in)
+                    continue
                 when = datetime.datetime.fromtimestamp(os.path.getmtime(os.path.join(folder, name)), datetime.UTC)
                 out.append({"checkpoint_id": f"{kind}/{name}", "checkpoint_type": type_, "time": when.isoformat(),
                             "tinker_path": f"tinker://{model_id}/{kind}/{name}"})
@@ -265,5 +294,19 @@ def make_app(service: TinkerService) -> FastAPI:
     async def cancel_future(request: Request):
         service.futures.cancel(need(await body_of(request), "request_id"))
         return {}
+
+    # ---- everything else -------------------------------------------------------------------------
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])
+    async def not_served(request: Request, path: str):
+        """A route this service does not serve (a newer SDK's call, REST calls such as publish or
+        TTLs): 404, naming it; a training call's seq_id in its JSON body is given up."""
+        try:
+            await body_of(request)
+        except UserError:
+            pass
+        give_up_number(request)
+        return _detail(404, f"{request.method} /{path} is not served by this service (docs/tinker-service.md lists "
+                            "what is)")
 
     return app

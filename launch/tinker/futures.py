@@ -30,10 +30,11 @@ class UserError(ValueError):
 class SeqGate:
     """Runs a training model's calls in `seq_id` order: `turn(seq_id)` waits until every lower id
     has run (or failed, or was refused at submission: `skip`), `done(seq_id)` lets the next one in.
-    A repeated id is refused."""
+    A repeated id is refused. `close()` (the service stopping) ends every wait at once."""
 
     def __init__(self, wait_s: float):
         self.wait_s, self.next, self.seen, self.finished = wait_s, 1, set(), set()
+        self.closed = False
         self._cond = threading.Condition()
 
     def claim(self, seq_id: int) -> None:
@@ -47,7 +48,10 @@ class SeqGate:
             self.seen.add(seq_id)
 
     def skip(self, seq_id: int) -> None:
-        """A call refused at submission still takes its number: the calls after it go on."""
+        """A call refused at submission (or not served at all) still takes its number: the calls
+        after it go on. A number another call already holds is left to that call."""
+        if not isinstance(seq_id, int) or isinstance(seq_id, bool):
+            return
         try:
             self.claim(seq_id)
         except UserError:
@@ -56,9 +60,16 @@ class SeqGate:
 
     def turn(self, seq_id: int) -> None:
         with self._cond:
-            if not self._cond.wait_for(lambda: self.next == seq_id, timeout=self.wait_s):
+            if not self._cond.wait_for(lambda: self.closed or self.next == seq_id, timeout=self.wait_s):
                 raise UserError(f"seq_id={seq_id} waited {self.wait_s:.0f} s (serve.seq_wait_s) for seq_id="
                                 f"{self.next}, which never came: calls of a model must be numbered without gaps")
+            if self.closed:
+                raise RuntimeError("the service is stopping")
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
 
     def done(self, seq_id: int) -> None:
         with self._cond:

@@ -22,7 +22,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from launch.tinker.batching import SampleBatcher
 from launch.tinker.futures import Futures, SeqGate, UserError
 from launch.tinker.proto import (WireError, encode_forward_backward, encode_sample, loss_config_of, tensor_from_proto,
                                  tokens_of)
-from rl.algo.datum_losses import DatumLoss, DatumLossError
+from rl.algo.datum_losses import NOT_SERVED, DatumLoss, DatumLossError
 from rl.data.types import GenerationRequest
 
 TINKER_PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([A-Za-z0-9_.\-]+)$")
@@ -120,6 +119,8 @@ class TinkerService:
     def _record(self, call: str, owner: str, seconds: float, **figures: Any) -> None:
         """A finished call in `run.dir/calls.jsonl`: what, whose, how long, its figures."""
         with self._log_lock:
+            if self._calls.closed:  # a call that ends while the service stops
+                return
             self._calls.write(json.dumps({"time": round(time.time(), 3), "call": call, "of": owner,
                                           "seconds": round(seconds, 4), **figures}) + "\n")
 
@@ -284,6 +285,15 @@ class TinkerService:
                 "model_data": {"arch": "lora", "model_name": self.model_name, "tokenizer_id": self.model_name},
                 "is_lora": True, "lora_rank": model.rank, "model_name": self.model_name}
 
+    def release(self, model_id: Any, seq_id: Any) -> None:
+        """A training call refused before it was queued, or one this service does not serve at all
+        (any route, known or not, whose body names a model and a seq_id): its number is used up, so
+        the model's later calls do not wait for it (`serve.seq_wait_s`) and fail."""
+        with self._lock:
+            model = self.models.get(model_id) if isinstance(model_id, str) else None
+        if model is not None:
+            model.gate.skip(seq_id)
+
     def _ordered(self, model: TrainingModel, seq_id: int, run: Callable[[], Any]) -> str:
         """Submit `run` as the model's call number `seq_id`: it runs after every lower number."""
         model.gate.claim(seq_id)  # (a model still starting: its calls wait in their turn)
@@ -299,7 +309,11 @@ class TinkerService:
             finally:
                 model.gate.done(seq_id)
 
-        return self.futures.submit(model.session, ordered)
+        try:
+            return self.futures.submit(model.session, ordered)
+        except BaseException:  # never queued (the service is stopping): the number is not held
+            model.gate.done(seq_id)
+            raise
 
     def forward_backward(self, message: Any) -> str:
         """Submit a forward_backward (or, `forward_only`, a forward) from its protobuf message."""
@@ -341,8 +355,10 @@ class TinkerService:
         if total > self.s.max_tokens_per_request:
             raise UserError(f"{total} tokens in one forward_backward: over serve.max_tokens_per_request="
                             f"{self.s.max_tokens_per_request}; send fewer data per call", status=413)
-        if any(len(d.tokens) + 1 > self.max_len for d in data):
-            raise UserError(f"a datum is longer than the served context (rollout.max_model_len={self.max_len})")
+        for i, d in enumerate(data):
+            if len(d.tokens) + 1 > self.max_len:
+                raise UserError(f"data[{i}] is {len(d.tokens)} input tokens + its last target = {len(d.tokens) + 1} "
+                                f"tokens, over the served context of {self.max_len} tokens (rollout.max_model_len)")
 
         def run() -> dict[str, Any]:
             started = time.perf_counter()
@@ -415,8 +431,8 @@ class TinkerService:
             folder, path = self.weights_path(model_id, kind, name)
 
         def run() -> dict[str, Any]:
-            if os.path.exists(folder):
-                shutil.rmtree(folder)  # the same name saved again: the newer weights
+            # the same name saved again: the trainer swaps the newer weights in whole (a sampler on
+            # this path samples them from then on: rollout/vllm_engine.AdapterRequests)
             os.makedirs(os.path.dirname(folder), exist_ok=True)
             model.call("save_adapter" if for_sampler else "save_state", folder, kind="save", timeout_s=self.s.op_timeout_s)
             if for_sampler and sampler_seq_id is not None:
@@ -465,14 +481,23 @@ class TinkerService:
         n = body.get("num_samples", 1)
         if not isinstance(n, int) or not 1 <= n <= self.s.max_samples:
             raise UserError(f"num_samples={n!r}: must be an integer in [1, {self.s.max_samples}] (serve.max_samples)")
+        if body.get("record_stability_info"):
+            raise UserError("record_stability_info is not served: " + NOT_SERVED["stable_reinforce"])
         params = body.get("sampling_params") or {}
         max_tokens = params.get("max_tokens")
         room = self.max_len - len(tokens)
+        if room < 1:
+            raise UserError(f"the prompt is {len(tokens)} tokens, which leaves no room to sample in the served context "
+                            f"of {self.max_len} tokens (rollout.max_model_len): send a prompt of at most "
+                            f"{self.max_len - 1} tokens")
         if max_tokens is None:
             max_tokens = min(self.cfg.rollout.max_new_tokens, room)
-        if not isinstance(max_tokens, int) or max_tokens < 1 or max_tokens > room:
-            raise UserError(f"sampling_params.max_tokens={max_tokens!r}: must be in [1, {max(room, 0)}] (the prompt's "
-                            f"{len(tokens)} tokens of rollout.max_model_len={self.max_len})")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise UserError(f"sampling_params.max_tokens={max_tokens!r}: must be a positive integer")
+        if max_tokens > room:
+            raise UserError(f"sampling_params.max_tokens={max_tokens} after the prompt's {len(tokens)} tokens is over "
+                            f"the served context of {self.max_len} tokens (rollout.max_model_len): at most {room} "
+                            "tokens can be sampled after this prompt")
         if (n * (len(tokens) + max_tokens)) > self.s.max_tokens_per_request:
             raise UserError(f"num_samples x (prompt + max_tokens) is over serve.max_tokens_per_request="
                             f"{self.s.max_tokens_per_request}", status=413)
@@ -527,11 +552,16 @@ class TinkerService:
         return self.fleet.generate(requests)
 
     def close(self) -> None:
+        """Stop: pending calls are cancelled and every call waiting for its turn ends at once (a
+        stopping service leaves no thread waiting out `serve.seq_wait_s`), then the models' actors."""
         self._batcher.close()
         self.futures.close()
-        self._calls.close()
         with self._lock:
             models, self.models = list(self.models.values()), {}
+        for model in models:
+            model.gate.close()
+        with self._log_lock:
+            self._calls.close()
         for model in models:
             if model.group is not None:
                 model.group.shutdown()

@@ -44,9 +44,10 @@ _CLONE_NEW = {
 }
 
 
-@functools.lru_cache(maxsize=1)
-def filter_bpf() -> bytes:
-    """The filter compiled to a classic BPF program (the format bwrap's --seccomp reads)."""
+@functools.lru_cache(maxsize=2)
+def filter_bpf(unix_only: bool = True) -> bytes:
+    """The filter compiled to a classic BPF program (the format bwrap's --seccomp reads).
+    `unix_only=False` allows network sockets (agent episodes speak HTTP on their own loopback)."""
     import pyseccomp as sc   # imported here: a host without libseccomp fails in detect, clearly
 
     f = sc.SyscallFilter(sc.ALLOW)
@@ -54,7 +55,8 @@ def filter_bpf() -> bytes:
     deny = sc.ERRNO(errno.EPERM)
     for name in DENIED:
         f.add_rule(deny, name)
-    f.add_rule(deny, "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
+    if unix_only:
+        f.add_rule(deny, "socket", sc.Arg(0, sc.NE, socket.AF_UNIX))
     f.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
     for flag in _CLONE_NEW.values():
         f.add_rule(deny, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))

@@ -206,6 +206,14 @@ def imported_packages(stderr: str) -> set[str]:
     return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in lines[1:]}  # lines[0]: the header
 
 
+def endpoints(*urls: str) -> list[tuple[str, int]]:
+    """(host, port) of each URL: what a test's sandboxed agent episodes may reach (AgentPool's
+    `endpoints`: the agent server's URL, the environment's server)."""
+    from urllib.parse import urlsplit
+
+    return [(urlsplit(u).hostname, urlsplit(u).port) for u in urls]
+
+
 def play_episodes(server, pool, rows: list[dict], wait_s: float):
     """Each row an episode of `pool`'s agent against `server` (a reward.agents.server.AgentServer):
     (outcome per row index, the calls each episode made), waiting at most `wait_s` for them."""

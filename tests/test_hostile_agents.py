@@ -33,11 +33,11 @@ CASES: dict[str, tuple[str | None, dict | None]] = {
     "segfault": ("SIGSEGV", None),
     "busy_loop": ("did not return within task.agent_timeout_s", None),
     "fork_bomb": ("did not return within task.agent_timeout_s", None),  # and its forks bounded (below)
-    "huge_return": ("over the 1.0 MiB limit", None),
+    "huge_return": ("returned a str, not a number", None),
     "print_flood": (None, None),
-    "reward_nan": ("returned nan (float)", None),
-    "reward_inf": ("returned inf (float)", None),
-    "reward_str": ("returned 'high' (str)", None),
+    "reward_nan": ("returned nan: not a finite number", None),
+    "reward_inf": ("returned inf: not a finite number", None),
+    "reward_str": ("returned a str, not a number", None),
     "wrong_key": (None, {"status": 404}),
     "neighbour_key": (None, {"status": 404}),
     "closed_key": (None, {"status": 404}),
@@ -58,20 +58,74 @@ CASES: dict[str, tuple[str | None, dict | None]] = {
     # issue 47: a thread left posting to a module-global URL costs at most its own episode ("*": any
     # outcome; before, the calls of the reused worker's later episodes were rewritten); rewards out of bounds
     "leaky_thread": ("*", None),
-    "reward_true": ("returned True (bool)", None),
+    "reward_true": ("returned True (a bool)", None),
     "reward_huge": ("returned 1e+30, beyond task.agent_reward_bound=1e+06", None),
     "reward_neg_huge": ("returned -1e+30, beyond task.agent_reward_bound=1e+06", None),
     # issue 47: 4 agents holding 1,000 idle connections each, beside the first good episodes
-    "connection_flood": ("made no model call", None),
+    # (through its sandbox's relay, whose 64-connection cap closes the oldest, 1,000 connects may
+    # outlast the deadline on a loaded host: either way only its own episode pays)
+    "connection_flood": (("made no model call", "did not return within task.agent_timeout_s"), None),
+    # issue 58: escapes from the sandbox, each tried, noted and failed; the episode itself goes on
+    "tmp_writer": (None, None),
+    "tmp_reader": (None, None),
+    "proc_scan": (None, None),
+    "forge_sibling": (None, None),
+    "kill_zygote": (None, None),
+    "write_run_dir": (None, None),
+    "leave_cgroup": (None, None),
+    "signal_driver": (None, None),
+    "ptrace_sibling": (None, None),
+    # results cross as data: nothing the driver unpickles, a reward read once
+    "reduce_value": ("returned a Reduces, not a number", None),
+    "system_exit_value": ("returned a Reduces, not a number", None),
+    "float_subclass": ("returned a FlipFloat (a subclass of float)", None),
+    "call_in_flight": (None, None),  # and only its first call is recorded (below)
 }
 
 
+class Notes:
+    """The test's note taker on loopback, the one host service besides the agent server that the
+    episodes may reach (an endpoint of the pool): each case POSTs what it saw to /<case>."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        notes = self.notes = {}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+                body = self.rfile.read(int(self.headers["content-length"]))
+                notes[self.path.strip("/")] = json.loads(body)
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def notes():
+    n = Notes()
+    yield n
+    n.close()
+
+
 def _agent_processes() -> list[psutil.Process]:
-    """This process's descendants that run agents (the pool's zygote and its workers)."""
+    """This process's descendants that run agents (the pool's launcher, its zygote and their workers)."""
     found = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "_zygote_main" in " ".join(p.cmdline()):
+            if "reward.agents.episode" in " ".join(p.cmdline()):
                 found.append(p)
         except psutil.Error:  # gone, or a zombie not yet reaped (a Ray worker's, say)
             pass
@@ -113,7 +167,7 @@ def served(tiny_calc):
 
 
 @pytest.mark.slow  # a real engine and 30 agent processes, ~25 s: the default lane, not the fast one
-def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
+def test_hostile_agents_cost_their_own_episode_only(served, tmp_path, notes):
     from reward.agents.pool import AgentLimits, AgentPool
     from reward.agents.runner import AgentRunner
 
@@ -121,9 +175,14 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
     key, closed_url = server.open_episode(seed_base=1)
     server.close_episode(key)
     spec = f"{HOSTILE}:act"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    marker = tmp_path / "unpickled"
     pool = AgentPool(spec, str(tmp_path), workers=6, limits=AgentLimits(timeout_s=8.0, memory_mb=1024,
                                                                          max_processes=MAX_PROCESSES),
-                     kwargs={"out_dir": str(tmp_path), "closed_url": closed_url, "vocab": vocab})
+                     kwargs={"notes_url": notes.url, "closed_url": closed_url, "vocab": vocab},
+                     endpoints=[("127.0.0.1", server.port), ("127.0.0.1", notes.port)], hidden=[str(run_dir)])
 
     class Fleet:
         def repair(self) -> None:
@@ -135,9 +194,10 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
     rss_before = me.memory_info().rss
     # first the leaky thread (before issue 47 the episodes after it shared its worker), then 4 floods
     # of connections with 2 good episodes beside them, then the rest
-    order = ["leaky_thread", *["connection_flood"] * 4, "good", "good",
-             *[c for c in CASES if c not in ("leaky_thread", "connection_flood")]]
-    requests = [GenerationRequest([1, 2], "2+2=", i, 0, seed=i, metadata={"case": case})
+    order = ["leaky_thread", *["connection_flood"] * 4, "good", "good", "tmp_writer", *["tmp_reader"] * 3,
+             *[c for c in CASES if c not in ("leaky_thread", "connection_flood", "tmp_writer", "tmp_reader")]]
+    extra = {"run_dir": str(run_dir), "driver_pid": os.getpid(), "marker": str(marker)}
+    requests = [GenerationRequest([1, 2], "2+2=", i, 0, seed=i, metadata={"case": case, **extra})
                 for i, case in enumerate(order)]
     started = time.monotonic()
     try:
@@ -158,14 +218,20 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
             assert s.error is None, f"{case}: {s.error}"
             assert [t.reward for t in s.turns if t.role == "model"][-1] == 1.0, case
         else:
-            assert s.error is not None and error in s.error, f"{case}: {s.error}"
+            assert s.error is not None and any(e in s.error for e in (error if isinstance(error, tuple) else (error,))), \
+                f"{case}: {s.error}"
             assert s.error.startswith(f"task.agent={spec} on prompt '2+2='"), s.error  # names the agent, the row
         if request is not None:
-            facts = json.loads((tmp_path / f"{case}.json").read_text())
+            facts = notes.notes[case]
             assert facts["status"] == request["status"], f"{case}: {facts}"
             if "param" in request:
                 assert facts["param"] == request["param"], f"{case}: {facts}"
-    notes = {case: json.loads((tmp_path / f"{case}.json").read_text()) for case, (_, r) in CASES.items() if r}
+    seen = notes.notes
+    assert_escapes_failed(seen, run_dir, marker)
+    in_flight = samples[order.index("call_in_flight")]
+    assert len([t for t in in_flight.turns if t.role == "model"]) == 1  # the call left in flight: not recorded
+    assert pool.restarts == 0 and pool.broken is None  # nothing an episode did took the zygote down
+    notes = {case: seen[case] for case, (_, r) in CASES.items() if r}
     # a wrong key and a closed one are told apart by nothing
     assert notes["wrong_key"]["body"] == notes["closed_key"]["body"] == notes["neighbour_key"]["body"]
     assert notes["models_closed_key"]["body"] == notes["closed_key"]["body"]
@@ -174,7 +240,7 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
     assert notes["stream_true"]["events"] >= 2
     # the fork bomb forked until the pids limit refused it (fewer processes than the limit, the
     # worker being one), not up to its own cap, and not one of them is left
-    forked = (tmp_path / "fork_bomb.count").stat().st_size
+    forked = seen["fork_bomb"]["forked"]
     assert 0 < forked < MAX_PROCESSES or not _pids_limited(), forked
     assert not failures, f"the engine failed on {len(failures)} request(s): {failures[:3]}"
     assert rss_growth < 100, f"the driver grew by {rss_growth:.0f} MiB"
@@ -182,6 +248,23 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path):
     _, alive = psutil.wait_procs(agents, timeout=5)  # the zygote (its workers die with their cgroups)
     assert agents and not alive, alive
     assert not _agent_processes()  # none of the bomb's forks either
+
+
+def assert_escapes_failed(seen: dict, run_dir, marker) -> None:
+    """What each escape case noted from inside its sandbox: every attempt failed (issue 58)."""
+    assert seen["tmp_writer"] == {"wrote": True}
+    for_readers = [seen["tmp_reader"]]
+    assert all(r["found"] is False and r["tmp"] == [] for r in for_readers), for_readers  # a private /tmp
+    assert seen["proc_scan"]["pids"] == ["1"] and seen["proc_scan"]["found"] == 0, seen["proc_scan"]  # its own /proc
+    assert set(seen["forge_sibling"]["pids"]) == {1}, seen["forge_sibling"]
+    assert all(v != "worked" for v in seen["forge_sibling"]["tried"].values()), seen["forge_sibling"]
+    assert seen["kill_zygote"]["ppid"] == 0, seen["kill_zygote"]  # its parent, the worker, is out of sight
+    assert seen["write_run_dir"]["append"] in ("ENOENT", "EROFS", "EACCES"), seen["write_run_dir"]
+    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 0.5}\n'
+    assert seen["leave_cgroup"]["move"] in ("ENOENT", "EROFS", "EACCES"), seen["leave_cgroup"]
+    assert seen["signal_driver"]["sigint"] in ("ESRCH", "EPERM"), seen["signal_driver"]
+    assert all(v in ("EPERM", "ESRCH") for v in seen["ptrace_sibling"].values()), seen["ptrace_sibling"]
+    assert not marker.exists()  # no return value was ever unpickled
 
 
 def _pids_limited() -> bool:
@@ -194,6 +277,7 @@ def _pids_limited() -> bool:
 
 @pytest.mark.slow  # a real engine and agent process
 def test_a_call_after_the_agent_returned_is_refused_and_recorded_nowhere(served, tmp_path):
+    # (the agent's own endpoint is the only one it needs: the server's)
     """Issue 47: the episode ends on the server as its agent returns (the pool's monitor, before the
     driver drains the outcome): a call made with its key after that (a thread or process it left,
     or anyone holding the key) gets a 404, and the episode holds only the agent's own call."""
@@ -207,7 +291,7 @@ def test_a_call_after_the_agent_returned_is_refused_and_recorded_nowhere(served,
     spec = f"{HOSTILE}:act"
     pool = AgentPool(spec, str(tmp_path), workers=1, limits=AgentLimits(timeout_s=8.0, memory_mb=1024,
                                                                          max_processes=MAX_PROCESSES),
-                     kwargs={"out_dir": str(tmp_path), "vocab": vocab})
+                     kwargs={"vocab": vocab}, endpoints=[("127.0.0.1", server.port)])
 
     class Fleet:
         def repair(self) -> None:
@@ -218,7 +302,7 @@ def test_a_call_after_the_agent_returned_is_refused_and_recorded_nowhere(served,
     urls, ended = {}, threading.Event()
     start, end = pool.start, pool.on_end
     pool.start = lambda key, url, row: (urls.setdefault(key, url), start(key, url, row))[1]
-    pool.on_end = lambda key: (end(key), ended.set())
+    pool.on_end = lambda key, at=None: (end(key, at), ended.set())
     try:
         runner.submit([GenerationRequest([1, 2], "2+2=", 0, 0, seed=0, metadata={"case": "good"})])
         assert ended.wait(30), "the pool never ended the episode as its agent returned"
@@ -238,7 +322,7 @@ E2E_CASES = ["good", "raise_before_call", "call_then_hang", "segfault", "reward_
 
 
 @pytest.mark.slow
-def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(tiny_calc, tmp_path, capfd):
+def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(tiny_calc, tmp_path, capfd, notes):
     """The real command's run (Ray, vLLM's AsyncLLM behind the agent server, DeepSpeed), lock-step,
     with one hostile agent per prompt: both steps finish, each failed episode is counted and named,
     the requests vLLM would have refused are 400s (no rollout worker replaced), and nothing of the
@@ -251,10 +335,9 @@ def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(ti
     rows = tmp_path / "cases.jsonl"
     rows.write_text("".join(json.dumps({"prompt": "What is 2+2?", "answer": "4", "case": c}) + "\n"
                             for c in E2E_CASES))
-    notes = tmp_path / "notes"
-    notes.mkdir()
     cfg = compose_config(["task=calculator_agent", f"model.path={out}/model", f"task.train_files=[{rows}]",
-                          f"task.agent={HOSTILE}:act", f"+task.agent_kwargs.out_dir={notes}",
+                          f"task.agent={HOSTILE}:act", f"+task.agent_kwargs.notes_url={notes.url}",
+                          f"task.agent_endpoints=[127.0.0.1:{notes.port}]",
                           "task.agent_timeout_s=4", f"task.prompts_per_step={len(E2E_CASES)}", "rollout.n=2",
                           "rollout.mode=batch", "algorithm.off_policy_steps=0", f"run.dir={tmp_path}/run",
                           "run.progress=false", "run.steps=2", "run.save_every=0", "run.save_final_model=false",
@@ -282,7 +365,7 @@ def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(ti
         else:
             assert errors == [None] * len(errors) and all(r["reward"] == 1.0 for r in by_case[case]), (case, errors)
     for case, status in (("temperature_0", 400), ("token_id_huge", 400), ("wrong_key", 404), ("max_tokens_huge", 200)):
-        assert json.loads((notes / f"{case}.json").read_text())["status"] == status, case
+        assert notes.notes[case]["status"] == status, case
     assert not _agent_processes(), "agent processes outlived the run"
 
 

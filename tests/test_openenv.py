@@ -22,7 +22,7 @@ from reward.agents.pool import AgentLimits, AgentPool
 from rl.data.agent_calls import episode_sample
 from rl.data.types import GenerationRequest, Sample
 from reward.agents.server import AgentServer
-from tests.conftest import play_episodes
+from tests.conftest import endpoints, play_episodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -82,7 +82,8 @@ def test_an_openenv_environment_plays_token_exact_with_its_own_rewards(openenv_p
     rows = [{"prompt": "", "seed": s} for s in range(4)]
     for wrong_first, reward, turns in ((False, 1.0, 1), (True, 1.0, 2)):
         with AgentServer(tok, _policy(tok, wrong_first), max_new_tokens=8, max_model_len=256) as server:
-            pool = AgentPool("reward.agents.openenv:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python)
+            pool = AgentPool("reward.agents.openenv:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python,
+                             endpoints=endpoints(server.url, sum_server))
             try:
                 outcomes, calls = play_episodes(server, pool, rows, 60)
             finally:
@@ -106,7 +107,8 @@ def test_a_url_alone_plays_through_openenv_s_generic_client(openenv_python, sum_
               "action_field": "message", "max_turns": 2}
     rows = [{"prompt": "", "seed": s} for s in range(4)]
     with AgentServer(tok, _policy(tok, True), max_new_tokens=8, max_model_len=256) as server:
-        pool = AgentPool("reward.agents.openenv:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python)
+        pool = AgentPool("reward.agents.openenv:episode", ROOT, 2, AgentLimits(30.0), kwargs, python=openenv_python,
+                         endpoints=endpoints(server.url, sum_server))
         try:
             outcomes, calls = play_episodes(server, pool, rows, 60)
         finally:
@@ -132,7 +134,8 @@ def test_a_server_that_hangs_or_is_gone_costs_only_its_episode(openenv_python, s
             {"prompt": "", "seed": 3, "server_url": gone_url}, {"prompt": "", "seed": 4}]
     with AgentServer(tok, _policy(tok, False), max_new_tokens=8, max_model_len=256) as server:
         pool = AgentPool(f"{tmp_path}/by_row.py:play", str(tmp_path), 4, AgentLimits(8.0),
-                         {"client": CLIENT, "server_url": sum_server}, python=openenv_python)
+                         {"client": CLIENT, "server_url": sum_server}, python=openenv_python,
+                         endpoints=endpoints(server.url, sum_server, hung_url, gone_url))
         try:
             t0 = time.monotonic()
             outcomes, _ = play_episodes(server, pool, rows, 30)

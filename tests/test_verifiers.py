@@ -25,7 +25,7 @@ from reward.loader import RewardLoadError
 from rl.data.agent_calls import episode_sample
 from rl.data.types import GenerationRequest, Sample
 from reward.agents.server import AgentServer
-from tests.conftest import play_episodes
+from tests.conftest import endpoints, play_episodes
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]
 
@@ -106,7 +106,7 @@ def test_a_verifiers_environment_plays_token_exact_with_its_own_rewards(verifier
         policy = _policy(tok, wrong)
         with AgentServer(tok, policy, max_new_tokens=8, max_model_len=256) as server:
             pool = AgentPool(AGENT, ROOT, 2, AgentLimits(60.0), {"environment": "verifiers_sum"},
-                             python=verifiers_python)
+                             python=verifiers_python, endpoints=endpoints(server.url))
             try:
                 outcomes, calls = play_episodes(server, pool, rows, 90)
             finally:
@@ -148,7 +148,7 @@ def test_a_broken_taskset_or_row_costs_only_its_episode(verifiers_python, tmp_pa
     tok = calculator_tokenizer()
     with AgentServer(tok, _policy(tok), max_new_tokens=8, max_model_len=256) as server:
         pool = AgentPool(f"{tmp_path}/by_row.py:play", ROOT, 4, AgentLimits(15.0),
-                         {"environment": "verifiers_sum"}, python=verifiers_python)
+                         {"environment": "verifiers_sum"}, python=verifiers_python, endpoints=endpoints(server.url))
         try:
             t0 = time.monotonic()
             outcomes, _ = play_episodes(server, pool, rows, 60)

@@ -23,12 +23,13 @@ from typing import Any, Callable, Hashable, Protocol
 
 from rl.data.agent_calls import RecordedCall, episode_sample
 from rl.data.types import GenerationRequest, Sample
+from rl.run.faults import episode_error
 
 
 class EpisodeServer(Protocol):
     def open_episode(self, seed_base: int, metadata: dict | None = None,
                      temperature: float | None = None) -> tuple[str, str]: ...
-    def end_episode(self, key: str) -> None: ...
+    def end_episode(self, key: str, at: float | None = None) -> None: ...
     def refusal(self, key: str) -> str | None: ...
     def close_episode(self, key: str) -> list[RecordedCall]: ...
 
@@ -41,14 +42,23 @@ class Outcome(Protocol):
 
 class AgentProcesses(Protocol):
     """`reward.agents.pool.AgentPool`: agents in killable processes; `on_end(job_id)` is called as
-    each agent returns, dies or is killed, before its outcome is in `results`."""
+    each agent returns, dies or is killed, before its outcome is in `results`. A pool that can run
+    no episode any more (its zygote or monitor gone) may say why in `broken` (None while it can)."""
 
-    on_end: Callable[[Hashable], None] | None
+    on_end: Callable[[Hashable, float | None], None] | None
 
     def start(self, job_id: Hashable, base_url: str, row: dict[str, Any]) -> None: ...
     def results(self, wait_s: float) -> list[tuple[Hashable, Outcome]]: ...
     def cancel(self, job_id: Hashable) -> None: ...
     def close(self) -> None: ...
+
+
+def pool_broken(pool: Any) -> str | None:
+    """Why `pool` can run no episode any more, where it says so (its `broken`: e.g. "could not run:
+    its zygote process (pid 7) exited"), else None: an outcome missing from such a pool is named by
+    that reason, not by a deadline (issue 58)."""
+    broken = getattr(pool, "broken", None)
+    return broken if isinstance(broken, str) and broken else None
 
 
 def episode_reward(value: Any, bound: float = 1e6) -> tuple[float | None, str | None]:
@@ -85,7 +95,8 @@ class AgentRunner:
         self.server, self.pool, self.repairs = server, pool, repairs
         self.name, self.prompt_key, self.timeout_s, self.workers = name, prompt_key, timeout_s, workers
         self.max_len, self.decode, self.reward_bound = max_len, decode, reward_bound
-        pool.on_end = lambda key: server.end_episode(str(key))  # on the server, before the driver sees it
+        # on the server, before the driver sees it; calls left in flight when the agent returned are dropped
+        pool.on_end = lambda key, at=None: server.end_episode(str(key), at=at)
         self._cond = threading.Condition()
         self._running: dict[str, _Running] = {}  # by episode key
         self._done: dict[Hashable, list[Sample]] = {}  # by owner
@@ -129,12 +140,18 @@ class AgentRunner:
                 break
             self.repair()  # a rollout worker lost under an agent's call: replaced (launch/cluster.py)
             self._pump(0.2)
+            broken = pool_broken(self.pool)
+            if broken is not None:  # no outcome will come any more: the episodes left are lost now
+                self._pump(0.0)
+                break
         with self._cond:
             done = {(s.group_id, s.sample_index): s for s in self._done.pop(owner, [])}
             late = [k for k, r in self._running.items() if r.owner == owner]
+        broken = pool_broken(self.pool)
         for key in late:
             self.pool.cancel(key)
-            self._finish(key, None, f"no outcome within {rounds} x (task.agent_timeout_s + 30 s)")
+            self._finish(key, None, f"no outcome: the agent pool is broken ({broken})" if broken is not None
+                         else f"no outcome within {rounds} x (task.agent_timeout_s + 30 s)")
         with self._cond:
             done.update({(s.group_id, s.sample_index): s for s in self._done.pop(owner, [])})
         return [done[(r.group_id, r.sample_index)] for r in requests]
@@ -180,8 +197,7 @@ class AgentRunner:
         cause = cause or sample.error  # (the calls themselves: none made, or history rewritten)
         if cause is not None:
             tail = " ".join((outcome.log_tail if outcome is not None else "").split()[-40:])
-            sample.error = (f"task.agent={self.name} on prompt {req.prompt_text[:60]!r} (group {req.group_id}, sample "
-                            f"{req.sample_index}): {cause}" + (f" [its output ends: {tail[-300:]}]" if tail else ""))
+            sample.error = episode_error(self.name, req.prompt_text, req.group_id, req.sample_index, cause, tail)
         else:
             model_turns[-1].reward = reward
         with self._cond:

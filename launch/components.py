@@ -12,9 +12,17 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rl.config.schema import TrainConfig, plain_dict
+from rl.config.schema import TrainConfig, endpoint_address, plain_dict
 from rl.plan.devices import GPU_VISIBILITY_ENV
 
+
+
+def run_deadlines(cfg: TrainConfig):
+    """The run's deadlines for its actor groups' calls (run.call_timeout_s, its factor, and
+    run.start_timeout_s for start-up): one instance per group, as each learns its own calls."""
+    from rl.run.faults import Deadlines
+
+    return Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor, cfg.run.start_timeout_s)
 
 def usable_cores() -> int:
     """The cores this process may run on (its affinity: a `taskset`, a container's cpuset), not
@@ -69,7 +77,7 @@ def start_sandbox_pool(cfg: DictConfig):
         return None
     from sandbox.pool import SandboxPool, SandboxSettings
 
-    pool = SandboxPool(SandboxSettings(**OmegaConf.to_container(cfg.sandbox, resolve=True)))
+    pool = SandboxPool(SandboxSettings(**OmegaConf.to_container(cfg.sandbox, resolve=True)), deadlines=run_deadlines(cfg))
     print(f"Sandbox workers: {', '.join(pool.placement)}")
     return pool
 
@@ -105,14 +113,13 @@ def build_components(cfg: TrainConfig, log=print, started: dict[str, Any] | None
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env
-    from rl.run.faults import Deadlines
     from trainer.group import LearnerGroup
     from trainer.learner_setup import LearnerSpec
     from trainer.sync import make_weight_sync
 
     threads, c = worker_threads(cfg, "rollout"), cfg.cluster
     learner_threads = worker_threads(cfg, "learner")
-    deadlines = Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor, cfg.run.start_timeout_s)
+    deadlines = run_deadlines(cfg)
     env = rollout_env(threads, c.gpus_per_rollout_worker > 0)
     if cfg.rollout.backend == "vllm":
         env.update(vllm_env(cfg.rollout.kv_cache_gib, threads, cfg.rollout.enforce_eager))
@@ -130,7 +137,7 @@ def build_components(cfg: TrainConfig, log=print, started: dict[str, Any] | None
                            num_gpus=c.gpus_per_learner, env_vars=actor_env(learner_threads, c.gpus_per_learner > 0),
                            actor_options=placement.learner, deadlines=deadlines)
     rewards = started["rewards"] = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
-                            base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
+                            bound=cfg.reward.bound, base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None
     fleet.wait_started()  # the engines took longest to start: the learner and rewards started meanwhile
     weights = make_weight_sync(cfg.trainer.weight_sync, learner.group, learner.metas, fleet.group,
                                cfg.rollout.tensor_parallel_size, deadlines,
@@ -180,16 +187,18 @@ def start_agents(cfg: TrainConfig, tokenizer, fleet, repairs):
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # the agents' clients log every call at INFO
     t, r = cfg.task, cfg.rollout
-    pool = AgentPool(t.agent, os.getcwd(), t.agent_workers,
-                     AgentLimits(t.agent_timeout_s, memory_mb=t.agent_memory_mb, max_processes=t.agent_max_processes),
-                     plain_dict(t.agent_kwargs), python=t.agent_python or None)
     server = AgentServer(tokenizer, generate, host=t.agent_host, port=t.agent_port, max_new_tokens=r.max_new_tokens,
                          temperature=r.temperature, top_p=r.top_p, max_model_len=r.max_model_len,
                          observation_role=t.observation_role, max_calls=t.agent_max_calls)
-    try:
-        server.start()
+    server.start()
+    try:  # the episodes reach the server and the task's endpoints, nothing else; the run dir stays out of sight
+        pool = AgentPool(t.agent, os.getcwd(), t.agent_workers,
+                         AgentLimits(t.agent_timeout_s, memory_mb=t.agent_memory_mb, max_processes=t.agent_max_processes),
+                         plain_dict(t.agent_kwargs), python=t.agent_python or None,
+                         endpoints=[(t.agent_host, server.port), *map(endpoint_address, t.agent_endpoints)],
+                         hidden=[cfg.run.dir], reward_bound=t.agent_reward_bound)
     except BaseException:
-        pool.close()
+        server.stop()
         raise
     return AgentRunner(server, pool, repairs, name=t.agent, prompt_key=t.prompt_key, timeout_s=t.agent_timeout_s,
                        workers=t.agent_workers, max_len=r.max_model_len, decode=tokenizer.decode,
@@ -212,12 +221,10 @@ def start_env_service(cfg: TrainConfig):
     if not cfg.task.env:
         return None
     from reward.envs import EnvService
-    from rl.run.faults import Deadlines
 
     t = cfg.task
     return EnvService(t.env, dict(t.env_kwargs), num_workers=t.env_workers, timeout_s=t.env_timeout_s,
-                      base_dir=os.getcwd(), deadlines=Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor,
-                                                                cfg.run.start_timeout_s))
+                      base_dir=os.getcwd(), deadlines=run_deadlines(cfg))
 
 
 def make_episodes(cfg: TrainConfig, tokenizer, envs):

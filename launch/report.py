@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -44,6 +45,30 @@ def read_rows(run_dir: str) -> list[dict[str, Any]]:
             if isinstance(row, dict) and "step" in row:
                 by_step[int(row["step"])] = row
     return [by_step[k] for k in sorted(by_step)]
+
+
+def step_reward(row: dict[str, Any]) -> float | None:
+    """A step's mean reward, or None for a step that had none: every sample failed (no reward/mean,
+    a non-finite one, or no sample without an error)."""
+    value = row.get("reward/mean")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    samples, errors = row.get("reward/samples_count"), row.get("reward/errors_count")
+    if isinstance(samples, (int, float)) and isinstance(errors, (int, float)) and errors >= samples:
+        return None
+    return float(value)
+
+
+def reward_ends(rows: list[dict[str, Any]], k: int = 5) -> tuple[int, float | None, float | None]:
+    """(k, mean reward of the first k steps, of the last k): over the training steps (rows with
+    time/step_s; not an evaluation's row), k at most half of them so the two do not overlap. A step
+    without rewards does not count (issue 58: the last steps' mean repeated an earlier step's); None
+    where no step of the k had rewards."""
+    steps = [r for r in rows if "time/step_s" in r]
+    k = max(1, min(k, len(steps) // 2))
+    ends = [[v for r in part if (v := step_reward(r)) is not None] for part in (steps[:k], steps[-k:])]
+    first, last = (statistics.fmean(values) if values else None for values in ends)
+    return k, first, last
 
 
 def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
@@ -126,14 +151,13 @@ def draw(rows: list[dict[str, Any]], path: str, title: str) -> None:
 
 def summary_table(rows: list[dict[str, Any]], summary: dict[str, Any] | None) -> list[tuple[str, str]]:
     """(name, value) lines: summary.json's scalars, or while running the figures so far."""
-    n = max(1, min(5, len(rows) // 2))  # first and last steps do not overlap
-    rewards = [r["reward/mean"] for r in rows if isinstance(r.get("reward/mean"), (int, float))]
+    n, first, last = reward_ends(rows)
     out = [("steps done", str(len(rows))),
            ("status", "finished" if summary and "ended_early" not in summary else
             f"ended early: {summary['ended_early']}" if summary else "in progress (no summary.json yet)")]
-    if rewards:
-        out += [(f"reward, first {n} steps", f"{statistics.fmean(rewards[:n]):.4f}"),
-                (f"reward, last {n} steps", f"{statistics.fmean(rewards[-n:]):.4f}")]
+    if any("reward/mean" in r or "reward/errors_count" in r for r in rows):  # an RL run's
+        out += [(f"reward, {end} {n} steps", "no step had rewards" if mean is None else f"{mean:.4f}")
+                for end, mean in (("first", first), ("last", last))]
     for key, value in flatten(summary or {}).items():
         if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             out.append((key, f"{value:.4g}" if isinstance(value, float) else str(value)))
@@ -207,9 +231,10 @@ def _cell(value: Any, width: int = 300) -> str:
     return text if len(text) <= width else text[:width] + "..."
 
 
-def write_report(run_dir: str) -> tuple[str, str]:
-    """Write report.png and report.md into `run_dir`; returns their paths."""
-    rows = read_rows(run_dir)
+def write_report(run_dir: str, rows: list[dict[str, Any]] | None = None) -> tuple[str, str]:
+    """Write report.png and report.md into `run_dir`; returns their paths. `rows`: the run's
+    metrics as the run itself wrote them (its RunLog's), else read from metrics.jsonl."""
+    rows = read_rows(run_dir) if rows is None else rows
     summary_path = os.path.join(run_dir, "summary.json")
     summary = json.load(open(summary_path)) if os.path.exists(summary_path) else None
     png, md = os.path.join(run_dir, "report.png"), os.path.join(run_dir, "report.md")
@@ -234,11 +259,11 @@ def write_report(run_dir: str) -> tuple[str, str]:
     return png, md
 
 
-def write_report_or_warn(run_dir: str) -> None:
+def write_report_or_warn(run_dir: str, rows: list[dict[str, Any]] | None = None) -> None:
     """write_report for a run that just ended (launch.train, launch.serve): a report that fails
     never fails the run, whose results are written already."""
     try:
-        png, _ = write_report(run_dir)
+        png, _ = write_report(run_dir, rows)
         print(f"Report: {png} (and report.md)", flush=True)
     except Exception as err:  # noqa: BLE001 - the run's results are written already
         print(f"warning: no report for {run_dir}: {type(err).__name__}: {err}", flush=True)

@@ -8,6 +8,7 @@ them into a run (`train`) and owns the command line. Heavy imports come after th
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 from typing import Any
@@ -20,31 +21,39 @@ from launch.cli import INPUT_ERRORS, fail
 from launch.cluster import Cluster
 from launch.components import make_episodes, make_source, start_agents, start_ray
 from launch.console import quiet_driver
-from launch.report import write_report_or_warn
+from launch.report import reward_ends, step_reward, write_report_or_warn
 from rl.run.colocation import GpuHandover
 from rl.config.schema import TrainConfig
 
 
-def reward_trend(history: list[dict[str, float]], k: int = 5) -> dict[str, Any]:
-    """Mean reward (and each reward function's mean) over the first and the last k steps."""
-    rewards = [m["reward/mean"] for m in history if "reward/mean" in m]
-    k = min(k, len(rewards) // 2) or 1
-    out: dict[str, Any] = {"steps_run": sum("time/step_s" in m for m in history), "steps_averaged": k,
-                           "first_steps_reward_mean": statistics.fmean(rewards[:k]) if rewards else None,
-                           "last_steps_reward_mean": statistics.fmean(rewards[-k:]) if rewards else None}
+def reward_trend(history: list[dict[str, Any]], k: int = 5) -> dict[str, Any]:
+    """Mean reward (and each reward function's mean) over the first and the last k steps
+    (`launch.report.reward_ends`): a step without rewards (every sample failed) does not count, and
+    a mean is None where none of its k steps had rewards, never an earlier step's (issue 58)."""
+    steps = [m for m in history if "time/step_s" in m]
+    k, first, last = reward_ends(history, k)
+    out: dict[str, Any] = {"steps_run": len(steps), "steps_averaged": k, "first_steps_reward_mean": first,
+                           "last_steps_reward_mean": last,
+                           "steps_without_rewards": sum(step_reward(m) is None for m in steps)}
     for key in sorted({key for m in history for key in m if key.startswith("eval/") and not key.endswith("_count")}):
         values = [(m["step"], m[key]) for m in history if key in m]
         if len(values) >= 2:  # before the first update and after the last (or the last one made)
             out.setdefault("eval", {})[key] = {"first_step": values[0][0], "first": values[0][1],
                                                "last_step": values[-1][0], "last": values[-1][1]}
-    names = sorted({key for m in history for key in m if key.startswith("reward/") and key.endswith("_mean")})
+    names = sorted({key for m in steps for key in m if key.startswith("reward/") and key.endswith("_mean")})
     for key in names:
-        values = [m[key] for m in history if key in m]
-        if len(values) >= 2:
+        first_k, last_k = ([m[key] for m in part if step_reward(m) is not None and _finite(m.get(key))]
+                           for part in (steps[:k], steps[-k:]))
+        if len(steps) >= 2 and (first_k or last_k):
             name = key.removeprefix("reward/").removesuffix("_mean")
             out.setdefault("components", {})[name] = {
-                "first_steps_mean": statistics.fmean(values[:k]), "last_steps_mean": statistics.fmean(values[-k:])}
+                "first_steps_mean": statistics.fmean(first_k) if first_k else None,
+                "last_steps_mean": statistics.fmean(last_k) if last_k else None}
     return out
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = False) -> dict[str, Any]:
@@ -59,7 +68,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
     from rl.run import checkpoint
     from rl.run.faults import StopRequest
     from rl.loop import run_loop
-    from rl.run.run_log import RunLog, read_metrics
+    from rl.run.run_log import RunLog
     from trainer.sft import pad_id_of
 
     tokenizer, data, eval_data = inputs or load_inputs(cfg)
@@ -91,7 +100,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             source = make_source(fleet, cluster, episodes, agents)
             run_loop(config, pad_id_of(tokenizer), data, source, rewards, learner, cluster, log, handover,
                      start_step=start_step, kl_state=kl_state, stop=stop, in_flight=in_flight, eval_data=eval_data)
-            summary = reward_trend(read_metrics(cfg.run.dir))
+            summary = reward_trend(log.rows())  # the rows the run wrote, not whatever else metrics.jsonl holds
             if cfg.run.save_final_model:
                 final = os.path.join(cfg.run.dir, "final_model")
                 adapter = os.path.join(cfg.run.dir, "final_adapter") if cfg.model.lora.rank > 0 else None
@@ -103,12 +112,12 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
                     summary["final_adapter"] = adapter
             summary = log.finish(summary)
             print_summary(summary, cfg.run.dir)
-            write_report_or_warn(cfg.run.dir)
+            write_report_or_warn(cfg.run.dir, log.rows())
             return summary
         except BaseException as err:
             failed = True
-            if os.path.exists(os.path.join(cfg.run.dir, "metrics.jsonl")) and read_metrics(cfg.run.dir):
-                log.finish({**reward_trend(read_metrics(cfg.run.dir)), "ended_early": f"{type(err).__name__}: {err}"})
+            if log.rows():
+                log.finish({**reward_trend(log.rows()), "ended_early": f"{type(err).__name__}: {err}"})
             raise
         finally:
             log.close()
@@ -124,18 +133,25 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
 
 
 def print_summary(summary: dict[str, Any], run_dir: str) -> None:
+    """The run's last lines: its reward at the start and at the end (a step without rewards never
+    stands in for another: `(none had rewards)`), each reward function's, the held-out evaluation's."""
     k, first, last = summary["steps_averaged"], summary["first_steps_reward_mean"], summary["last_steps_reward_mean"]
-    if first is None:
+    if first is None and last is None:
         print(f"No step had a reward (every sample's reward failed; see samples.jsonl). Run directory: {run_dir}")
         return
-    print(f"Reward mean: first {k} steps {first:.3f} -> last {k} steps {last:.3f}. Run directory: {run_dir}")
+    print(f"Reward mean: first {k} steps {_mean(first)} -> last {k} steps {_mean(last)}. Run directory: {run_dir}")
     for name, trend in summary.get("components", {}).items():
-        print(f"  {name}: first steps {trend['first_steps_mean']:.3f} -> last steps {trend['last_steps_mean']:.3f}")
+        print(f"  {name}: first steps {_mean(trend['first_steps_mean'])} -> last steps "
+              f"{_mean(trend['last_steps_mean'])}")
     for key in ("eval/greedy_pass_frac", "eval/pass_at_1"):
         if key in summary.get("eval", {}):
             e = summary["eval"][key]
             print(f"Held-out {key.removeprefix('eval/')}: {e['first']:.3f} after {e['first_step']} updates -> "
                   f"{e['last']:.3f} after {e['last_step']} updates")
+
+
+def _mean(value: float | None) -> str:
+    return "(none had rewards)" if value is None else f"{value:.3f}"
 
 
 @hydra.main(config_path="../configs", config_name="train", version_base=None)

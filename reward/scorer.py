@@ -2,7 +2,9 @@
 
 Pure Python (no Ray), so it is unit-testable and the `RewardService` actors simply wrap it.
 A reward function that raises, times out or returns garbage marks only the affected samples
-with an error (reward None); it never crashes the step and never silently becomes a zero.
+with an error (reward None); it never crashes the step and never silently becomes a zero. So does
+a value beyond +-`bound` (`reward.bound`), and a weighted sum beyond it: a reward of 1e300
+overflowed GRPO's group std (its advantages became 0) and a critic's squared error (issue 58).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from reward.loader import RewardLoadError, load_reward_function
 
 RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "finish_reasons")
 NO_VALUE_ERROR = "no reward function returned a value"
+DEFAULT_BOUND = 1e6  # reward.bound's default (rl/config/schema.py)
 _ASYNC_GRACE_S = 1.0  # time for a timed-out coroutine to unwind after it is cancelled
 
 
@@ -49,6 +52,7 @@ class _Loaded:
     name: str
     weight: float
     fn: Callable[..., Any]
+    field: str = "reward.functions[?]"  # where the config names it
 
 
 class RewardScorer:
@@ -62,12 +66,15 @@ class RewardScorer:
         functions: list[RewardFunctionSpec],
         timeout_s: float = 60.0,
         base_dir: str | None = None,
+        bound: float = DEFAULT_BOUND,
     ) -> None:
         if not functions:
             raise RewardLoadError("reward.functions is empty; configure at least one reward function")
         if not (isinstance(timeout_s, numbers.Real) and timeout_s > 0):
             raise ValueError(f"reward.timeout_s={timeout_s!r}: must be a positive number of seconds")
-        self.timeout_s = float(timeout_s)
+        if isinstance(bound, bool) or not (isinstance(bound, numbers.Real) and 0 < bound < math.inf):
+            raise ValueError(f"reward.bound={bound!r}: must be a positive finite number, e.g. reward.bound=1e6")
+        self.timeout_s, self.bound = float(timeout_s), float(bound)
         self.functions: list[_Loaded] = []
         seen: dict[str, int] = {}
         for i, spec in enumerate(functions):
@@ -87,7 +94,7 @@ class RewardScorer:
                     f"set {field}.name to tell them apart"
                 )
             seen[name] = i
-            self.functions.append(_Loaded(name=name, weight=float(weight), fn=fn))
+            self.functions.append(_Loaded(name=name, weight=float(weight), fn=fn, field=field))
 
     @property
     def names(self) -> list[str]:
@@ -138,6 +145,8 @@ class RewardScorer:
                     applied = True
             if not errors and not applied:
                 errors.append(NO_VALUE_ERROR)
+            if not errors and not abs(total) <= self.bound:  # NaN too (inf - inf)
+                errors.append(self._sum_error(components, total))
             scored.append(
                 ScoredSample(
                     sample=sample,
@@ -148,12 +157,21 @@ class RewardScorer:
             )
         return scored
 
+    def _sum_error(self, components: dict[str, float | None], total: float) -> str:
+        terms = " + ".join(f"{f.weight:g} * {components[f.name]!r}" for f in self.functions
+                           if components[f.name] is not None)
+        return (f"the weighted sum of reward.functions ({terms} = {total!r}) is beyond reward.bound={self.bound:g}: "
+                "lower reward.functions[i].weight, or raise reward.bound")
+
+    def _checked(self, f: _Loaded, out: Any, n: int) -> tuple[list[float | None], list[str | None]]:
+        return _check_values(f.name, out, n, self.bound, f.field)
+
     def _run_function(
         self, f: _Loaded, kwargs: dict[str, list[Any]], n: int
     ) -> tuple[list[float | None], list[str | None]]:
         """Values and error strings (one each per sample) for one reward function."""
         try:
-            return _check_values(f.name, call_with_timeout(f.fn, _copy(kwargs), self.timeout_s), n)
+            return self._checked(f, call_with_timeout(f.fn, _copy(kwargs), self.timeout_s), n)
         except RewardCallTimeout:
             # Retrying one by one could cost n * timeout_s; the whole batch is marked instead.
             msg = f"{f.name}: {_timeout_message(self.timeout_s)} for a batch of {n} samples"
@@ -177,7 +195,7 @@ class RewardScorer:
     ) -> tuple[list[float | None], list[str | None]]:
         one = {k: [v[i]] for k, v in kwargs.items()}
         try:
-            return _check_values(f.name, call_with_timeout(f.fn, one, self.timeout_s), 1)
+            return self._checked(f, call_with_timeout(f.fn, one, self.timeout_s), 1)
         except RewardCallTimeout:
             return [None], [f"{f.name}: {_timeout_message(self.timeout_s)}"]
         except _BadOutput as exc:
@@ -227,7 +245,10 @@ def _timeout_message(timeout_s: float) -> str:
     return f"RewardCallTimeout: no result within timeout_s={timeout_s:g}s (call abandoned)"
 
 
-def _check_values(name: str, out: Any, n: int) -> tuple[list[float | None], list[str | None]]:
+def _check_values(name: str, out: Any, n: int, bound: float = DEFAULT_BOUND,
+                  field: str = "reward.functions[?]") -> tuple[list[float | None], list[str | None]]:
+    """One value per sample: a finite real within +-`bound`, None, or an exception (that sample's
+    error); anything else is that sample's error, naming the function (`field`, `name`)."""
     if isinstance(out, (str, bytes, Mapping)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
         raise _BadOutput(f"{name}: returned {type(out).__name__}, expected a list of {n} floats or None")
     values = list(out)
@@ -242,14 +263,27 @@ def _check_values(name: str, out: Any, n: int) -> tuple[list[float | None], list
         elif isinstance(v, BaseException):  # the function's way to report one sample's failure
             result.append(None)
             errors.append(f"{name}: {type(v).__name__}: {v}")
-        elif isinstance(v, numbers.Real) and math.isfinite(float(v)):
-            result.append(float(v))
+        elif isinstance(v, numbers.Real) and math.isfinite(x := _as_float(v)) and abs(x) <= bound:
+            result.append(x)
             errors.append(None)
+        elif isinstance(v, numbers.Real) and math.isfinite(x):
+            result.append(None)
+            errors.append(f"{field} {name} returned {x!r}, beyond reward.bound={bound:g}: return a reward within "
+                          f"+-{bound:g} (one this large overflows the update), or raise reward.bound")
         else:
             result.append(None)
             shown = repr(v) if isinstance(v, numbers.Real) else type(v).__name__
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
             errors.append(f"{name}: returned {shown}, expected a finite float or None")
     return result, errors
+
+
+def _as_float(v: numbers.Real) -> float:
+    """float(v), or inf for an integer too large for a float (10**400)."""
+    try:
+        return float(v)
+    except OverflowError:
+        return math.inf
 
 
 def call_with_timeout(fn: Callable[..., Any], kwargs: dict[str, list[Any]], timeout_s: float) -> Any:

@@ -368,6 +368,7 @@ def test_a_run_whose_every_update_is_skipped_stops_naming_the_cause(make_config,
     reward_file = tmp_path / "huge.py"
     reward_file.write_text(HUGE_REWARD)
     cfg = make_config("run.steps=4", "task.prompts_per_step=4", "algorithm=dr_grpo", "trainer.max_skipped_steps=2",
+                      "reward.bound=1e30",  # past the default bound the samples would be errors instead
                       f'reward.functions=[{{fn: "{reward_file}:huge"}}]')
     with pytest.raises(NotLearning, match=r"skipped every update for 2 steps in a row \(trainer.max_skipped_steps=2\)"):
         train(cfg)

@@ -126,6 +126,7 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
     critic_tokens = max(total.pop("_critic_tokens", 0.0), 1.0)
     critic_updates = max(total.pop("_updates/critic", 0.0) / len(results), 1.0)
     skipped = total.pop("_skipped", 0.0) / len(results)  # updates DeepSpeed skipped (same on every rank)
+    critic_skipped = total.pop("_skipped/critic", None)
     out: dict[str, float] = {}
     if "_is/w_sum" in total:
         out["is/ess_frac"] = effective_sample_size(total.pop("_is/w_sum"), total.pop("_is/w_sq_sum"), tokens)
@@ -152,4 +153,7 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
             out[k] = v / updates
     out["actor/updates_count"] = updates
     out["actor/skipped_updates_count"] = skipped
+    if critic_skipped is not None:  # a critic (PPO): its skips stop the run like the actor's (rl/run/guards.py)
+        out["critic/updates_count"] = critic_updates
+        out["critic/skipped_updates_count"] = critic_skipped / len(results)
     return out

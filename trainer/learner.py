@@ -39,6 +39,14 @@ def _add_mismatch(sums: dict[str, float], learner_lp: torch.Tensor, rollout_lp: 
     sums[key] = max(sums.get(key, 0.0), float(diff.max()) if diff.numel() else 0.0)
 
 
+def _skipped(engine) -> bool:
+    """Whether `engine`'s last optimizer step was skipped. DeepSpeed skips a step whose gradients
+    overflowed (fp16's loss scale), saying so only in its log; a non-finite norm is the same
+    failure (issue 47: the loop stops on it; the critic's too, issue 58)."""
+    grad_norm = engine.get_global_grad_norm()
+    return not engine.was_step_applied() or (grad_norm is not None and not math.isfinite(float(grad_norm)))
+
+
 def _accumulate(engine, plan: list[torch.Tensor], backward) -> None:
     """One optimizer step over the micro-batches of `plan` (`backward(rows)` each). The
     accumulation boundary is set by hand, as the number of micro-batches may vary by step."""
@@ -236,6 +244,8 @@ class LearnerWorker:
                 if self.critic is not None:
                     _accumulate(self.critic, plan, lambda rows: self._critic_backward(batch.select(rows), norm, sums))
                     sums["_updates/critic"] += 1
+                    # counted like the actor's below: a critic that never updates stops the run too
+                    sums["_skipped/critic"] += float(_skipped(self.critic))
                 if not train_policy:
                     continue
                 _accumulate(self.engine, plan,
@@ -245,9 +255,7 @@ class LearnerWorker:
                 sums["_updates"] += 1
                 sums["actor/lr_per_update"] += float(self.engine.get_lr()[0])
                 sums["actor/grad_norm"] += float(grad_norm) if grad_norm is not None and finite else 0.0
-                # DeepSpeed skips a step whose gradients overflowed (fp16's loss scale), saying so only
-                # in its log; a non-finite norm is the same failure (issue 47: the loop stops on it)
-                sums["_skipped"] += float(not self.engine.was_step_applied() or not finite)
+                sums["_skipped"] += float(_skipped(self.engine))
         return dict(sums)
 
     def _backward(self, mb: TrainBatch, norm: LossNormalizer, kl_coef: float, sums: dict[str, float],

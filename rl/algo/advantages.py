@@ -50,12 +50,18 @@ def grpo_advantages(
         members = (group_ids == gid) & valid
         if members.sum() < 1:
             continue
+        # In units of the group's largest |r|, so the mean and the squares of the std stay finite
+        # for any finite rewards (1e300: std inf, advantages 0, before; issue 58):
+        # (r - mean) / (std + eps) = (r/s - mean/s) / (std/s + eps/s).
         r = rewards[members]
+        scale = r.abs().max().clamp(min=1e-150)
+        r = r / scale
         centred = r - r.mean()
         if norm_by_std:
             std = r.std(unbiased=True) if r.numel() > 1 else torch.zeros((), dtype=r.dtype)
-            centred = centred / (std + eps)
-        adv[members] = centred
+            adv[members] = centred / (std + eps / scale)
+        else:
+            adv[members] = centred * scale
     return adv.to(torch.float32)
 
 
@@ -131,14 +137,21 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, ep
     mean and the unbiased variance (Bessel, n - 1) are taken over entries where mask is 1. With
     `shift_mean=False` the mean is added back (scale only, as in OpenRLHF/verl). Masked entries are 0.
     """
-    mask = mask.to(values.dtype)
+    dtype = values.dtype
+    # In float64 and in units of the largest valid |x|, so the squares stay finite for any finite
+    # values (fp32 overflowed from |x| ~ 2e19: var inf, every advantage 0; issue 58):
+    # (x - mean) / sqrt(var + eps) = (x/s - mean/s) / sqrt(var/s^2 + eps/s^2).
+    mask = mask.to(torch.float64)
+    x = torch.where(mask > 0, values.to(torch.float64), torch.zeros((), dtype=torch.float64))
+    scale = x.abs().max().clamp(min=1e-150) if x.numel() else torch.ones((), dtype=torch.float64)
+    x = x / scale
     n = mask.sum()
-    mean = (values * mask).sum() / n.clamp(min=1.0)
-    var = (((values - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1.0)
-    out = (values - mean) * torch.rsqrt(var + eps)
+    mean = x.sum() / n.clamp(min=1.0)
+    var = (((x - mean) * mask) ** 2).sum() / (n - 1).clamp(min=1.0)
+    out = (x - mean) * torch.rsqrt(var + eps / scale**2)
     if not shift_mean:
-        out = out + mean
-    return out * mask
+        out = out + mean * scale
+    return (out * mask).to(dtype)
 
 
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:

@@ -53,14 +53,23 @@ def estimate_advantages(
     (algorithm.distill_coef > 0) mixed with the teacher's per-token ones (rl/algo/distill.py)."""
     est = _task_advantages(settings, outcome, valid, group_ids, mask, kl_coef, old_logprobs, ref_logprobs, values,
                            turn_rewards)
-    if settings.distill_coef <= 0:
-        return est
-    if teacher_logprobs is None or student_logprobs is None:
-        raise ValueError("algorithm.distill_coef > 0 needs the teacher's and the student's log-probs of the sampled "
-                         "tokens (set algorithm.teacher_path)")
-    advantages, metrics = distill_advantages(est.advantages, teacher_logprobs, student_logprobs, mask,
-                                             settings.distill_coef)
-    return Estimate(advantages, est.returns, {**est.metrics, **metrics})
+    if settings.distill_coef > 0:
+        if teacher_logprobs is None or student_logprobs is None:
+            raise ValueError("algorithm.distill_coef > 0 needs the teacher's and the student's log-probs of the "
+                             "sampled tokens (set algorithm.teacher_path)")
+        advantages, metrics = distill_advantages(est.advantages, teacher_logprobs, student_logprobs, mask,
+                                                 settings.distill_coef)
+        est = Estimate(advantages, est.returns, {**est.metrics, **metrics})
+    est.metrics["adv/nonzero_frac"] = nonzero_frac(est.advantages, mask)
+    return est
+
+
+def nonzero_frac(advantages: torch.Tensor, mask: torch.Tensor) -> float:
+    """The share of the loss tokens whose advantage is not 0: at 0 the step has nothing to learn
+    from its rewards (every group's rewards equal, under a group-relative estimator), which the
+    step line says (rl/run/run_log.py)."""
+    on = mask > 0
+    return float((advantages[on] != 0).sum()) / max(int(on.sum()), 1)
 
 
 def _task_advantages(

@@ -171,6 +171,10 @@ class RewardConfig:
     num_workers: int = 1
     timeout_s: float = 60.0
     max_failed_steps: int = 3  # stop when every sample's reward failed this many steps in a row
+    # A reward function's value, and the weighted sum of them, must be within +-bound; past it the
+    # sample is an error naming the function and the value (1e300 overflowed GRPO's group std and a
+    # critic's squared error, issue 58). Agents have their own: task.agent_reward_bound.
+    bound: float = 1e6
 
 
 @dataclass
@@ -190,7 +194,10 @@ class TaskConfig:
     size: int = 1000  # training rows drawn from task.datasets
     eval_size: int = 100  # held-out rows drawn from task.datasets (their questions are never trained on)
     seed: int = 0  # the seed task.datasets' rows are drawn with (not run.seed: the same rows for every run)
-    instruction: str = ""  # appended to each question of task.datasets (e.g. "Reply with just the number.")
+    # appended to each question of task.datasets (e.g. "Reply with just the number."); launch.checks
+    # refuses a run whose answer extraction, with this and task.system_prompt, cannot score a
+    # perfect answer on one of task.datasets (word answers and the last number; tags nothing asks for)
+    instruction: str = ""
     # Multi-turn episodes (rl/data/env.py): the environment class, "package.module:Class" or
     # "path/file.py:Class", built per episode with env_kwargs; null = single-turn completions.
     # "openenv:<EnvClient class or http://server>": an OpenEnv environment (expand_openenv
@@ -227,6 +234,10 @@ class TaskConfig:
     # with an episode's key (keys are unguessable, 192 random bits, and die with their episode).
     agent_host: str = "127.0.0.1"
     agent_port: int = 0  # 0 = a free port
+    # What else an agent episode may reach: "host:port" or URLs (an OpenEnv environment's server:
+    # task.env=openenv:... adds its own). Episodes run sandboxed with a network of their own: the
+    # agent server and these are all they reach (reward/agents/pool.py)
+    agent_endpoints: list[str] = field(default_factory=list)
     # A difficulty curriculum (rl/data/curriculum.py): a prompt whose group was all solved (every
     # reward >= curriculum_pass_reward) or all failed rests for this many epochs of the prompt
     # stream, the next prompts drawn instead; 0 = off. Logged: curriculum/skipped_frac, resting_rows
@@ -427,6 +438,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "eval.temperature": (0, True, 2, "1.0 (0 = greedy)"),
     "reward.timeout_s": (0, False, None, "60"),
     "reward.max_failed_steps": (1, True, None, "3"),
+    "reward.bound": (0, False, 1e30, "1e6"),  # within fp32's range (3.4e38), with room for sums
     "trainer.max_skipped_steps": (1, True, None, "3"),
     "sandbox.num_workers": (0, True, None, "0 (jobs run in the reward worker) or 2"),
     "sandbox.num_cpus_per_worker": (0, False, None, "1.0"),
@@ -692,6 +704,25 @@ def expand_openenv(cfg: Any) -> None:
         raise ConfigError(f"task.env={env!r}: expected openenv:package.module:EnvClientClass or openenv:http://HOST:PORT")
     cfg.task.agent, cfg.task.env = OPENENV_AGENT, None
     cfg.task.agent_kwargs, cfg.task.env_kwargs = kwargs, {}
+    if kwargs.get("server_url") and kwargs["server_url"] not in cfg.task.agent_endpoints:  # episodes reach it
+        cfg.task.agent_endpoints = [*cfg.task.agent_endpoints, kwargs["server_url"]]
+
+
+def endpoint_address(text: str) -> tuple[str, int]:
+    """("host", port) of a task.agent_endpoints entry ("host:port" or a URL); ValueError naming the
+    fix when it has no host or no port (a URL's default port is taken: 80, 443)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(text if "//" in text else f"//{text}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    host = parts.hostname or ""
+    port = port or {"http": 80, "https": 443}.get(parts.scheme)
+    if port is None or not host:
+        raise ValueError(f"{text!r} has no host or no port: write host:port or http://host:port")
+    return host, port
 
 
 def validate(cfg: Any) -> None:
@@ -703,6 +734,11 @@ def validate(cfg: Any) -> None:
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
             errors.append(f"{key}={_get(cfg, key)!r}: choose one of {', '.join(map(str, choices))}")
+    for i, text in enumerate(cfg.task.agent_endpoints):
+        try:
+            endpoint_address(str(text))
+        except ValueError as err:
+            errors.append(f"task.agent_endpoints[{i}]={text!r}: {err}")
     for key in _POSITIVE:
         if _get(cfg, key) <= 0:
             errors.append(f"{key}={_get(cfg, key)}: must be a positive integer")

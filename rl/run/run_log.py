@@ -15,6 +15,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+from rl.run.faults import Failures
+
 if TYPE_CHECKING:
     from rl.data.types import ScoredSample
 
@@ -29,8 +31,10 @@ TIME_KEYS = (("time/rollout_s", "rollout"), ("time/reward_s", "reward"), ("time/
              ("time/eval_s", "eval"))
 
 
-def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
-    """The RL step line: reward, KL, throughput and time, e.g. `step 3/60 | reward 0.412 | ...`."""
+def summary_line(step: int, total: int, metrics: dict[str, float], failures: Failures | None = None) -> str:
+    """The RL step line: reward, KL, throughput and time, e.g. `step 3/60 | reward 0.412 | ...`;
+    `failures`: the step's failed samples, named by their most common cause (issue 58: a step whose
+    every episode failed because the agent pool could not run them showed only a count)."""
     parts = [f"step {step + 1}/{total}" + _mode(metrics)]
     parts += [fmt.format(metrics[k]) for k, fmt in SUMMARY_KEYS if k in metrics]
     split = [f"{name} {metrics[k]:.2f}" for k, name in TIME_KEYS if k in metrics and metrics[k] > 0]
@@ -39,11 +43,42 @@ def summary_line(step: int, total: int, metrics: dict[str, float]) -> str:
     if metrics.get("actor/skipped_updates_count"):  # never silent (issue 47)
         parts.append(f"{int(metrics['actor/skipped_updates_count'])} of {int(metrics.get('actor/updates_count', 1))} "
                      "updates skipped (gradients not finite)")
-    if metrics.get("reward/errors_count"):
+    if metrics.get("critic/skipped_updates_count"):  # the critic's too (issue 58)
+        parts.append(f"{int(metrics['critic/skipped_updates_count'])} of {int(metrics.get('critic/updates_count', 1))} "
+                     "critic updates skipped (gradients not finite)")
+    signal = no_learning_signal(metrics)
+    if signal:
+        parts.append(signal)
+    if failures is not None and failures.every:  # e.g. `32 of 32 episodes failed: task.agent=...: could not run`
+        parts.append(failures.line())
+    elif metrics.get("reward/errors_count"):
         agents = (f" ({int(metrics['agent/errors_count'])} agents failed, {int(metrics['agent/timeouts_count'])} "
                   "of them killed at task.agent_timeout_s)") if metrics.get("agent/errors_count") else ""
-        parts.append(f"{int(metrics['reward/errors_count'])} reward errors{agents}")
+        parts.append(f"{int(metrics['reward/errors_count'])} reward errors{agents}"
+                     + (f"; most often: {failures.cause}" if failures is not None else ""))
     return " | ".join(parts)
+
+
+def no_learning_signal(metrics: dict[str, float]) -> str | None:
+    """Why the step could not learn from its rewards, when it could not (issue 58: rewards that
+    zeroed every advantage ran on with rc 0 and only `actor/grad_norm 0` in metrics.jsonl), else None.
+
+    Every advantage 0 (`adv/nonzero_frac`, rl/algo/estimate.py): no sample had a reward, or every
+    group's rewards were equal (`adv/flat_groups_frac`: group-relative estimators, GRPO, DAPO, GSPO,
+    CISPO, RLOO, Dr.GRPO, give such a group 0); else an update that was applied with a gradient
+    norm of exactly 0."""
+    if metrics.get("adv/nonzero_frac", 1.0) == 0:
+        if "reward/mean" not in metrics:
+            cause = "no sample has a reward (every one is an error)"
+        elif metrics.get("adv/flat_groups_frac", 0.0) >= 1:
+            cause = "every group's rewards are equal"
+        else:
+            cause = "every advantage is 0"
+        return f"no learning signal: {cause}"
+    updates, skipped = metrics.get("actor/updates_count", 1), metrics.get("actor/skipped_updates_count", 0)
+    if metrics.get("actor/grad_norm") == 0 and skipped < updates:
+        return "no learning signal: actor/grad_norm 0 (the update changed nothing)"
+    return None
 
 
 def _mode(metrics: dict[str, float]) -> str:
@@ -57,7 +92,7 @@ def _mode(metrics: dict[str, float]) -> str:
 def row_line(title: str) -> Callable[[int, int, dict[str, float]], str]:
     """A step line that shows every finite value of the row, e.g. `sft step 20: train/loss 0.41 | ...`."""
 
-    def line(step: int, _total: int, values: dict[str, float]) -> str:
+    def line(step: int, _total: int, values: dict[str, float], _failures: Failures | None = None) -> str:
         shown = " | ".join(f"{k} {v:.4g}" for k, v in values.items() if math.isfinite(v))
         return f"{title} step {step}: {shown}"
 
@@ -83,13 +118,16 @@ class RunLog:
 
     `config_yaml` (when given) is written to <run>/config.yaml; a new run (`resume=False`) refuses
     a directory that already holds one. `config` (the resolved config as a dict) goes to the
-    sinks, `sink_options` to `rl.run.loggers.make_sinks`. `line(step, total, values)` formats a
-    step's console line.
+    sinks, `sink_options` to `rl.run.loggers.make_sinks`. `line(step, total, values, failures)`
+    formats a step's console line (`failures`: of the samples `samples` logged for that step).
+
+    `rows()` is the run's metrics as this writer wrote them, the summary's source: not what
+    anything else appended to metrics.jsonl meanwhile (issue 58: an agent appended rows there).
     """
 
     def __init__(self, run_dir: str, total_steps: int, *, title: str = "GRPO", progress: bool = True,
                  start_step: int = 0, config_yaml: str | None = None, resume: bool = False,
-                 line: Callable[[int, int, dict[str, float]], str] = summary_line,
+                 line: Callable[..., str] = summary_line,
                  loggers: Sequence[str] = ("tensorboard", "jsonl"), config: dict[str, Any] | None = None,
                  sink_options: dict[str, Any] | None = None):
         from tqdm import tqdm
@@ -103,8 +141,12 @@ class RunLog:
         if config_yaml is not None:
             with open(os.path.join(run_dir, "config.yaml"), "w") as f:
                 f.write(config_yaml)
-        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(run_dir, "metrics.jsonl")
+        # a resumed run's steps before this one, as the file held them before anything of this run ran
+        self._rows = _rows_before(path, start_step) if resume and os.path.exists(path) else {}
+        self._metrics = open(path, "a", buffering=1)
         self._samples: Any = None
+        self._failures: tuple[int, Failures | None] | None = None  # (step, its failed samples)
         self._sinks = make_sinks(loggers, run_dir, config or {}, **(sink_options or {}))
         self._bar = tqdm(total=total_steps, initial=start_step, desc=title, unit="step",
                          disable=not (progress and _on_terminal()), dynamic_ncols=True)
@@ -114,17 +156,25 @@ class RunLog:
         """Append one row (non-finite values as null); `advance` moves the progress bar one
         step, `echo` prints the row's one-line summary."""
         clean = {k: (float(v) if math.isfinite(float(v)) else None) for k, v in values.items()}
-        self._metrics.write(json.dumps({"step": step, **clean}) + "\n")
+        self._rows[step] = {"step": step, **clean}
+        self._metrics.write(json.dumps(self._rows[step]) + "\n")
         finite = {k: v for k, v in clean.items() if v is not None}
         for sink in self._sinks:
             sink.log(step, finite)
         if advance:
             self._bar.update(1)
         if echo:
-            self.write(self._line(step, self.total_steps, values))
+            failures = self._failures[1] if self._failures is not None and self._failures[0] == step else None
+            self.write(self._line(step, self.total_steps, values, failures))
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows `metrics` wrote (non-finite values as None), one per step in step order, after a
+        resume's earlier rows (`start_step`) as metrics.jsonl held them when this writer opened it."""
+        return [dict(self._rows[k]) for k in sorted(self._rows)]
 
     def samples(self, step: int, scored: list[ScoredSample], keep: int) -> None:
         """The first `keep` samples of the step, plus every sample whose reward failed."""
+        self._failures = (step, Failures.of(scored))  # named on the step's line
         if self._samples is None:
             self._samples = open(os.path.join(self.run_dir, "samples.jsonl"), "a", buffering=1)
         for i, s in enumerate(scored):
@@ -157,6 +207,20 @@ class RunLog:
         self._metrics.close()
         if self._samples is not None:
             self._samples.close()
+
+
+def _rows_before(path: str, step: int) -> dict[int, dict[str, Any]]:
+    """metrics.jsonl's rows of the steps before `step` (a step's latest; a line that does not parse skipped)."""
+    rows: dict[int, dict[str, Any]] = {}
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int) and 0 <= row["step"] < step:
+                rows[row["step"]] = row
+    return rows
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:

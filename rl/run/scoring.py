@@ -21,7 +21,23 @@ def score_samples(cfg: TrainConfig, rewards, samples: list[Sample]) -> list[Scor
     functions = rewards.score(samples) if rewards is not None else None
     if functions is not None and not any(s.turns is not None or s.error is not None for s in samples):
         return shape_rewards(cfg, functions)
-    return shape_rewards(cfg, with_episode_rewards(samples, functions))
+    return shape_rewards(cfg, bound_episode_rewards(cfg, with_episode_rewards(samples, functions)))
+
+
+def bound_episode_rewards(cfg: TrainConfig, scored: list[ScoredSample]) -> list[ScoredSample]:
+    """An environment's turn rewards (component "env"), summed, within +-reward.bound, as the reward
+    functions' are (reward/scorer.py); past it the sample is an error naming the value. An agent's
+    reward has its own bound (task.agent_reward_bound, reward/agents/runner.py)."""
+    if cfg.task.agent:
+        return scored
+    bound = cfg.reward.bound
+    for s in scored:
+        env = s.components.get("env")
+        if s.error is None and env is not None and not abs(env) <= bound:
+            s.reward, s.error = None, (f"task.env={cfg.task.env}: the episode's turn rewards sum to {env!r}, beyond "
+                                       f"reward.bound={bound:g}: return turn rewards within +-{bound:g} (one this "
+                                       "large overflows the update), or raise reward.bound")
+    return scored
 
 
 def shape_rewards(cfg: TrainConfig, scored: list[ScoredSample]) -> list[ScoredSample]:

@@ -11,6 +11,7 @@ from rl.algo.advantages import group_success_stats
 from rl.config.schema import TrainConfig
 from rl.data.types import Sample, ScoredSample
 from rl.plan.flops import step_cost
+from rl.run.faults import episode_cause
 from rl.run.scoring import reward_metrics, reward_tensors
 
 
@@ -37,6 +38,7 @@ def step_metrics(cfg: TrainConfig, version: int, scored: list[ScoredSample], sam
     behind = staleness(version, scored)
     return {
         **reward_metrics(scored),
+        "reward/samples_count": float(len(scored)),  # with reward/errors_count: how many had no reward
         **group_success_stats(reward, groups, valid),
         **{k: v for k, v in collected.items() if k != "time/wait_rollout_s"},
         **({"actor/kl_coef": kl_coef} if a.kl_coef > 0 else {}),
@@ -86,15 +88,19 @@ def cost_metrics(cfg: TrainConfig, train_metrics: dict[str, float], learner_s: f
     return out
 
 
+AGENT_KILLED = "did not return within task.agent_timeout_s"  # the pool's error (reward/agents/pool.py)
+
+
 def episode_metrics(samples: list[Sample]) -> dict[str, float]:
     """Turns per episode, and the share of an episode's tokens that are observations; agents that
-    failed (reward/agents/runner.py names them in the error), and those killed at their deadline."""
+    failed (reward/agents/runner.py names them in the error), and those the pool killed at their
+    deadline (not those that got no outcome at all: a pool that could not run them, issue 58)."""
     episodes = [s for s in samples if s.turns is not None]
     if not episodes:
         return {}
     failed = [s.error for s in episodes if s.error is not None and s.error.startswith("task.agent=")]
     agents = {"agent/errors_count": float(len(failed)),
-              "agent/timeouts_count": float(sum("task.agent_timeout_s" in e for e in failed))} if failed else {}
+              "agent/timeouts_count": float(sum(AGENT_KILLED in episode_cause(e) for e in failed))} if failed else {}
     turns = [sum(t.role == "model" for t in s.turns) for s in episodes]
     obs = sum(len(s.completion_ids) - sum(s.completion_mask) for s in episodes)
     return {"episode/turns_mean": statistics.fmean(turns), "episode/turns_max": float(max(turns)),

@@ -72,6 +72,7 @@ def supervised_inputs(cfg: Any) -> None:
     resolve_hub_ids(cfg)
     ensure_builtin([cfg.model.path, *cfg.data.train_files, *cfg.data.test_files], cfg.run.seed)
     require_model(cfg.model.path)
+    require_no_stale_build_lock()
 
 
 def _abs(path: str) -> str:
@@ -90,12 +91,24 @@ def _reward_model_paths(cfg: DictConfig) -> list[str]:
 
 
 def check_host(cfg: DictConfig) -> None:
-    """Sandbox workers that will run on this machine need isolation: no isolation, no untrusted code."""
+    """Sandbox workers that will run on this machine need isolation: no isolation, no untrusted code.
+    Learners that will run on it would wait on a build lock an interrupted build left."""
     if cfg.sandbox.num_workers > 0 and cfg.sandbox.backend == "process" and not cfg.cluster.address:
         from sandbox.detect import probe_host, require_isolation
 
         require_isolation(probe_host())
     require_local_gpus(cfg)
+    if not cfg.cluster.address:
+        require_no_stale_build_lock()
+
+
+def require_no_stale_build_lock() -> None:
+    """A torch extension build lock that an interrupted build left (Ctrl-C while DeepSpeed compiled
+    its op in a first run) would make every learner wait in its set-up: one no process on this
+    machine holds is refused here, naming the lock and the fix (`trainer.build_locks.BuildLock`)."""
+    from trainer.build_locks import require_no_stale_build_lock as check
+
+    check()
 
 
 def vllm_build() -> str:
@@ -180,8 +193,10 @@ def ensure_inputs(cfg: DictConfig) -> None:
 
 def write_task_rows(cfg: DictConfig) -> None:
     """`task.datasets` (reasoning-gym's): an unknown dataset or config key is refused naming the
-    entry and the choices; then the rows are written (once for these settings) and become
-    task.train_files, and eval.files when that is empty."""
+    entry and the choices, and so is an answer extraction (with its prompt) under which a perfect
+    answer cannot score on a dataset, and a dataset reasoning-gym cannot generate from; then the
+    rows are written (once for these settings) and become task.train_files, and eval.files when
+    that is empty."""
     if not cfg.task.datasets:
         return
     from reward import reasoning_gym
@@ -198,8 +213,19 @@ def write_task_rows(cfg: DictConfig) -> None:
                           f"{', '.join(reasoning_gym.EXTRACTORS)} (tags: reasoning-gym's <answer> tags)")
     if errors:
         raise ConfigError("; ".join(errors))
-    train, held = reasoning_gym.write_splits(specs, cfg.task.size, cfg.task.eval_size, cfg.task.seed,
-                                             instruction=cfg.task.instruction)
+    try:
+        for i, f in enumerate(cfg.reward.functions):
+            if f.fn == "reward.reasoning_gym:score":
+                errors += reasoning_gym.extraction_errors(
+                    specs, (f.kwargs or {}).get("extract_answer", "tags"), instruction=cfg.task.instruction,
+                    system_prompt=cfg.task.system_prompt, where=f"reward.functions[{i}].kwargs.extract_answer",
+                    seed=cfg.task.seed)
+        if errors:
+            raise ConfigError("; ".join(errors))
+        train, held = reasoning_gym.write_splits(specs, cfg.task.size, cfg.task.eval_size, cfg.task.seed,
+                                                 instruction=cfg.task.instruction)
+    except reasoning_gym.RowsError as err:
+        raise ConfigError(str(err)) from None
     cfg.task.train_files = [train]
     if held and not cfg.eval.files:
         cfg.eval.files = [held]

@@ -15,11 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.exceptions import RayTaskError
 
 from rl.data.env import StepResult, as_step_result
 from rl.run.actor_group import ActorGroup
-from rl.run.faults import Deadlines
+from rl.run.faults import ActorFailure, Deadlines
 from reward.loader import RewardLoadError, load_environment
 from reward.scorer import RewardCallTimeout, call_with_timeout
 
@@ -98,13 +97,25 @@ class EnvService:
                                 options={"num_cpus": num_cpus_per_worker, "max_restarts": -1}, deadlines=deadlines)
         self.timeout_s, self.deadlines = timeout_s, self.group.deadlines
         try:
-            for ref in [w.load.remote() for w in self.workers]:
-                ray.get(ref, timeout=self.deadlines.start_s)
-        except RayTaskError as exc:
+            self._check_loaded(spec)
+        except BaseException:
             self.shutdown()
-            if isinstance(exc.cause, RewardLoadError):
-                raise RewardLoadError(str(exc.cause)) from None
-            raise ValueError(f"an environment worker failed to load task.env={spec!r}: {exc.cause}") from None
+            raise
+
+    def _check_loaded(self, spec: str) -> None:
+        """Every worker loads the environment class within run.start_timeout_s: the loader's
+        message for one that cannot, an ActorFailure naming one that does not answer in time."""
+        out = self.group.gather({i: w.load.remote() for i, w in enumerate(self.workers)}, "start-up",
+                                self.deadlines.start_s, setting="run.start_timeout_s")
+        for i in out.keys:
+            if i in out.raised:
+                cause = getattr(out.errors[i], "cause", None) or out.errors[i]
+                if isinstance(cause, RewardLoadError):
+                    raise RewardLoadError(str(cause)) from None
+                raise ValueError(f"environment worker {i} failed to load task.env={spec!r}: {cause}") from None
+            if i in out.failed:
+                phase = f"start-up (loading task.env={spec!r})"
+                raise ActorFailure(self.group.name(i), phase, out.failed[i]) from None
 
     @property
     def workers(self) -> list[Any]:
@@ -148,11 +159,12 @@ class EnvService:
 
     def close(self, keys: list[int]) -> None:
         parts = self._spread(keys)
-        refs = [self.workers[w].close.remote(ks) for w, (ks, _) in parts.items()]
-        ray.wait(refs, num_returns=len(refs), timeout=30)
+        # best effort (the episodes are over): at most 30 s, a worker that does not answer is left be
+        self.group.gather({w: self.workers[w].close.remote(ks) for w, (ks, _) in parts.items()}, "env close", 30)
 
     def where(self) -> list[dict]:
-        return ray.get([w.where.remote() for w in self.workers])
+        """Where each worker runs now (a call's deadline: an ActorFailure names one that does not answer)."""
+        return self.group.located()
 
     def shutdown(self) -> None:
         self.group.shutdown()

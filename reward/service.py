@@ -14,13 +14,13 @@ import time
 from typing import Any
 
 import ray
-from ray.exceptions import ActorUnavailableError, RayActorError, RayTaskError, RuntimeEnvSetupError
+from ray.exceptions import ActorUnavailableError, RuntimeEnvSetupError
 
 from rl.run.actor_group import ActorGroup
-from rl.run.faults import Deadlines
+from rl.run.faults import ActorFailure, Deadlines
 from rl.data.types import Sample, ScoredSample
 from reward.loader import RewardLoadError
-from reward.scorer import RewardFunctionSpec, RewardScorer
+from reward.scorer import DEFAULT_BOUND, RewardFunctionSpec, RewardScorer
 
 
 class RewardWorker:
@@ -28,14 +28,15 @@ class RewardWorker:
     reaches the driver as the original exception (Ray keeps only a string for __init__ errors);
     `score()` loads on demand too, which covers an actor Ray restarted after a crash."""
 
-    def __init__(self, functions: list[RewardFunctionSpec], timeout_s: float, base_dir: str) -> None:
-        self._args = (functions, timeout_s, base_dir)
+    def __init__(self, functions: list[RewardFunctionSpec], timeout_s: float, base_dir: str,
+                 bound: float = DEFAULT_BOUND) -> None:
+        self._args = (functions, timeout_s, base_dir, bound)
         self._scorer: RewardScorer | None = None
 
     def load(self) -> list[str]:
         if self._scorer is None:
-            functions, timeout_s, base_dir = self._args
-            self._scorer = RewardScorer(functions, timeout_s=timeout_s, base_dir=base_dir)
+            functions, timeout_s, base_dir, bound = self._args
+            self._scorer = RewardScorer(functions, timeout_s=timeout_s, base_dir=base_dir, bound=bound)
         return self._scorer.names
 
     def where(self) -> dict:
@@ -61,6 +62,7 @@ class RewardService:
         num_workers: int = 1,
         timeout_s: float = 60.0,
         base_dir: str | None = None,
+        bound: float = DEFAULT_BOUND,
         num_cpus_per_worker: float = 0.25,
         runtime_env: dict[str, Any] | None = None,
         deadlines: Deadlines | None = None,
@@ -76,7 +78,7 @@ class RewardService:
         if runtime_env is not None:
             options["runtime_env"] = runtime_env
         self.group = ActorGroup(ray, RewardWorker, num_workers, role="reward worker",
-                                args=lambda i: (functions, timeout_s, base_dir), options=options, deadlines=deadlines)
+                                args=lambda i: (functions, timeout_s, base_dir, bound), options=options, deadlines=deadlines)
         try:
             self.names: list[str] = self._check_loaded()
         except BaseException:
@@ -84,27 +86,27 @@ class RewardService:
             raise
 
     def _check_loaded(self) -> list[str]:
-        """Every worker must load every function; surface the loader's message, not Ray's."""
-        refs = [w.load.remote() for w in self.group.handles]
-        names: list[str] = []
-        for i, ref in enumerate(refs):
-            try:
-                names = ray.get(ref)
-            except RayTaskError as exc:
-                cause = exc.cause
+        """Every worker must load every function within run.start_timeout_s; surface the loader's
+        message, not Ray's. One that does not answer in time is an ActorFailure naming it."""
+        try:
+            out = self.group.gather({i: w.load.remote() for i, w in enumerate(self.group.handles)}, "start-up",
+                                    self.group.deadlines.start_s, setting="run.start_timeout_s")
+        except RuntimeEnvSetupError as exc:
+            raise ValueError(f"a reward worker could not set up reward.runtime_env: {_first_lines(exc)}") from None
+        for i in out.keys:
+            if i in out.raised:
+                cause = getattr(out.errors[i], "cause", None) or out.errors[i]
                 if isinstance(cause, RewardLoadError):
                     raise RewardLoadError(str(cause)) from None
                 raise ValueError(
                     f"reward worker {i} failed to load the reward functions: "
                     f"{type(cause).__name__}: {cause}"
                 ) from None
-            except RuntimeEnvSetupError as exc:
-                raise ValueError(
-                    f"reward worker {i} could not set up reward.runtime_env: {_first_lines(exc)}"
-                ) from None
-            except RayActorError as exc:
-                raise ValueError(f"reward worker {i} could not start: {_first_lines(exc)}") from None
-        return names
+            if i in out.died:
+                raise ValueError(f"reward worker {i} could not start: {_first_lines(out.errors[i])}") from None
+            if i in out.hung:
+                raise ActorFailure(self.group.name(i), "start-up (loading reward.functions)", out.hung[i])
+        return out.results[out.keys[-1]]
 
     def score(self, samples: list[Sample]) -> list[ScoredSample]:
         """Score on all workers. A worker that dies mid-chunk (e.g. user code crashed the
@@ -117,18 +119,14 @@ class RewardService:
         out = self.group.gather(refs, "reward", deadline, kill_hung=True, propagate_raised=True)
         scored: list[ScoredSample] = []
         for i in out.keys:
-            worker, chunk, error = self.group.handles[i], chunks[i], None
+            chunk, error = chunks[i], None
             if i in out.results:
                 scored.extend(out.results[i])
             elif i in out.hung:
                 error = f"reward worker stopped answering while scoring: {out.hung[i]}"
             elif isinstance(out.errors[i], ActorUnavailableError):  # still restarting after an earlier crash: the chunk never ran
-                try:
-                    ray.get(worker.load.remote())  # waits until the restarted actor answers
-                    scored.extend(ray.get(worker.score.remote(chunk), timeout=deadline))
-                except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                    what = "died" if isinstance(exc, RayActorError) else "stopped answering"
-                    error = f"reward worker {what} while scoring: {_first_lines(exc)}"
+                again, error = self._score_again(i, chunk, deadline)
+                scored.extend(again)
             else:
                 error = f"reward worker died while scoring: {_first_lines(out.errors[i])}"
             if error is not None:
@@ -137,8 +135,21 @@ class RewardService:
             self.group.deadlines.record("reward", time.monotonic() - started)
         return scored
 
+    def _score_again(self, i: int, chunk: list[Sample], deadline: float) -> tuple[list[ScoredSample], str | None]:
+        """Score `chunk` on worker `i` once Ray has started it again (within run.start_timeout_s),
+        then within `deadline`: its scores, or none and why."""
+        back = self.group.back([i], method="load")  # the restarted actor loads its functions first
+        if i not in back.results:
+            return [], f"reward worker did not come back to score: {self.group.failure(i, 'restart', back)}"
+        out = self.group.gather({i: self.group.handles[i].score.remote(chunk)}, "reward", deadline, kill_hung=True,
+                                propagate_raised=True)
+        if i in out.results:
+            return out.results[i], None
+        return [], f"reward worker {'stopped answering' if i in out.hung else 'died'} while scoring: {out.failed[i]}"
+
     def where(self) -> list[dict]:
-        return ray.get([w.where.remote() for w in self.group.handles])
+        """Where each worker runs now (a call's deadline: an ActorFailure names one that does not answer)."""
+        return self.group.located()
 
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from rl.run.actor_group import ActorGroup
-from rl.run.faults import Calls, fan_out
+from rl.run.faults import ActorFailure, Calls, Deadlines, await_answers, fan_out
 from sandbox.backend import Backend
 from sandbox.job import COMPILE_LIMITS, Job, Method, Result, Status
 from sandbox.runner import VALGRIND_SLOWDOWN, run_job
@@ -97,7 +97,11 @@ class SandboxWorker:
 class SandboxPool:
     """Starts the named sandbox actors of this Ray job; `close()` ends them."""
 
-    def __init__(self, settings: SandboxSettings, start_timeout_s: float | None = None) -> None:
+    def __init__(self, settings: SandboxSettings, start_timeout_s: float | None = None,
+                 deadlines: Deadlines | None = None) -> None:
+        """`deadlines`: the run's (run.start_timeout_s bounds the start, run.call_timeout_s the
+        calls of `where` and `jobs_run`); without them the start may take `start_timeout_s` or
+        `_start_timeout(settings)`."""
         import ray
 
         if settings.num_workers < 1:
@@ -107,20 +111,33 @@ class SandboxPool:
         if settings.resource:
             options["resources"] = {settings.resource: 1}
         self.max_retries = settings.max_retries
+        start_s = start_timeout_s or (deadlines.start_s if deadlines else _start_timeout(settings))
+        setting = "run.start_timeout_s" if deadlines and not start_timeout_s else "the pool's start deadline"
+        if deadlines is None:
+            deadlines = Deadlines(start_s=start_s)
         self.group = ActorGroup(ray, SandboxWorker, settings.num_workers, role="sandbox worker",
-                                args=lambda i: (settings,), options=options,
+                                args=lambda i: (settings,), options=options, deadlines=deadlines,
                                 per_actor=[{"name": worker_name(i)} for i in range(settings.num_workers)])
         try:
-            # A host without isolation fails here, with the backend's own message (at once: a
-            # list's ray.get raises the first error, where a fan-out would wait for them all).
-            self.placement = ray.get([w.ready.remote() for w in self.workers], timeout=start_timeout_s or _start_timeout(settings))
-        except ray.exceptions.GetTimeoutError as exc:
+            # A host without isolation fails here, with the backend's own message (a worker that
+            # raised or died is reported once the others answered or the deadline passed).
+            out = self.group.gather({i: w.ready.remote() for i, w in enumerate(self.workers)}, "start-up", start_s,
+                                    propagate_raised=True, setting=setting)
+            for i in out.keys:
+                if i in out.died:
+                    raise out.errors[i]
+            self.placement = [out.results[i] for i in out.keys if i in out.results]
+            if out.hung:
+                i = next(iter(out.hung))
+                where = f" advertising resource {settings.resource!r}" if settings.resource else ""
+                raise ActorFailure(
+                    self.group.name(i), "start-up",
+                    f"not up after {start_s:.0f} s ({setting}): no node{where} with "
+                    f"{settings.num_cpus_per_worker} free CPU(s) per worker; add such nodes "
+                    "(`ray start --resources='{\"benchmark\": 4}'`) or change sandbox.resource / sandbox.num_workers")
+        except ActorFailure:
             self.close()
-            where = f" advertising resource {settings.resource!r}" if settings.resource else ""
-            raise RuntimeError(
-                f"sandbox workers did not start: no node{where} with {settings.num_cpus_per_worker} free CPU(s) "
-                "per worker; add such nodes (`ray start --resources='{\"benchmark\": 4}'`) or change "
-                "sandbox.resource / sandbox.num_workers") from exc
+            raise
         except ray.exceptions.RayActorError as exc:
             self.close()
             # A worker's backend refused to start (e.g. no isolation on its node): its own message.
@@ -139,14 +156,11 @@ class SandboxPool:
         return _dispatch(self.workers, jobs, self.max_retries)
 
     def where(self) -> list[dict]:
-        import ray
-
-        return ray.get([w.where.remote() for w in self.workers])
+        """Where each worker runs now (a call's deadline: an ActorFailure names one that does not answer)."""
+        return self.group.located()
 
     def jobs_run(self) -> int:
-        import ray
-
-        return sum(ray.get([w.count.remote() for w in self.workers]))
+        return sum(self.group.ask("count"))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """End the workers and wait (up to `timeout_s`) until Ray released their names: a pool
@@ -179,53 +193,49 @@ def job_deadline_s(job: Job) -> float:
     return COMPILE_LIMITS.wall_s + runs * job.limits.wall_s + bench
 
 
+# How long a failed worker may take to be started again by Ray before its jobs are given up on.
+RESTART_TIMEOUT_S = 120.0
+
+
 def _dispatch(workers: list, jobs: list[Job], max_retries: int = 2) -> list[Result]:
     """Spread jobs over workers in contiguous chunks, results in input order. A worker that dies
-    or overruns its jobs' own time limits (stopped, stuck) is killed, Ray starts it again, and
-    its jobs are sent again, up to `max_retries` times; after that they are `sandbox_error`s."""
+    or overruns its jobs' own time limits (stopped, stuck) is killed, Ray starts it again (within
+    RESTART_TIMEOUT_S), and its jobs are sent again, up to `max_retries` times; after that, or
+    when it does not come back, they are `sandbox_error`s."""
     import ray
 
     if not jobs:
         return []
+    calls = Calls.ray(ray)
     parts = min(len(workers), len(jobs))
     bounds = [len(jobs) * i // parts for i in range(parts + 1)]
     chunks = {i: jobs[bounds[i]:bounds[i + 1]] for i in range(parts)}
     results: dict[int, list[Result]] = {}
-    failed: dict[int, str] = {}
-    for _ in range(max_retries + 1):
+    lost: dict[int, str] = {}
+    for attempt in range(1, max_retries + 2):
         refs = {i: workers[i].run.remote(chunk) for i, chunk in chunks.items()}
         deadline = 60 + max(sum(job_deadline_s(j) for j in chunk) for chunk in chunks.values())
-        out = fan_out(refs, deadline, Calls.ray(ray), propagate_raised=True,
+        out = fan_out(refs, deadline, calls, propagate_raised=True, setting="its jobs' own time limits + 60 s",
                       kill=lambda i: ray.kill(workers[i], no_restart=False))
         results.update(out.results)
-        failed = out.failed
-        if not failed:
+        if not out.failed:
             break
-        for i in failed:
-            _wait_restarted(workers[i])
-        chunks = {i: chunks[i] for i in failed}
-    for i, why in failed.items():
-        detail = f"sandbox worker {i} failed: {why}; its jobs were tried {max_retries + 1} times"
-        results[i] = [Result(Status.SANDBOX_ERROR, detail=detail) for _ in chunks[i]]
+        if attempt > max_retries:
+            lost.update({i: f"{why}; its jobs were tried {attempt} times" for i, why in out.failed.items()})
+            break
+        back = await_answers(lambda i: workers[i].ready.remote(), out.failed, RESTART_TIMEOUT_S, calls,
+                             setting="sandbox.pool.RESTART_TIMEOUT_S")
+        for i, why in out.failed.items():
+            if i not in back.results:
+                again = back.failed.get(i) or back.raised.get(i)
+                lost[i] = f"{why}; Ray did not start it again: {again}; its jobs were tried {attempt} times"
+        chunks = {i: chunks[i] for i in out.failed if i in back.results}
+        if not chunks:
+            break
+    for i, why in lost.items():
+        detail = f"sandbox worker {i} failed: {why}"
+        results[i] = [Result(Status.SANDBOX_ERROR, detail=detail) for _ in range(bounds[i + 1] - bounds[i])]
     return [r for i in sorted(results) for r in results[i]]
-
-
-def _wait_restarted(worker, timeout_s: float = 120.0) -> None:
-    """Until Ray has started the worker again (or gave up on it: then the retry fails too)."""
-    import time
-
-    import ray
-    from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
-
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            ray.get(worker.ready.remote(), timeout=max(1.0, end - time.monotonic()))
-            return
-        except ActorUnavailableError:
-            time.sleep(0.5)
-        except (RayActorError, GetTimeoutError):
-            return
 
 
 def find_pool_workers() -> list:

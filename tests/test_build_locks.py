@@ -9,7 +9,7 @@ import time
 
 from torch.utils.file_baton import FileBaton
 
-from trainer.engine import STALE_BUILD_LOCK_S, clear_stale_build_locks
+from trainer.build_locks import STALE_BUILD_LOCK_S, clear_stale_build_locks
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch):

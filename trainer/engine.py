@@ -20,6 +20,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from trainer.build_locks import await_build_locks
+
 
 def import_deepspeed():
     """`import deepspeed` without the optional MLflow import of DeepSpeed's autotuner (never used
@@ -34,35 +36,6 @@ def import_deepspeed():
         if blocked:  # the placeholder only: nothing could import the real MLflow meanwhile
             del sys.modules["mlflow"]
     return deepspeed
-
-
-# torch's JIT build of an extension (DeepSpeed's CPU shm op: ~40 s of g++ on 2 cores) holds a
-# `lock` file in the op's build folder; one older than this was left by a build that was killed.
-STALE_BUILD_LOCK_S = 600.0
-
-
-def clear_stale_build_locks() -> list[str]:
-    """Remove build locks older than STALE_BUILD_LOCK_S from torch's extension build folders;
-    returns them. torch's lock (`torch.utils.file_baton.FileBaton`) has no owner and no
-    staleness check: a learner killed while DeepSpeed compiled its op (Ctrl-C during a first
-    run) leaves it, and every later learner on the machine waits on it until its start-up
-    deadline, with no word of why."""
-    import glob
-    import time
-
-    from torch.utils.cpp_extension import _get_build_directory
-
-    root = os.path.dirname(_get_build_directory("deepspeed_shm_comm", verbose=False))
-    now = time.time()
-    removed = []
-    for lock in glob.glob(os.path.join(root, "*", "lock")):
-        try:
-            if now - os.path.getmtime(lock) > STALE_BUILD_LOCK_S:
-                os.remove(lock)
-                removed.append(lock)
-        except FileNotFoundError:  # another rank removed it, or its build just finished
-            pass
-    return removed
 
 
 def ds_config(
@@ -150,6 +123,7 @@ def init_single_process() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    await_build_locks()  # before DeepSpeed builds its ops (torch would wait on a lock in silence)
     deepspeed = import_deepspeed()
     deepspeed.init_distributed(
         dist_backend="nccl" if torch.cuda.is_available() else "gloo", auto_mpi_discovery=False, verbose=False

@@ -13,8 +13,8 @@ import torch
 from rl.config.schema import AlgorithmConfig, ModelConfig, TrainConfig, TrainerConfig
 from rl.plan.devices import collective_backend, local_device_index
 from rl.plan.geometry import BatchGeometry
-from trainer.engine import (STALE_BUILD_LOCK_S, build_engine, clear_stale_build_locks, ds_config, import_deepspeed,
-                            zero3_load_config)
+from trainer.build_locks import await_build_locks
+from trainer.engine import build_engine, ds_config, import_deepspeed, zero3_load_config
 from trainer.logprobs import packing_matches, prefix_sharing_matches
 
 
@@ -102,9 +102,8 @@ def join_data_parallel(spec: LearnerSpec, rank: int, world_size: int, device_kin
         os.environ["DS_ACCELERATOR"] = "cpu"
     if spec.threads:
         torch.set_num_threads(spec.threads)
-    for lock in clear_stale_build_locks():  # before DeepSpeed builds its ops (and would wait on one)
-        print(f"learner rank {rank}: removed {lock}, a build lock left by an interrupted build of a DeepSpeed op "
-              f"(older than {STALE_BUILD_LOCK_S:.0f} s)", flush=True)
+    # before DeepSpeed builds its ops: torch would wait on a build lock in silence and without end
+    await_build_locks(lambda line: print(f"learner rank {rank}: {line}", flush=True))
     deepspeed = import_deepspeed()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if device_kind == "cuda" else torch.device("cpu")
     if device_kind == "cuda":

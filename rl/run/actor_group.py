@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from rl.run.faults import ActorFailure, Calls, Deadlines, FanOut, fan_out
+from rl.run.faults import ActorFailure, Calls, Deadlines, FanOut, await_answers, fan_out
 
 
 class ActorGroup:
@@ -46,7 +46,7 @@ class ActorGroup:
         ActorFailure naming it."""
         indices = list(range(len(self))) if indices is None else list(indices)
         out = self.gather({i: getattr(self.handles[i], method).remote() for i in indices}, "start-up",
-                          self.deadlines.start_s, propagate_raised=True)
+                          self.deadlines.start_s, propagate_raised=True, setting="run.start_timeout_s")
         for i in out.keys:
             if i in out.died:
                 raise out.errors[i]
@@ -67,12 +67,16 @@ class ActorGroup:
         return self.gather(refs, kind, **wait)
 
     def gather(self, refs: Mapping[int, Any], kind: str, deadline_s: float | None = None, *,
-               kill_hung: bool = False, propagate_raised: bool = False) -> FanOut[int]:
+               kill_hung: bool = False, propagate_raised: bool = False, setting: str | None = None) -> FanOut[int]:
         """Wait for calls already made (actor index -> ref) at most the deadline of `kind` (or
         `deadline_s`); a silent actor is killed when `kill_hung` (Ray starts it again where the
-        group lets it restart). The deadline learns from calls that all answered."""
+        group lets it restart). The deadline learns from calls that all answered. A silent actor's
+        `hung` names the setting the deadline comes from (`setting`, else the run's key for it)."""
+        if setting is None:
+            setting = (self.deadlines.key(kind) if deadline_s is None else
+                       "run.start_timeout_s" if deadline_s == self.deadlines.start_s else "run.call_timeout_s")
         out = fan_out(refs, deadline_s or self.deadlines.of(kind), self._calls, propagate_raised=propagate_raised,
-                      kill=(lambda i: self.kill(i, restart=True)) if kill_hung else None)
+                      kill=(lambda i: self.kill(i, restart=True)) if kill_hung else None, setting=setting)
         if refs and not out.failed:
             self.deadlines.record(kind, out.elapsed_s)
         return out
@@ -89,6 +93,36 @@ class ActorGroup:
             if i in out.raised and not tolerate_errors:
                 raise out.errors[i]
         return [out.results.get(i) for i in out.keys]
+
+    def ask(self, method: str, kind: str | None = None) -> list:
+        """Every actor's answer to `method` (no arguments) within the deadline of `kind` (default:
+        the method's name), as `each`: a dead or silent actor is an ActorFailure naming it, the
+        call and the setting of its deadline."""
+        return self.each([getattr(h, method).remote() for h in self.handles], kind or method)
+
+    def located(self) -> list[dict[str, Any]]:
+        """Ask every actor again where it runs (`where`: a restarted one has a new process), within
+        a call's deadline; kept in `where` and returned."""
+        self.where[:] = self.ask("where")
+        return list(self.where)
+
+    def back(self, indices: list[int], method: str = "where", deadline_s: float | None = None) -> FanOut[int]:
+        """Wait (run.start_timeout_s, or `deadline_s`) until Ray has started actors `indices` again
+        after their processes died (a group whose options let Ray restart them): each is asked
+        `method` (default `where`, kept in `where`) until it answers. Returns what became of each:
+        one not back by the deadline is `hung`, one Ray gave up on `died`, one whose `method`
+        raised `raised`; `failure(i, "restart", out)` names it."""
+        out = await_answers(lambda i: getattr(self.handles[i], method).remote(), indices,
+                            deadline_s or self.deadlines.start_s, self._calls, setting="run.start_timeout_s")
+        if method == "where":
+            for i, where in out.results.items():
+                self.where[i] = where
+        return out
+
+    def failure(self, i: int, phase: str, out: FanOut[int]) -> ActorFailure:
+        """The ActorFailure of actor `i`, which did not answer in `out` (hung, died or raised), during `phase`."""
+        why = out.failed.get(i) or out.raised.get(i) or "no answer"
+        return ActorFailure(self.name(i), phase, why)
 
     def kill(self, i: int, restart: bool = False) -> None:
         """End actor i's process (`restart`: Ray starts it again, where its options allow)."""

@@ -117,6 +117,159 @@ class _Worker:
     tail: bytes = b""
     inbox: bytearray = field(default_factory=bytearray)  # its reply so far
 
+    def hello(self) -> bool:
+        """Its first byte, with the credentials the kernel attached: its host pid (it lives in the
+        zygote's pid namespace). False for anything else."""
+        data, anc, _, _ = self.sock.recvmsg(1, socket.CMSG_SPACE(struct.calcsize("3i")), socket.MSG_DONTWAIT)
+        creds = [struct.unpack("3i", d[:12]) for lvl, kind, d in anc
+                 if lvl == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS]
+        if data != b"H" or not creds:
+            return False
+        self.pid = creds[0][0]
+        return True
+
+    def receive(self, limit: int) -> bytes | int | None:
+        """Its length-prefixed reply as it comes, never waiting: the message once whole, None while
+        it is not, b"" at the end of its stream, or the announced size when over `limit` (checked
+        from the header: an oversized one is never allocated)."""
+        try:
+            chunk = self.sock.recv(1 << 20, socket.MSG_DONTWAIT)
+        except (BlockingIOError, TimeoutError, InterruptedError):
+            return None
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return b""
+        self.inbox += chunk
+        if len(self.inbox) < 8:
+            return None
+        (size,) = struct.unpack("!Q", self.inbox[:8])
+        if size > limit:
+            return size
+        if len(self.inbox) < 8 + size:
+            return None
+        msg, self.inbox = bytes(self.inbox[8:8 + size]), bytearray()
+        return msg
+
+    def join_cgroups(self, limits: AgentLimits) -> None:
+        """Its own memory and pids cgroups, by its host pid, before it gets a job."""
+        self.cg = _cgroup.RunCgroups(f"{os.getpid()}-agent-{next(_names)}", pids_max=limits.max_processes,
+                                     memory_bytes=limits.memory_mb << 20)
+        for path in self.cg.paths.values():
+            _cgroup._write(os.path.join(path, "cgroup.procs"), str(self.pid))
+
+    def kill(self) -> _Job | None:
+        """SIGKILL its tree now: its process group at once (its episode dies with it: a parent-death
+        signal, and the end of its pid namespace), then with cgroups every task in them. Returns its
+        job, if any, for the caller to report; the zygote reports its exit."""
+        job, self.doomed, self.job = self.job, True, None
+        if self.pid is not None:
+            _kill(self.pid)
+        if self.cg is not None:
+            try:
+                self.cg.kill_all()
+            except SandboxError as exc:
+                log.warning("agent worker %s: %s", self.pid, exc)
+        return job
+
+    def read_output(self, keep: int) -> bool | None:
+        """Keep the last `keep` bytes of what its tree prints: the pipe is read as it fills, so a
+        flood costs the driver CPU time, not memory. False when nothing more is there now, None at
+        the end of its output."""
+        try:
+            data = os.read(self.log_fd, _CHUNK)
+        except BlockingIOError:
+            return False
+        if not data:
+            return None
+        self.tail = (self.tail + data)[-keep:] if keep else b""
+        return True
+
+    def drain_output(self, keep: int) -> None:
+        for _ in range(64):  # what is in the pipe now, bounded: a writer left alive may never stop
+            if not self.read_output(keep):
+                return
+
+    def death(self, status: int, limits: AgentLimits, name: str) -> str:
+        """Why it (or its episode) ended without a result, from a wait status."""
+        if os.WIFEXITED(status):
+            return f"exited with code {os.WEXITSTATUS(status)} before returning"
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGKILL and self.cg is not None:
+            usage = self.cg.usage()
+            if usage.oom_kills or usage.memory_failcnt:
+                return f"was killed at its memory limit, {name}_memory_mb={limits.memory_mb}"
+        return f"was killed by signal {_SIGNAL_NAMES.get(sig, sig)}"
+
+    def close(self) -> None:
+        """Its fds, and its cgroups with anything still in them."""
+        self.sock.close()
+        with suppress(OSError):
+            os.close(self.log_fd)
+        if self.cg is not None:
+            try:
+                self.cg.kill_all()
+                self.cg.remove()
+            except SandboxError as exc:
+                log.warning("agent worker %s: %s", self.pid, exc)
+
+
+class _Waker:
+    """A pipe that wakes the monitor's select from another thread."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def wake(self) -> None:
+        with suppress(BlockingIOError, OSError):
+            os.write(self.w, b"x")
+
+    def drain(self) -> None:
+        with suppress(BlockingIOError):
+            os.read(self.r, 4096)
+
+    def close(self) -> None:
+        os.close(self.r)
+        os.close(self.w)
+
+
+class _Sandbox:
+    """What the pool keeps for its episodes' sandbox: the zygote's config, the relay from the
+    episodes' endpoints to the real ones (and its socket folder), the two host uids claimed."""
+
+    def __init__(self, spec: str, base_dir: str, workers: int, limits: AgentLimits, kwargs: dict, name: str,
+                 endpoints: list[tuple[str, int]], hidden: list[str], reward_bound: float, cgroups: bool):
+        privileged = os.geteuid() == 0
+        addresses = [(host, _address(host, name), port) for host, port in endpoints]
+        self.uids = None
+        if privileged:
+            from sandbox.process import _SlotLocks  # the code sandbox's allocator: no uid is shared
+
+            self.uids = _SlotLocks(_UID_BASE, 2)
+        self.relay_dir = tempfile.mkdtemp(prefix="rlpost-agents-relay-")
+        os.chmod(self.relay_dir, 0o755)
+        paths = [os.path.join(self.relay_dir, f"{i}.sock") for i in range(len(endpoints))]
+        self.relay = relay.Relay([(relay.unix_listener(path), relay.tcp_connector(ip, port))
+                                  for path, (_, ip, port) in zip(paths, addresses)],
+                                 max_connections=(workers + 1) * relay.EPISODE_CONNECTIONS).start("agent-relay")
+        code_dirs = [_ROOT, os.path.abspath(base_dir or ".")]
+        file_part = spec.rpartition(":")[0]
+        if file_part.endswith(".py"):
+            code_dirs.append(os.path.dirname(os.path.abspath(os.path.join(base_dir or ".", file_part))))
+        ids = self.uids.uids if self.uids else None
+        self.config = dict(
+            spec=spec, base_dir=base_dir, kwargs=dict(kwargs or {}), name=name, limits=asdict(limits),
+            fallback=not cgroups, privileged=privileged, uids=ids, gids=ids, code_dirs=code_dirs,
+            visible=[self.relay_dir], hidden=[os.path.realpath(h) for h in hidden],
+            endpoints=[(host, ip, port, path) for (host, ip, port), path in zip(addresses, paths)],
+            seccomp=_seccomp_filter(), reward_bound=float(reward_bound))
+
+    def release(self) -> None:
+        self.relay.close()
+        shutil.rmtree(self.relay_dir, ignore_errors=True)
+        if self.uids is not None:
+            self.uids.release()
+
 
 class AgentPool:
     """Runs `fn(base_url, row, **kwargs)` episodes in sandboxed processes under `limits`; outcomes
@@ -126,41 +279,17 @@ class AgentPool:
                  kwargs: dict | None = None, name: str = "task.agent", python: str | None = None,
                  endpoints: list[tuple[str, int]] = (), hidden: list[str] = (), reward_bound: float = 1e6,
                  zygote_restarts: int = 3):
-        """Waits (up to _LOAD_TIMEOUT_S) for the zygote to load the function, so a bad spec or
-        signature raises RewardLoadError here, before any episode. `python`: the interpreter the
-        zygote (so every episode) runs in, e.g. another virtual environment's (None: this one); it
-        imports only the standard-library closure of reward.agents.episode from this checkout.
-        `endpoints`: the (host, port) addresses episodes may reach (the agent server's and the
-        task's; a name is resolved here, once, and the episodes see it in their /etc/hosts); `hidden`: folders kept out of sight even where they lie among the agent's code
-        (the run directory); `reward_bound`: task.agent_reward_bound, checked in the episode."""
+        """Waits (up to _LOAD_TIMEOUT_S) for the zygote to load the function: a bad spec or signature
+        raises RewardLoadError here. `python`: the zygote's interpreter (None: this one; it imports
+        only reward.agents.episode's standard-library closure of ours); `endpoints`: the (host,
+        port) addresses episodes may reach (names resolved here, once); `hidden`: folders kept out
+        of sight among the agent's code (run.dir); `reward_bound`: task.agent_reward_bound."""
         self.size, self.limits, self.name = workers, limits, name
         self.zygote_restarts, self.restarts = zygote_restarts, 0
         self._python = python or sys.executable
         self._cgroups = _cgroups_usable()
-        privileged = os.geteuid() == 0
-        addresses = [(host, _address(host, name), port) for host, port in endpoints]
-        self._uids = None
-        if privileged:
-            from sandbox.process import _SlotLocks  # the code sandbox's allocator: no uid is shared
-
-            self._uids = _SlotLocks(_UID_BASE, 2)
-        self._relay_dir = tempfile.mkdtemp(prefix="rlpost-agents-relay-")
-        os.chmod(self._relay_dir, 0o755)
-        paths = [os.path.join(self._relay_dir, f"{i}.sock") for i in range(len(endpoints))]
-        self._relay = relay.Relay([(relay.unix_listener(path), relay.tcp_connector(ip, port))
-                                   for path, (_, ip, port) in zip(paths, addresses)],
-                                  max_connections=(workers + 1) * relay.EPISODE_CONNECTIONS).start("agent-relay")
-        code_dirs = [_ROOT, os.path.abspath(base_dir or ".")]
-        file_part = spec.rpartition(":")[0]
-        if file_part.endswith(".py"):
-            code_dirs.append(os.path.dirname(os.path.abspath(os.path.join(base_dir or ".", file_part))))
-        self._config = dict(
-            spec=spec, base_dir=base_dir, kwargs=dict(kwargs or {}), name=name, limits=asdict(limits),
-            fallback=not self._cgroups, privileged=privileged, uids=self._uids.uids if self._uids else None,
-            gids=self._uids.uids if self._uids else None, code_dirs=code_dirs, visible=[self._relay_dir],
-            hidden=[os.path.realpath(h) for h in hidden],
-            endpoints=[(host, ip, port, path) for (host, ip, port), path in zip(addresses, paths)],
-            seccomp=_seccomp_filter(), reward_bound=float(reward_bound))
+        self._sandbox = _Sandbox(spec, base_dir, workers, limits, kwargs, name, endpoints, hidden, reward_bound,
+                                 self._cgroups)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Job] = collections.deque()
         self._jobs: dict[Hashable, _Job] = {}
@@ -169,19 +298,18 @@ class AgentPool:
         self._broken: str | None = None
         self._closed = False
         self._restart_why: str | None = None
-        # called with a job's id as it finishes (the monitor's thread, before `results` has it): the
-        # agent server ends the episode there, so no call of its agent lands after (issue 47)
-        # `at`: when the agent returned, by the host's monotonic clock (None: not known, e.g. killed)
+        # on_end(job id, when its agent returned or None) as a job finishes, before `results` has it: the
+        # agent server ends the episode there, so no call of its agent lands after (issues 47, 58)
         self.on_end: Callable[[Hashable, float | None], None] | None = None
         try:
-            self._zygote, self._ctrl = _start_zygote(self._config, self._python)
+            self._zygote = _Zygote.start(self._sandbox.config, self._python)
         except BaseException:
-            self._release()
+            self._sandbox.release()
             raise
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._waker = _Waker()
         self._sel = selectors.DefaultSelector()
-        self._sel.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
-        self._sel.register(self._ctrl, selectors.EVENT_READ, self._on_zygote)
+        self._sel.register(self._waker.r, selectors.EVENT_READ, self._waker.drain)
+        self._sel.register(self._zygote.ctrl, selectors.EVENT_READ, self._on_zygote)
         self._thread = threading.Thread(target=self._monitor, name="agent-monitor", daemon=True)
         self._thread.start()
 
@@ -198,7 +326,7 @@ class AgentPool:
                 return
             self._jobs[job_id] = job
             self._queue.append(job)
-        self._wake()
+        self._waker.wake()
 
     def results(self, wait_s: float) -> list[tuple[Hashable, AgentOutcome]]:
         """The episodes finished since the last call, waiting up to `wait_s` for at least one."""
@@ -216,7 +344,7 @@ class AgentPool:
             job.cancelled = True
             if job in self._queue:
                 self._queue.remove(job)
-        self._wake()
+        self._waker.wake()
 
     def running(self) -> int:
         with self._cond:
@@ -239,37 +367,16 @@ class AgentPool:
                 return
             self._closed = True
             for w in self._workers:
-                self._kill(w)
-        self._wake()
+                w.kill()
+        self._waker.wake()
         self._thread.join(_CLOSE_WAIT_S)
-        self._stop_zygote()
+        self._zygote.stop()
         if not self._thread.is_alive():  # else it may still use the fds: the process exit closes them
             for w in list(self._workers):
                 self._discard(w)
             self._sel.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-        self._release()
-
-    def _stop_zygote(self) -> None:
-        with suppress(OSError):  # EOF: the zygote kills what is left, and exits; its pid namespace ends
-            self._ctrl.shutdown(socket.SHUT_RDWR)
-        try:
-            self._zygote.wait(_CLOSE_WAIT_S)
-        except subprocess.TimeoutExpired:
-            self._zygote.kill()
-            self._zygote.wait(_CLOSE_WAIT_S)
-        self._ctrl.close()
-
-    def _release(self) -> None:
-        self._relay.close()
-        shutil.rmtree(self._relay_dir, ignore_errors=True)
-        if self._uids is not None:
-            self._uids.release()
-
-    def _wake(self) -> None:
-        with suppress(BlockingIOError, OSError):
-            os.write(self._wake_w, b"x")
+            self._waker.close()
+        self._sandbox.release()
 
     # -- the monitor thread -----------------------------------------------------------------
     def _monitor(self) -> None:
@@ -314,23 +421,17 @@ class AgentPool:
             log.exception("%s: handling an event failed", self.name)
             w = handler.args[0] if isinstance(handler, functools.partial) and handler.args else None
             if isinstance(w, _Worker):
-                job = w.job
-                self._kill(w)
-                if job is not None:
+                if (job := w.kill()) is not None:
                     self._finish(job, error=f"its result could not be handled: {type(exc).__name__}: {exc}")
-
-    def _on_wake(self) -> None:
-        with suppress(BlockingIOError):
-            os.read(self._wake_r, 4096)
 
     def _on_zygote(self) -> None:
         """The zygote's reports: "F pid" (forked), "E why" (could not fork), "X pid status" (exited)."""
         try:
-            msg = self._ctrl.recv(4096)
+            msg = self._zygote.ctrl.recv(4096)
         except OSError:
             msg = b""
         if not msg:
-            self._unregister(self._ctrl)
+            self._unregister(self._zygote.ctrl)
             self._restart_why = f"its zygote process exited (launcher pid {self._zygote.pid})"
             return
         kind, _, rest = msg.decode().partition(" ")
@@ -349,12 +450,7 @@ class AgentPool:
         `zygote_restarts` times; after that the pool is broken and every episode fails saying so."""
         why = self._restart_why
         with self._cond:
-            for w in list(self._workers):
-                job = w.job
-                self._kill(w)
-                if job is not None:
-                    self._finish(job, error=f"could not finish: {why}")
-                self._discard(w)
+            self._end_workers(f"could not finish: {why}")
             if self.restarts >= self.zygote_restarts:
                 self._break(f"could not run: {why}; it was started again {self.restarts} time(s), the most the pool "
                             "does")
@@ -362,20 +458,17 @@ class AgentPool:
                 return
             self.restarts += 1
         log.warning("%s: %s; starting it again (%d of at most %d)", self.name, why, self.restarts, self.zygote_restarts)
-        with suppress(OSError, subprocess.TimeoutExpired):
-            self._zygote.kill()
-            self._zygote.wait(_CLOSE_WAIT_S)
-        self._ctrl.close()
+        self._zygote.stop()
         try:
-            zygote, ctrl = _start_zygote(self._config, self._python)
+            zygote = _Zygote.start(self._sandbox.config, self._python)
         except BaseException as exc:  # noqa: BLE001
             with self._cond:
                 self._break(f"could not run: {why}, and starting it again failed: {exc}")
                 self._restart_why = None
             return
         with self._cond:
-            self._zygote, self._ctrl, self._restart_why = zygote, ctrl, None
-            self._sel.register(self._ctrl, selectors.EVENT_READ, self._on_zygote)
+            self._zygote, self._restart_why = zygote, None
+            self._sel.register(self._zygote.ctrl, selectors.EVENT_READ, self._on_zygote)
 
     def _spawn(self) -> None:
         """Ask the zygote for a worker, handing it the worker's end of a socket and of a pipe for
@@ -384,7 +477,7 @@ class AgentPool:
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the hello's credentials: its host pid
         log_r, log_w = os.pipe()
         try:
-            socket.send_fds(self._ctrl, [b"F"], [theirs.fileno(), log_w])
+            socket.send_fds(self._zygote.ctrl, [b"F"], [theirs.fileno(), log_w])
         finally:
             theirs.close()
             os.close(log_w)
@@ -398,22 +491,15 @@ class AgentPool:
     def _hello(self, w: _Worker) -> None:
         """A new worker's first byte: its host pid from the credentials the kernel attached; then it
         goes in its cgroups (before it gets a job) and is idle."""
-        data, anc, _, _ = w.sock.recvmsg(1, socket.CMSG_SPACE(struct.calcsize("3i")), socket.MSG_DONTWAIT)
-        creds = [struct.unpack("3i", d[:12]) for lvl, kind, d in anc
-                 if lvl == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS]
-        if data != b"H" or not creds:
-            self._kill(w)
+        if not w.hello():
+            w.kill()
             return
-        w.pid = creds[0][0]
         if not self._cgroups:
             return
         try:
-            w.cg = _cgroup.RunCgroups(f"{os.getpid()}-agent-{next(_names)}", pids_max=self.limits.max_processes,
-                                      memory_bytes=self.limits.memory_mb << 20)
-            for path in w.cg.paths.values():
-                _cgroup._write(os.path.join(path, "cgroup.procs"), str(w.pid))
+            w.join_cgroups(self.limits)
         except (OSError, SandboxError) as exc:
-            self._kill(w)
+            w.kill()
             self._fail_queued(f"could not put a worker in its cgroups: {exc}")
 
     def _dispatch(self) -> None:
@@ -439,105 +525,40 @@ class AgentPool:
         if w.pid is None:
             self._hello(w)
             return
-        try:
-            chunk = w.sock.recv(1 << 20, socket.MSG_DONTWAIT)
-        except (BlockingIOError, TimeoutError, InterruptedError):
+        msg = w.receive(self.limits.max_result_bytes)
+        if msg is None:  # not all there yet
             return
-        except OSError:
-            chunk = b""
-        if not chunk:  # it is dying: its exit report says why
+        if msg == b"":  # it is dying: its exit report says why
             self._unregister(w.sock)
             return
-        w.inbox += chunk
-        if len(w.inbox) < 8:
-            return
-        (size,) = struct.unpack("!Q", w.inbox[:8])
-        if size > self.limits.max_result_bytes:  # the stream is unusable
-            job = w.job
-            self._kill(w)
-            if job is not None:
-                self._finish(job, error=f"sent an unreadable result (a {size}-byte message, over the "
+        if isinstance(msg, int):  # the stream is unusable
+            if (job := w.kill()) is not None:
+                self._finish(job, error=f"sent an unreadable result (a {msg}-byte message, over the "
                                         f"{self.limits.max_result_bytes}-byte limit): killed")
             return
-        if len(w.inbox) < 8 + size:
-            return
-        msg, w.inbox = bytes(w.inbox[8:8 + size]), bytearray()
-        job = w.job
+        job = w.kill()  # retired: the next episode gets a fresh fork of the zygote
         if job is None:
             return
-        self._kill(w)  # retired: the next episode gets a fresh fork of the zygote
-        self._drain_output(w)
-        value, error, at = self._parse(w, msg)
+        w.drain_output(self.limits.log_tail_bytes)
+        value, error, at = parse_reply(msg)
+        if isinstance(error, int):  # its episode died without a result: this wait status
+            error = w.death(error, self.limits, self.name)
         self._finish(job, value, error, w.tail, at)
 
-    def _parse(self, w: _Worker, msg: bytes) -> tuple[float | None, str | None, float | None]:
-        """A worker's JSON reply as (reward, error, when the agent returned): {"reward": number or
-        null, "at": t}, {"error": text, "at": t} or {"died": wait status}; anything else is the
-        episode's error. Read as data: every field's type is checked."""
-        try:
-            reply = json.loads(msg)
-        except (ValueError, UnicodeDecodeError):
-            return None, "sent a result that is not JSON", None
-        if not isinstance(reply, dict):
-            return None, "sent a result of the wrong shape", None
-        at = reply.pop("at", None)
-        at = float(at) if type(at) in (int, float) and math.isfinite(at) else None
-        if len(reply) != 1:
-            return None, "sent a result of the wrong shape", at
-        (kind, value), = reply.items()
-        if kind == "reward" and (value is None or (type(value) in (int, float) and math.isfinite(value))):
-            return (None if value is None else float(value)), None, at
-        if kind == "error" and isinstance(value, str):
-            return None, value[:_ERROR_CHARS], at
-        if kind == "died" and type(value) is int:
-            return None, self._death(w, value), at
-        return None, "sent a result of the wrong shape", at
-
-    def _read_output(self, w: _Worker) -> bool:
-        """Keep the last log_tail_bytes of what the worker's tree prints: the pipe is read as it
-        fills, so a flood costs the driver CPU time, not memory. False when nothing more is there."""
-        try:
-            data = os.read(w.log_fd, _CHUNK)
-        except BlockingIOError:
-            return False
-        if not data:
+    def _read_output(self, w: _Worker) -> None:
+        if w.read_output(self.limits.log_tail_bytes) is None:
             self._unregister(w.log_fd)
-            return False
-        keep = self.limits.log_tail_bytes
-        w.tail = (w.tail + data)[-keep:] if keep else b""
-        return True
-
-    def _drain_output(self, w: _Worker) -> None:
-        for _ in range(64):  # what is in the pipe now, bounded: a writer left alive may never stop
-            if not self._read_output(w):
-                return
 
     def _kill_overdue(self) -> None:
         now = time.monotonic()
         for w in self._workers:
-            job = w.job
-            if job is None:
-                continue
-            if job.cancelled:
-                self._kill(w)
-            elif now - job.started >= self.limits.timeout_s:
-                self._kill(w)
-                self._drain_output(w)
+            if w.job is not None and w.job.cancelled:
+                w.kill()
+            elif w.job is not None and now - w.job.started >= self.limits.timeout_s:
+                job = w.kill()
+                w.drain_output(self.limits.log_tail_bytes)
                 self._finish(job, error=f"did not return within {self.name}_timeout_s="
                                         f"{self.limits.timeout_s:g} s: killed", tail=w.tail)
-
-    def _kill(self, w: _Worker) -> None:
-        """SIGKILL the worker's tree now: its process group at once (its episode dies with it: a
-        parent-death signal, and the end of its pid namespace), then with cgroups every task in
-        them. Its job, if any, is the caller's to report; the zygote reports its exit."""
-        w.doomed, w.job = True, None
-        if w.pid is not None:
-            _kill(w.pid)
-        if w.cg is not None:
-            try:
-                w.cg.kill_all()
-            except SandboxError as exc:
-                log.warning("%s: %s", self.name, exc)
 
     def _exited(self, zpid: int, status: int) -> None:
         w = next((w for w in self._workers if w.zpid == zpid), None)
@@ -548,33 +569,15 @@ class AgentPool:
                 break
             self._on_result(w)
         if w.job is not None:  # died during its episode (a killed worker has no job any more)
-            self._drain_output(w)
-            self._finish(w.job, error=self._death(w, status), tail=w.tail)
+            w.drain_output(self.limits.log_tail_bytes)
+            self._finish(w.job, error=w.death(status, self.limits, self.name), tail=w.tail)
         self._discard(w)
-
-    def _death(self, w: _Worker, status: int) -> str:
-        if os.WIFEXITED(status):
-            return f"exited with code {os.WEXITSTATUS(status)} before returning"
-        sig = os.WTERMSIG(status)
-        if sig == signal.SIGKILL and w.cg is not None:
-            usage = w.cg.usage()
-            if usage.oom_kills or usage.memory_failcnt:
-                return f"was killed at its memory limit, {self.name}_memory_mb={self.limits.memory_mb}"
-        return f"was killed by signal {_SIGNAL_NAMES.get(sig, sig)}"
 
     def _discard(self, w: _Worker) -> None:
         """Forget an exited worker: its fds, and its cgroups with anything still in them."""
         self._unregister(w.sock)
         self._unregister(w.log_fd)
-        w.sock.close()
-        with suppress(OSError):
-            os.close(w.log_fd)
-        if w.cg is not None:
-            try:
-                w.cg.kill_all()
-                w.cg.remove()
-            except SandboxError as exc:
-                log.warning("%s: %s", self.name, exc)
+        w.close()
         if w in self._workers:
             self._workers.remove(w)
 
@@ -591,15 +594,17 @@ class AgentPool:
         """No worker can be started any more: every job fails naming `reason`, and so will later ones."""
         self._broken = reason
         log.error("%s: %s; every episode from now on fails", self.name, reason)
-        self._unregister(self._ctrl)
-        for w in list(self._workers):
-            job = w.job
-            self._kill(w)
-            if job is not None:
-                self._finish(job, error=reason)
-            self._discard(w)
+        self._unregister(self._zygote.ctrl)
+        self._end_workers(reason)
         while self._queue:
             self._finish(self._queue.popleft(), error=reason)
+
+    def _end_workers(self, error: str) -> None:
+        """Kill and forget every worker; the jobs they ran fail with `error`."""
+        for w in list(self._workers):
+            if (job := w.kill()) is not None:
+                self._finish(job, error=error)
+            self._discard(w)
 
     def _finish(self, job: _Job, value: float | None = None, error: str | None = None, tail: bytes = b"",
                 at: float | None = None) -> None:
@@ -615,6 +620,29 @@ class AgentPool:
         self._done.append((job.id, AgentOutcome(value, None if error is None else f"{self.name} {error}",
                                                 tail.decode("utf-8", "replace"), time.monotonic() - job.started)))
         self._cond.notify_all()
+
+
+def parse_reply(msg: bytes) -> tuple[float | None, str | int | None, float | None]:
+    """A worker's JSON reply as (reward, error, when the agent returned): {"reward": number or null,
+    "at": t}, {"error": text, "at": t}, or {"died": wait status} (the error is then that int);
+    anything else is the episode's error. Read as data: every field's type is checked."""
+    try:
+        reply = json.loads(msg)
+    except (ValueError, UnicodeDecodeError):
+        return None, "sent a result that is not JSON", None
+    if not isinstance(reply, dict):
+        return None, "sent a result of the wrong shape", None
+    at = reply.pop("at", None)
+    at = float(at) if type(at) in (int, float) and math.isfinite(at) else None
+    if len(reply) == 1:
+        (kind, value), = reply.items()
+        if kind == "reward" and (value is None or (type(value) in (int, float) and math.isfinite(value))):
+            return (None if value is None else float(value)), None, at
+        if kind == "error" and isinstance(value, str):
+            return None, value[:_ERROR_CHARS], at
+        if kind == "died" and type(value) is int:
+            return None, value, at
+    return None, "sent a result of the wrong shape", at
 
 
 def _address(host: str, field: str) -> str:
@@ -657,6 +685,36 @@ def _seccomp_filter() -> bytes | None:
     except (ImportError, OSError) as exc:
         log.warning("agent episodes: no seccomp filter (%s): namespaces and the dropped capabilities remain", exc)
         return None
+
+
+@dataclass
+class _Zygote:
+    """The launcher process (whose child is the zygote: it dies with it) and the zygote's control
+    socket: "F" asks it for a worker; it reports "F pid", "E why", "X pid status"."""
+
+    proc: subprocess.Popen
+    ctrl: socket.socket
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @classmethod
+    def start(cls, config: dict, python: str) -> _Zygote:
+        return cls(*_start_zygote(config, python))
+
+    def stop(self) -> None:
+        """EOF on its socket (the zygote kills what is left and exits; its pid namespace ends), then
+        the launcher, waited for within bounds."""
+        with suppress(OSError):
+            self.ctrl.shutdown(socket.SHUT_RDWR)
+        try:
+            self.proc.wait(_CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            with suppress(subprocess.TimeoutExpired):
+                self.proc.wait(_CLOSE_WAIT_S)
+        self.ctrl.close()
 
 
 def _start_zygote(config: dict, python: str) -> tuple[subprocess.Popen, socket.socket]:

@@ -191,6 +191,15 @@ def kill(row):
             pass
     return float(reached)
 
+def privileges(row):
+    """What it may still do to the kernel: 1000 x no capability at all (effective, bounding),
+    100 x no_new_privs, 10 x a seccomp filter, 1 x unshare(CLONE_NEWUSER) refused."""
+    status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+    libc = ctypes.CDLL(None, use_errno=True)
+    refused = libc.unshare(0x10000000) == -1 and ctypes.get_errno() == 1
+    return (1000.0 * (int(status["CapEff"], 16) == 0 == int(status["CapBnd"], 16)) + 100.0 * (status["NoNewPrivs"].strip() == "1")
+            + 10.0 * (status["Seccomp"].strip() == "2") + 1.0 * refused)
+
 def sockets(row):
     """The sockets among its fds (it opened none)."""
     found = 0
@@ -693,6 +702,12 @@ def test_agent_code_under_tmp(tmp_path):
         assert value_of(pool, {"case": "exists", "path": str(tmp_path / "notes.txt")}) == 0.0
     finally:
         pool.close()
+
+
+def test_an_episode_has_no_privilege_and_a_seccomp_filter(pool):
+    """No capability (none to regain: the bounding set is empty), no_new_privs, the seccomp filter
+    on; a new user namespace (where it would be root again) is refused."""
+    assert value_of(pool, {"case": "privileges"}) == 1111.0
 
 
 def test_an_episode_is_uid_1_and_cannot_signal_the_host(pool):

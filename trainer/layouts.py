@@ -6,6 +6,7 @@ one `Layout`, so the three give the same values in every layout.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Mapping
@@ -16,6 +17,39 @@ from trainer.packing import pack_rows
 from trainer.prefix_tree import build_forest, layout_cost, longest_sliding_window
 
 SHARE_MODES = ("auto", "on", "off")
+
+
+@dataclass
+class PlanCost:
+    """CPU seconds of planning a shared-prefix layout on this host (`build_forest`): the trie
+    (Python over each row's token list: per row and per node) and the masks (a scatter per row,
+    then the [bins, length, length] bool mask, its copy to the device and, per forward, its
+    additive copy: per element). The priors are this repo's 2-core Xeon (SmolLM2-shaped groups of
+    8: 8 groups ~10-28 ms, 32 groups ~45 ms; 2 groups of 16 short rows ~1.2 ms); `observe` scales
+    them by the builds this process timed, so a faster or slower host corrects them within a few
+    micro-batches."""
+
+    per_row: float = 3e-5
+    per_node: float = 1.5e-6
+    per_mask_element: float = 4e-9
+    scale: float = 1.0
+    observed: int = 0
+
+    def unscaled(self, rows: int, nodes: int, bins: int, length: int) -> float:
+        return self.per_row * rows + self.per_node * nodes + self.per_mask_element * bins * length * length
+
+    def seconds(self, rows: int, nodes: int, bins: int, length: int) -> float:
+        """The estimated planning time of a forest of `bins` x `length` holding `nodes` nodes of `rows` rows."""
+        return self.scale * self.unscaled(rows, nodes, bins, length)
+
+    def observe(self, rows: int, nodes: int, bins: int, length: int, measured_s: float) -> None:
+        """Fold a timed build into the scale (the first sets it, later ones a moving average)."""
+        ratio = measured_s / max(self.unscaled(rows, nodes, bins, length), 1e-12)
+        self.scale = ratio if self.observed == 0 else 0.7 * self.scale + 0.3 * ratio
+        self.observed += 1
+
+
+PLAN_COST = PlanCost()  # this process's (one learner rank's) estimate, updated as it plans
 
 
 @dataclass(frozen=True)
@@ -70,13 +104,17 @@ def padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Layout:
 
 def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: bool = False,
                 group_ids: torch.Tensor | None = None, share: str = "off",
-                config: Mapping[str, Any] | None = None) -> Layout:
+                config: Mapping[str, Any] | None = None, flops_per_s: float | None = None,
+                passes: float = 3.0, plan_cost: PlanCost | None = None) -> Layout:
     """The layout of one micro-batch. `pack`: rows packed end to end where that saves a row.
     `share` ("auto", "on", "off", `trainer.shared_prefix`) with the rows' `group_ids`: each
-    group's rows as a prefix tree (bins sized by `layout_cost` of the model's `config`); "auto"
+    group's rows as a prefix tree (bins sized by `layout_cost` of the model's `config`). "auto"
     keeps the trees only where they share something and (given the config) cost less than the
-    other layout (decided before a mask is made). Rows longer than a sliding window, rows that are
-    not right-padded and trees longer than `MAX_TREE_SLOTS` are never shared (a tree's mask is a
+    other layout, decided before a mask is made: by net time when the learner gives its compute
+    rate `flops_per_s` (the layers' FLOPs saved over `passes` forward passes at that rate must
+    exceed the CPU time of planning the trees, `plan_cost`, trie and masks, which nothing overlaps),
+    else by the layers' FLOPs alone. Rows longer than a sliding window, rows that are not
+    right-padded and trees longer than `MAX_TREE_SLOTS` are never shared (a tree's mask is a
     full-attention one, dense over its bin)."""
     base = padded(input_ids, attention_mask)
     packed = pack_rows(input_ids, attention_mask) if pack else None
@@ -92,12 +130,28 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: boo
     if window is not None and int(attention_mask.sum(dim=1).max()) > window:
         return base
     cost = partial(layout_cost, config) if config else None
+    clock = plan_cost or PLAN_COST
+    rows = len(input_ids)
+    by_time = share == "auto" and cost is not None and flops_per_s is not None and flops_per_s > 0
+
+    def seconds(flops: float) -> float:
+        return flops * passes / flops_per_s
+
+    base_cost = cost(*base.input_ids.shape) if cost is not None else 0.0
+    if by_time and clock.seconds(rows, 0, 0, 0) >= seconds(base_cost):
+        return base  # planning the rows alone takes longer than computing all of them: no trie
 
     def cheaper(bins: int, length: int, nodes: int) -> bool:  # auto: something shared, at less cost
-        return nodes < base.tokens and (cost is None or cost(bins, length) < cost(*base.input_ids.shape))
+        if nodes >= base.tokens:
+            return False
+        if by_time:  # net time: the compute saved against planning the trees
+            return seconds(base_cost - cost(bins, length)) > clock.seconds(rows, nodes, bins, length)
+        return cost is None or cost(bins, length) < base_cost
 
+    started = time.perf_counter()
     forest = build_forest(input_ids, attention_mask, group_ids, cost, keep=cheaper if share == "auto" else None)
     if forest is None:
         return base
+    clock.observe(rows, forest.nodes, *forest.input_ids.shape, time.perf_counter() - started)
     return Layout("shared", forest.input_ids, forest.node, position_ids=forest.position_ids, visible=forest.visible,
                   tokens=forest.tokens, slots=forest.input_ids.numel())

@@ -17,7 +17,9 @@ import torch
 
 from rl.data.batch import group_order, plan_micro_batches, split_to_count
 from rl.plan.devices import actor_device
-from rl.plan.flops import measure_matmul_tflops, train_flops
+from rl.plan.flops import (head_forward_flops, kernel_train_flops, layers_forward_flops, matmul_peak_tflops,
+                           train_flops, train_passes)
+from rl.plan.step_time import LEARNER_EFFICIENCY
 from rl.algo.losses import LossNormalizer
 from rl.algo.objective import policy_objective, value_objective
 from rl.data.types import TrainBatch
@@ -45,6 +47,12 @@ def _skipped(engine) -> bool:
     failure (issue 47: the loop stops on it; the critic's too, issue 58)."""
     grad_norm = engine.get_global_grad_norm()
     return not engine.was_step_applied() or (grad_norm is not None and not math.isfinite(float(grad_norm)))
+
+
+def _config_of(model, fallback: dict) -> dict:
+    """The HF config (as a dict) of an engine or module, `fallback` where it has none."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return config.to_dict() if hasattr(config, "to_dict") else fallback
 
 
 def _accumulate(engine, plan: list[torch.Tensor], backward) -> None:
@@ -98,7 +106,18 @@ class LearnerWorker:
         self._scored_sums: dict[str, float] = {}
         self._model_config = self.engine.module.config.to_dict()
         self._dtype = m.dtype
-        self.peak_tflops = spec.peak_tflops  # 0: measured at the first update (when the rollout engines are idle)
+        self.peak_tflops = spec.peak_tflops  # 0: measured at the first score or update (the rollout engines idle)
+        self._critic_config = _config_of(self.critic, self._model_config) if self.critic is not None else {}
+        self._teacher_config = _config_of(self.teacher, self._model_config) if self.teacher is not None else {}
+        self._checkpointing = bool(spec.model.gradient_checkpointing)
+
+    def _peak(self) -> float:
+        """This rank's matmul peak in TFLOP/s: `cluster.peak_tflops`, else measured once in the run's
+        dtype on its device, square and at the model's MLP shape (`rl.plan.flops.matmul_peak_tflops`).
+        Not at set-up: the rollout engines start then, on the same cores."""
+        if not self.peak_tflops:
+            self.peak_tflops = matmul_peak_tflops(self._dtype, self.device, self._model_config)
+        return self.peak_tflops
 
     # ---- training -------------------------------------------------------------------------
 
@@ -148,12 +167,24 @@ class LearnerWorker:
             into[rows, : t.shape[1]] = t.float().cpu()
 
         self.engine.eval()
+        kernel = 0.0  # FLOPs the scoring forwards compute (hardware utilisation, rl/plan/flops.py)
         if recompute or ref is not None or values is not None or teacher is not None:
+            self._peak()
+            forwards = int(recompute) + int(ref is not None) + int(values is not None) + int(teacher is not None)
             for rows in self._micro_batches(batch, self._order(batch), forward_only=True):
                 mb = batch.select(rows)
                 ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
                 where = self._to_device(mb.loss_mask) > 0  # only the trained tokens' log-probs are used
-                layout = self._layout(mb, ids, am)
+                layout = self._layout(mb, ids, am, passes=forwards)
+                shape, heads = layout.input_ids.shape, int(mb.loss_mask.gt(0).sum())
+                policy_forward = (layers_forward_flops(self._model_config, *shape)
+                                  + head_forward_flops(self._model_config, heads))
+                kernel += policy_forward * (int(recompute) + int(ref is not None))
+                if values is not None:
+                    kernel += layers_forward_flops(self._critic_config, *shape)
+                if teacher is not None:
+                    kernel += (layers_forward_flops(self._teacher_config, *shape)
+                               + head_forward_flops(self._teacher_config, heads))
                 if recompute:
                     lp, e = token_logprobs(self.engine, ids, am, self.spec.temperature, with_entropy=True,
                                            positions=where, layout=layout)
@@ -171,6 +202,8 @@ class LearnerWorker:
         batch.ref_logprobs, batch.values, batch.teacher_logprobs = ref, values, teacher
         mask = batch.loss_mask
         self._scored_sums = {"actor/entropy_nats": float((entropy * mask).sum())} if recompute else {}
+        if kernel:
+            self._scored_sums["_kernel_flops"] = kernel
         if batch.values is not None:
             self._scored_sums["critic/values_mean"] = float((batch.values * mask).sum())
         return batch
@@ -182,11 +215,15 @@ class LearnerWorker:
             return group_order(batch.group_ids, generator)
         return torch.randperm(len(batch), generator=generator) if generator is not None else torch.arange(len(batch))
 
-    def _layout(self, mb: TrainBatch, ids: torch.Tensor, am: torch.Tensor) -> Layout:
+    def _layout(self, mb: TrainBatch, ids: torch.Tensor, am: torch.Tensor, passes: float = 3.0) -> Layout:
         """How this micro-batch's rows enter the models (trainer/layouts.py): packed end to end
-        and, with `trainer.shared_prefix`, each group's rows as one prefix tree."""
+        and, with `trainer.shared_prefix`, each group's rows as one prefix tree; `auto` decides by
+        net time over the `passes` forwards the layout serves, planning included, at this rank's
+        expected compute rate (the measured peak at the planner's learner efficiency)."""
+        rate = self.peak_tflops * 1e12 * LEARNER_EFFICIENCY.get(str(self._dtype).removeprefix("torch."), 0.25) \
+            if self.peak_tflops else None
         return plan_layout(ids, am, pack=self.pack, group_ids=mb.group_ids, share=self.share,
-                           config=self._model_config)
+                           config=self._model_config, flops_per_s=rate, passes=passes)
 
     def _ref_logprobs(self, ids: torch.Tensor, am: torch.Tensor, where: torch.Tensor, layout: Layout) -> torch.Tensor:
         """The reference policy's log-probs: its own engine, or (LoRA) the policy with adapters off."""
@@ -229,9 +266,7 @@ class LearnerWorker:
         sums: dict[str, float] = defaultdict(float, self._scored_sums)
         self._scored_sums = {}
         sums["_tokens"] = float(mask.sum())
-        if not self.peak_tflops:  # not at set-up: the rollout engines start then, on the same cores
-            self.peak_tflops = measure_matmul_tflops(self._dtype, self.device)
-        sums["_max/perf/peak_tflops"] = self.peak_tflops
+        sums["_max/perf/peak_tflops"] = self._peak()
         if batch.old_logprobs is not None:
             _add_mismatch(sums, batch.old_logprobs, batch.rollout_logprobs, mask)
         train_policy = step >= spec.algorithm.critic_warmup_steps or self.critic is None
@@ -269,7 +304,7 @@ class LearnerWorker:
         mask, adv, behaviour = (self._to_device(t) for t in (mb.loss_mask, mb.advantages, mb.rollout_logprobs))
         fused = mb.old_logprobs is None
         routers: list[torch.Tensor] | None = [] if a.router_aux_loss_coef > 0 else None
-        layout = self._layout(mb, ids, am)
+        layout = self._layout(mb, ids, am, passes=train_passes(self._checkpointing, frozen=bool(self.lora)))
         logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature,
                                        with_entropy=a.entropy_coef > 0 or (fused and first_pass),
                                        entropy_grad=a.entropy_coef > 0, positions=mask > 0, router_aux=routers,
@@ -288,6 +323,10 @@ class LearnerWorker:
             sums["_trained_tokens"] += float(sum(lengths) * a.ppo_epochs)
             sums["_flops"] += train_flops(self._model_config, lengths) * a.ppo_epochs
             sums["_computed_tokens"] += float(layout.slots) * a.ppo_epochs
+        # what the kernels computed in this pass (every epoch): the layout's slots, the head's positions
+        sums["_kernel_flops"] += kernel_train_flops(self._model_config, *layout.input_ids.shape,
+                                                    head_tokens=int(mb.loss_mask.gt(0).sum()),
+                                                    checkpointing=self._checkpointing, frozen=bool(self.lora))
         if out.kl_sum is not None:
             sums["actor/kl_nats"] += out.kl_sum
         if out.router_aux is not None:
@@ -303,7 +342,10 @@ class LearnerWorker:
     def _critic_backward(self, mb: TrainBatch, norm: LossNormalizer, sums: dict[str, float]) -> None:
         ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
         mask, old, returns = (self._to_device(t) for t in (mb.loss_mask, mb.values, mb.returns))
-        values = self._values(self.critic, self._layout(mb, ids, am))
+        layout = self._layout(mb, ids, am, passes=train_passes(self._checkpointing))
+        values = self._values(self.critic, layout)
+        sums["_kernel_flops"] += layers_forward_flops(self._critic_config, *layout.input_ids.shape) * \
+            train_passes(self._checkpointing)
         out = value_objective(values, old, returns, mask, self.spec.algorithm, norm)
         self.critic.backward(out.loss * self.world_size, scale_wrt_gas=False)
         sums["critic/value_loss"] += float(out.loss.detach())

@@ -12,7 +12,8 @@ the sum of its rows' gradients: the unshared gradient, summed in another order.
 Trees of several groups are packed into bins (first fit, longest first) as long as the largest
 tree; a bin's trees cannot see each other. The attention over a bin is dense (masked, not
 skipped), so a bin costs its length squared in attention: `layout_cost` weighs that against the
-tokens saved, and the learner's `auto` mode keeps the cheaper layout.
+tokens saved, and the learner's `auto` mode keeps the layout that takes less time, the CPU time
+of this plan included (`trainer/layouts.py` `PlanCost`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from rl.plan.flops import layers_forward_flops
 from trainer.packing import first_fit, right_padded_lengths
 
 
@@ -137,18 +139,10 @@ def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, group_id
 
 def layout_cost(config: Mapping[str, Any], rows: int, length: int) -> float:
     """Forward FLOPs of the model's layers over `rows` rows of `length` slots each, attention
-    dense over the row (a masked-out pair costs as much as a kept one). The LM head is left out:
-    every layout applies it to the same selected tokens."""
-    hidden = config["hidden_size"]
-    layers = config["num_hidden_layers"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    experts = config.get("num_experts_per_tok") or 1
-    inter = (config.get("moe_intermediate_size") or config["intermediate_size"]) if experts > 1 else config["intermediate_size"]
-    per_token = 2.0 * layers * (hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
-                                + 3 * hidden * inter * experts)
-    return rows * length * (per_token + layers * 4.0 * heads * head_dim * length)
+    dense over the row (a masked-out pair costs as much as a kept one;
+    `rl.plan.flops.layers_forward_flops`). The LM head is left out: every layout applies it to
+    the same selected tokens."""
+    return layers_forward_flops(config, rows, length)
 
 
 def longest_sliding_window(config: Mapping[str, Any]) -> int | None:

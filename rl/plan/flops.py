@@ -1,8 +1,17 @@
 """What a step costs: model FLOPs per trained token, the device's matmul peak, MFU and price.
 
-MFU counts the work the model needs (forward + backward = 3 forward passes of the matmuls and
-attention), not what an implementation happens to do (recomputed log-probs, checkpointed
-activations), so it compares implementations honestly (PaLM's definition, Appendix B).
+Two utilisations, each named for what it is (`utilisation`):
+
+- effective MFU (`perf/effective_mfu_frac`): the work the model needs for the trained tokens,
+  every row as if alone (forward + backward = 3 forward passes of the matmuls and causal
+  attention; `train_flops`), per second over the peak. Not what an implementation happens to do
+  (recomputed log-probs, checkpointed activations), so it compares implementations (PaLM's
+  definition, Appendix B); a layout that computes less than that work (shared prefixes computed
+  once) reads above the hardware's figure, and may pass 100%.
+- hardware utilisation (`perf/hw_util_frac`): the FLOPs the kernels computed (`kernel_train_flops`
+  over the layout that ran: a shared prefix once, padding and filler slots as computed, attention
+  dense over each model row, the scoring forwards, recomputations), per second over the measured
+  peak. Above 100% means the peak probe read the host too low.
 """
 
 from __future__ import annotations
@@ -39,8 +48,86 @@ def train_flops(config: Mapping[str, Any], lengths: list[int]) -> float:
     return sum(3.0 * forward_flops_per_token(config, n) * n for n in lengths)
 
 
+def layers_forward_flops(config: Mapping[str, Any], rows: int, length: int) -> float:
+    """Forward FLOPs of the model's layers (no LM head) over `rows` model rows of `length` slots
+    each, every slot computed (filler and padding too) and attention dense over the row (a
+    masked-out pair costs as much as a kept one: a 4D or block-causal mask is applied, not skipped).
+    Mixture-of-experts models count the experts each token is routed to."""
+    hidden = config["hidden_size"]
+    layers = config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    experts = config.get("num_experts_per_tok") or 1
+    inter = (config.get("moe_intermediate_size") or config["intermediate_size"]) if experts > 1 else config["intermediate_size"]
+    per_token = 2.0 * layers * (hidden * head_dim * (heads + 2 * kv_heads) + heads * head_dim * hidden
+                                + 3 * hidden * inter * experts)
+    return rows * length * (per_token + layers * 4.0 * heads * head_dim * length)
+
+
+def head_forward_flops(config: Mapping[str, Any], tokens: int) -> float:
+    """Forward FLOPs of the LM head over `tokens` selected positions (the learner applies it to
+    the positions it needs only, `trainer/logprobs.py`)."""
+    return 2.0 * config["hidden_size"] * config["vocab_size"] * tokens
+
+
+def train_passes(checkpointing: bool = False, frozen: bool = False) -> int:
+    """Forward passes' worth of FLOPs a training step computes over the layers: forward + backward
+    (input and weight gradients, 2 forwards' worth; frozen weights, LoRA's, get no weight gradient:
+    1), one more forward under activation checkpointing."""
+    return 1 + (1 if frozen else 2) + int(checkpointing)
+
+
+def kernel_train_flops(config: Mapping[str, Any], rows: int, length: int, head_tokens: int,
+                       checkpointing: bool = False, frozen: bool = False) -> float:
+    """FLOPs the kernels compute in one training forward + backward of a micro-batch laid out as
+    `rows` x `length` model slots (`trainer.layouts.Layout.input_ids`' shape), the LM head over
+    `head_tokens` positions: its chunks are recomputed in the backward (trainer/logprobs.py), so 4
+    of its matmuls (3 when its weight is `frozen`)."""
+    layers = layers_forward_flops(config, rows, length) * train_passes(checkpointing, frozen)
+    return layers + head_forward_flops(config, head_tokens) * (3 if frozen else 4)
+
+
+def utilisation(train_metrics: Mapping[str, float], learner_s: float, ranks: int) -> dict[str, float]:
+    """The learner's effective MFU and hardware utilisation over `learner_s` seconds on `ranks`
+    ranks, from the reduced metrics `perf/model_tflop` (unshared model FLOPs), `perf/kernel_tflop`
+    (FLOPs the kernels computed) and `perf/peak_tflops` (the measured peak of one rank); {} when
+    they are missing. Nothing is clamped: a hardware figure over 1 is reported as it is (the step
+    line names the probe then, `rl/run/run_log.py`)."""
+    peak = train_metrics.get("perf/peak_tflops", 0.0)
+    if peak <= 0 or learner_s <= 0:
+        return {}
+    capacity = learner_s * peak * ranks
+    out: dict[str, float] = {}
+    if "perf/model_tflop" in train_metrics:
+        out["perf/effective_mfu_frac"] = train_metrics["perf/model_tflop"] / capacity
+    if "perf/kernel_tflop" in train_metrics:
+        out["perf/hw_util_frac"] = train_metrics["perf/kernel_tflop"] / capacity
+    return out
+
+
+def matmul_peak_tflops(dtype: torch.dtype, device: torch.device | str, config: Mapping[str, Any] | None = None,
+                       seconds: float = 0.5) -> float:
+    """The peak the learner's utilisation is measured against: the best of the square probe and
+    (given the model's `config`) a probe of the model's own MLP product, [tokens, hidden] x
+    [hidden, intermediate], both in the run's `dtype` on its device. A model's matmuls can run
+    faster than a 2048-square product (another blocking, a shape the library tunes for); against
+    the square figure alone the kernels' utilisation would read over 100%."""
+    best = measure_matmul_tflops(dtype, device, seconds=seconds)
+    if config and config.get("hidden_size") and config.get("intermediate_size"):
+        tokens = 8192 if torch_device_type(device) == "cuda" else 4096
+        mlp = (tokens, int(config["hidden_size"]), int(config["intermediate_size"]))
+        best = max(best, measure_matmul_tflops(dtype, device, seconds=seconds, shape=mlp))
+    return best
+
+
+def torch_device_type(device: torch.device | str) -> str:
+    return device.type if hasattr(device, "type") else str(device).split(":")[0]
+
+
 def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu", size: int = 2048,
-                          seconds: float = 0.5, windows: int = 1, budget_s: float | None = None) -> float:
+                          seconds: float = 0.5, windows: int = 1, budget_s: float | None = None,
+                          shape: tuple[int, int, int] | None = None) -> float:
     """This process's measured square-matmul peak in TFLOP/s (with its torch thread count): the best
     of `windows` timed windows of `seconds` (each at least one product), stopping once `budget_s`
     has passed after the first.
@@ -49,12 +136,14 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu"
     2048-square product takes ~17 s) is probed at a smaller size: a 256-square product first tells
     the speed, and `size` halves while one product would take over 2 windows. The probe then costs
     about `budget_s`, not minutes, and its figure is the same order (small products run a little
-    below the peak)."""
+    below the peak). `shape` (m, k, n): an [m, k] x [k, n] product instead of a square one (m
+    halves as `size` does on a slow dtype)."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda":
         size = 8192
+    m, k, n = shape if shape is not None else (size, size, size)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def timed(a, b) -> float:
@@ -67,10 +156,12 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu"
         small = torch.randn(256, 256, dtype=dtype, device=device)
         timed(small, small)  # the first call pays for thread-pool start and packing
         per_flop = timed(small, small) / (2.0 * 256**3)
-        while size > 256 and per_flop * 2.0 * size**3 > 2 * seconds:
-            size //= 2
-    a = torch.randn(size, size, dtype=dtype, device=device)
-    b = torch.randn(size, size, dtype=dtype, device=device)
+        while m > 256 and per_flop * 2.0 * m * k * n > 2 * seconds:
+            m //= 2
+            if shape is None:
+                k = n = m
+    a = torch.randn(m, k, dtype=dtype, device=device)
+    b = torch.randn(k, n, dtype=dtype, device=device)
     timed(a, b)  # warm-up at this size
     best, first = 0.0, time.perf_counter()
     for _ in range(windows):
@@ -79,7 +170,7 @@ def measure_matmul_tflops(dtype: torch.dtype, device: torch.device | str = "cpu"
             a @ b
             sync()  # else a GPU queues far more than `seconds` of matmuls before the clock is read
             done += 1
-        best = max(best, 2.0 * size**3 * done / (time.perf_counter() - started) / 1e12)
+        best = max(best, 2.0 * m * k * n * done / (time.perf_counter() - started) / 1e12)
         if budget_s is not None and time.perf_counter() - first > budget_s:
             break
     return best

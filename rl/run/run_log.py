@@ -24,7 +24,7 @@ SUMMARY_KEYS = (("reward/mean", "reward {:.3f}"), ("episode/turns_mean", "{:.1f}
                 ("eval/greedy_mean_reward", "eval greedy {:.3f}"), ("eval/pass_at_1", "pass@1 {:.3f}"),
                 ("actor/kl_nats", "kl {:.4f}"),
                 ("actor/kl_in_reward_nats", "kl {:.4f}"), ("rollout/tokens_per_s", "{:.0f} tok/s"),
-                ("perf/mfu", "MFU {:.0%}"), ("cost/step_usd", "${:.4f}"), ("time/step_s", "{:.1f} s"))
+                ("perf/mfu", "eff. MFU {:.0%}"), ("cost/step_usd", "${:.4f}"), ("time/step_s", "{:.1f} s"))
 # the step's time split, e.g. `(rollout 1.2 reward 0.1 score 0.0 train 1.9 sync 0.1)`
 TIME_KEYS = (("time/rollout_s", "rollout"), ("time/reward_s", "reward"), ("time/score_s", "score"),
              ("time/train_s", "train"), ("time/sync_s", "sync"), ("time/wait_rollout_s", "waited"),
@@ -36,7 +36,11 @@ def summary_line(step: int, total: int, metrics: dict[str, float], failures: Fai
     `failures`: the step's failed samples, named by their most common cause (issue 58: a step whose
     every episode failed because the agent pool could not run them showed only a count)."""
     parts = [f"step {step + 1}/{total}" + _mode(metrics)]
-    parts += [fmt.format(metrics[k]) for k, fmt in SUMMARY_KEYS if k in metrics]
+    for k, fmt in SUMMARY_KEYS:
+        if k == "perf/mfu":
+            parts += utilisation_parts(metrics)
+        elif k in metrics:
+            parts.append(fmt.format(metrics[k]))
     split = [f"{name} {metrics[k]:.2f}" for k, name in TIME_KEYS if k in metrics and metrics[k] > 0]
     if split and "time/step_s" in metrics:
         parts[-1] += f" ({' '.join(split)})"
@@ -57,6 +61,28 @@ def summary_line(step: int, total: int, metrics: dict[str, float], failures: Fai
         parts.append(f"{int(metrics['reward/errors_count'])} reward errors{agents}"
                      + (f"; most often: {failures.cause}" if failures is not None else ""))
     return " | ".join(parts)
+
+
+def utilisation_parts(metrics: dict[str, float]) -> list[str]:
+    """The learner's utilisation in the step line, each figure named for what it is
+    (rl/plan/flops.py `utilisation`): `HW 48%` (FLOPs the kernels computed per second over the
+    measured peak) and `eff. MFU 91%` (the unshared model FLOPs of the trained tokens per second
+    over the same peak; above HW where prefixes are shared). A hardware figure over 100% is
+    printed as it is, with a warning naming the peak probe (it read the host too low)."""
+    parts = []
+    hw = metrics.get("perf/hw_util_frac")
+    if hw is not None:
+        part = f"HW {hw:.0%}"
+        if hw > 1:
+            peak = metrics.get("perf/peak_tflops")
+            at = f" of {peak:.3g} TFLOP/s" if peak else ""
+            part += (f" (warning: over 100%: the matmul peak probe, rl.plan.flops.matmul_peak_tflops{at}, "
+                     "measured this host too low; set cluster.peak_tflops)")
+        parts.append(part)
+    effective = metrics.get("perf/effective_mfu_frac", metrics.get("perf/mfu"))
+    if effective is not None:
+        parts.append(f"eff. MFU {effective:.0%}")
+    return parts
 
 
 def no_learning_signal(metrics: dict[str, float]) -> str | None:

@@ -131,7 +131,8 @@ def _step(cfg: TrainConfig, pad_id: int, learner: Learner, weights: Weights, log
     t_batch = time.perf_counter()
 
     reward, valid, groups = reward_tensors(scored)
-    batch = build_train_batch(scored, pad_id, step, mask_truncated=a.mask_truncated, max_staleness=a.off_policy_steps)
+    batch = build_train_batch(scored, pad_id, step, mask_truncated=a.mask_truncated, max_staleness=a.off_policy_steps,
+                              segment_rows=True)
     try:
         handover.to_learner()  # engines free the GPU for the learner (rl/run/colocation.py)
         batch = learner.score(batch)
@@ -139,7 +140,7 @@ def _step(cfg: TrainConfig, pad_id: int, learner: Learner, weights: Weights, log
         kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
         est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_coef,
                                   batch.old_logprobs, batch.ref_logprobs, batch.values, batch.turn_rewards,
-                                  batch.teacher_logprobs, student_logprobs(batch))
+                                  batch.teacher_logprobs, student_logprobs(batch), batch.episode_index)
         batch.advantages, batch.returns = est.advantages, est.returns
         trained = learner.train_step(batch, step, kl_coef)
         t_trained = time.perf_counter()

@@ -174,7 +174,7 @@ def test_tool_conversation_is_token_exact_and_the_model_rescores_it(server, engi
 
 @pytest.mark.slow  # the real model (module fixture `server` -> `engine`)
 @pytest.mark.full
-def test_an_agent_that_rewrites_its_history_gets_an_error_sample(server):
+def test_an_agent_that_rewrites_its_history_gets_a_new_segment(server):
     key, url = server.open_episode(seed_base=1)
     c = client(url)
     first = [{"role": "user", "content": "Name a color."}]
@@ -183,9 +183,11 @@ def test_an_agent_that_rewrites_its_history_gets_an_error_sample(server):
         {"role": "user", "content": "Name a fruit."}, r.choices[0].message, {"role": "user", "content": "Another."}])
     calls = server.close_episode(key)
     sample = episode_sample(calls, prompt_text="", group_id=0, sample_index=0, metadata={})
-    assert sample.error is not None and "rewrote its history" in sample.error and "call 1" in sample.error
-    assert sample.prompt_ids == calls[0].prompt_ids and sample.completion_ids == calls[0].completion_ids
-    assert sample.completion_mask == [1] * len(calls[0].completion_ids)
+    assert sample.error is None and len(sample.segments) == 1  # its edited history starts a segment (issue 59)
+    first = sample.segments[0]
+    assert first.prompt_ids == calls[0].prompt_ids and first.completion_ids == calls[0].completion_ids
+    assert first.completion_mask == [1] * len(calls[0].completion_ids)
+    assert sample.prompt_ids == calls[1].prompt_ids and sample.completion_ids == calls[1].completion_ids
 
 
 @pytest.mark.slow  # the real model (module fixture `server` -> `engine`)
@@ -388,8 +390,8 @@ def test_episode_sample_errors_and_max_len():
     assert "no model call" in empty.error and empty.completion_ids == []
     calls = [_call([1, 2], [3, 4], 0), _call([1, 9, 3, 4, 5], [6], 0)]
     cut = episode_sample(calls, prompt_text="p", group_id=0, sample_index=0, metadata={})
-    assert "rewrote its history" in cut.error and "first difference at token 1" in cut.error
-    assert cut.completion_ids == [3, 4]
+    assert cut.error is None and cut.segments[0].completion_ids == [3, 4]  # a new segment (issue 59), no cut
+    assert cut.prompt_ids == [1, 9, 3, 4, 5] and cut.completion_ids == [6]
     calls = [_call([1, 2], [3, 4], 0), _call([1, 2, 3, 4, 5, 6], [7, 8], 1)]
     short = episode_sample(calls, prompt_text="p", group_id=0, sample_index=0, metadata={}, max_len=5)
     assert short.error is None and short.finish_reason == "length"

@@ -66,8 +66,8 @@ class LearnerGroup(OverActors):
 
     def score(self, batch: TrainBatch) -> TrainBatch:
         """Every rank scores its shard (old/reference/teacher log-probs, values); reassembled in row order."""
-        if len(batch) != self.spec.samples_per_step:
-            raise ValueError(f"expected {self.spec.samples_per_step} rows per step, got {len(batch)}")
+        if len(batch) < self.spec.samples_per_step:  # more: an episode's segments, rows of their own
+            raise ValueError(f"expected at least {self.spec.samples_per_step} rows per step, got {len(batch)}")
         index = shard_rows(len(batch), self.world_size)
         scored = self.call([w.score.remote(batch.select(rows)) for w, rows in zip(self.workers, index)], "score")
         width = batch.input_ids.shape[1] - 1
@@ -83,8 +83,8 @@ class LearnerGroup(OverActors):
         return batch
 
     def train_step(self, batch: TrainBatch, step: int, kl_coef: float | None = None) -> dict[str, float]:
-        if len(batch) != self.spec.samples_per_step:
-            raise ValueError(f"expected {self.spec.samples_per_step} rows per step, got {len(batch)}")
+        if len(batch) < self.spec.samples_per_step:  # more: an episode's segments, rows of their own
+            raise ValueError(f"expected at least {self.spec.samples_per_step} rows per step, got {len(batch)}")
         shards = [batch.select(rows) for rows in shard_rows(len(batch), self.world_size)]
         results = self.call([w.train_step.remote(s, step, kl_coef) for w, s in zip(self.workers, shards)],
                             "train_step")
@@ -135,6 +135,8 @@ def reduce_metrics(results: list[dict[str, float]]) -> dict[str, float]:
         out["perf/trained_tokens"] = total.pop("_trained_tokens")
         # positions the layers computed per trained token: < 1 where prefixes are shared, > 1 with padding
         out["perf/computed_per_trained_token"] = total.pop("_computed_tokens", 0.0) / max(out["perf/trained_tokens"], 1.0)
+    if "_kernel_flops" in total:  # what the kernels computed (rl/plan/flops.py: hardware utilisation)
+        out["perf/kernel_tflop"] = total.pop("_kernel_flops") / 1e12
     for k, v in total.items():
         if k.startswith("_max/"):
             out[k.removeprefix("_max/")] = v

@@ -5,8 +5,9 @@ call whose messages are the previous call's messages + the assistant message it 
 messages gets, as its prompt, the previous prompt + the previous completion exactly as sampled +
 the template's tokens for the new messages (`ObservationEncoder`, tokenized once); a text prompt
 that starts with the previous text call's prompt + the text it returned gets the previous ids +
-the sampled ids + the rest tokenized once. Any other conversation is rendered afresh (and
-`rl.data.agent_calls.episode_sample` will say the agent rewrote history). The other way, the
+the sampled ids + the rest tokenized once. Any other conversation is rendered afresh (a handoff,
+a summary: `rl.data.agent_calls.episode_sample` makes it a new segment of the episode, where an
+assistant message the server did not sample is prompt, never trained). The other way, the
 model's text becomes the assistant message the agent gets: content and `<tool_call>` calls.
 """
 
@@ -71,7 +72,7 @@ class Prompts:
                                                                           cap=1 << 30)
         except Exception as err:  # noqa: BLE001 - no template, or one that cannot be extended: render afresh
             log.warning("agent server: chat prompts cannot extend earlier calls token-exactly (%s); every chat call "
-                        "is rendered afresh, so multi-call episodes will be flagged as rewritten", err)
+                        "is rendered afresh (one that does not extend the last call's ids starts a new segment)", err)
             self._encoder = None
         # HF fast tokenizers may refuse concurrent use ("Already borrowed") when a call changes their
         # truncation/padding state: prompts are built one at a time (fast next to generating)

@@ -13,6 +13,7 @@ from collections import Counter, OrderedDict
 from typing import Any
 
 import anyio
+import h11
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
@@ -23,6 +24,18 @@ log = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 16 * 1024  # h11's own default, made explicit: an OpenAI client sends < 1 KiB of headers
 MAX_JSON_DEPTH = 64  # tool schemas nest a few levels; deeper only feeds recursion in json and the template
+# A refused request's body still coming is read and discarded up to this much (`Connection`), so
+# that its client reads the answer (closing over unread bytes resets the connection)
+LINGER_BYTES = 64 << 20
+BODY_LIMIT = "max(1 MiB, 64 bytes x rollout.max_model_len)"  # the server's default (AgentServer)
+
+
+def size_text(n: int) -> str:
+    """Bytes as people read them: 512 B, 1 MiB, 2.1 MiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}".removesuffix(".0") + f" {unit}"
+    return f"{n} B"
 
 
 class ApiError(Exception):
@@ -177,23 +190,39 @@ class ConnectionBudget:
 
 class Connection(H11Protocol):
     """uvicorn's h11 connection with a deadline for a request's headers, counted in a
-    `ConnectionBudget` (which may close it while it is idle).
+    `ConnectionBudget` (which may close it while it is idle), that closes after a refusal without
+    resetting.
 
     uvicorn closes a connection left idle `timeout_keep_alive` after a response, but arms nothing
     when a connection opens, and cancels that timer at the first byte: a client that connects and
     stays silent, or sends half a request line, would hold its connection (and a place under
     `limit_concurrency`) forever. Here a new connection is idle like one after a response, and one
     whose next request's headers have not come `headers_timeout_s` after it opened or after the
-    last response is closed. (The body's deadline is the app's: `read_body`.)"""
+    last response is closed. (The body's deadline is the app's: `read_body`.)
 
-    def __init__(self, *args: Any, headers_timeout_s: float, budget: ConnectionBudget | None = None, **kwargs: Any):
+    A refusal answered before its request's body was read (a 413, a 429 at the door, a 408) says
+    `connection: close`. Closing a socket whose received bytes are unread makes the kernel send a
+    reset, not a FIN, and a reset throws away what the peer had not read yet: an `openai` client
+    (which sends its whole body before it reads) then saw `APIConnectionError: Connection error.`
+    instead of the answer, always through an episode's relay (reward/agents/relay.py, which drops
+    both sides when its write to the server fails), sometimes even directly (issue 59). So such a
+    connection lingers, as Apache's does: the answer is sent, then a FIN (`write_eof`), and what
+    still comes of the body is read and discarded (never held) until the client closes, up to
+    `linger_bytes` and `headers_timeout_s`; only past those is it closed over unread bytes."""
+
+    def __init__(self, *args: Any, headers_timeout_s: float, budget: ConnectionBudget | None = None,
+                 linger_bytes: int = LINGER_BYTES, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._headers_timeout_s = headers_timeout_s
         self._headers_deadline: asyncio.TimerHandle | None = None
         self._budget = budget
+        self._linger_bytes, self._lingering, self._discarded = linger_bytes, False, 0
+        self._linger_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._raw = transport
+        self.transport = _Lingering(transport, self)  # what uvicorn (and each request's cycle) closes
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._await_headers()
         if self._budget is not None:
@@ -204,7 +233,27 @@ class Connection(H11Protocol):
         return not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete)
 
     def close_idle(self) -> None:
-        self.timeout_keep_alive_handler()  # as uvicorn closes a connection left idle
+        self.timeout_keep_alive_handler()  # as uvicorn closes an idle connection
+
+    def data_received(self, data: bytes) -> None:
+        if not self._lingering:
+            super().data_received(data)
+            return
+        self._discarded += len(data)  # the rest of a refused body: counted, never kept
+        if self._discarded > self._linger_bytes:
+            self._raw.close()
+
+    def close_transport(self) -> None:
+        """Close, lingering first if the client is still sending a request's body."""
+        if self._lingering or self._raw.is_closing():
+            return
+        if self.conn.their_state is not h11.SEND_BODY or not self._raw.can_write_eof():
+            self._raw.close()
+            return
+        self._lingering = True
+        self._raw.write_eof()  # a FIN once the answer is written; the client's EOF then closes it
+        self._raw.resume_reading()
+        self._linger_deadline = self.loop.call_later(self._headers_timeout_s, self._raw.close)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -212,8 +261,9 @@ class Connection(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        if self._headers_deadline is not None:
-            self._headers_deadline.cancel()
+        for timer in (self._headers_deadline, self._linger_deadline):
+            if timer is not None:
+                timer.cancel()
         if self._budget is not None:
             self._budget.closed(self)
 
@@ -227,25 +277,45 @@ class Connection(H11Protocol):
             self.timeout_keep_alive_handler()  # closes the connection as uvicorn closes an idle one
 
 
-async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+class _Lingering:
+    """A connection's transport as uvicorn sees it: the same, except that `close` lingers
+    (`Connection.close_transport`) and a lingering one is closing."""
+
+    def __init__(self, transport: asyncio.Transport, conn: Connection):
+        self._transport, self._conn = transport, conn
+
+    def close(self) -> None:
+        self._conn.close_transport()
+
+    def is_closing(self) -> bool:
+        return self._conn._lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float, limit: str = BODY_LIMIT) -> bytes:
         """The body, refused (413) past `max_bytes` as soon as that is known (a Content-Length
         over it: before reading anything), and (408) when it has not all come `timeout_s` after
-        reading began. Either way the connection closes: the rest of the body is never read."""
-        too_large = ApiError(413, f"the request body is over this server's limit of {max_bytes} bytes",
-                             code="request_too_large", close=True)
+        reading began. Either way the connection closes after the answer, the rest of the body
+        read and discarded (`Connection`) so the client reads the answer. `limit`: where
+        `max_bytes` comes from, named in the 413."""
+        def too_large(size: str) -> ApiError:
+            return ApiError(413, f"the request body ({size}) is over this server's limit of {size_text(max_bytes)} "
+                                 f"({max_bytes} bytes: {limit}); send less, e.g. cut long observations",
+                            code="request_too_large", close=True)
         length = request.headers.get("content-length")
         if length is not None and int(length) > max_bytes:  # (h11 has checked it is digits)
-            raise too_large
+            raise too_large(size_text(int(length)))
         chunks, size = [], 0
         try:
             with anyio.fail_after(timeout_s):
                 async for chunk in request.stream():
                     size += len(chunk)
                     if size > max_bytes:
-                        raise too_large
+                        raise too_large(f"over {size_text(max_bytes)}, sent in chunks")
                     chunks.append(chunk)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {timeout_s} s", code="timeout",
                            close=True) from None
         return b"".join(chunks)
-

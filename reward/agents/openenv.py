@@ -9,7 +9,9 @@ Docker image), before the run. Per episode: the user's `EnvClient` class connect
 user's turn; each model reply (a chat call to the episode's base URL, which the agent server
 records token for token) becomes the action (`action_field`), and each observation after a step
 the next user turn, until the environment says done or `max_turns`. The episode's reward is the
-sum of the environment's rewards. A server that hangs or dies costs its episode only: its calls
+sum of the environment's rewards. An episode whose conversation fills the model's context (the
+agent server answers 400 `context_length_exceeded`) ends there, truncated, with the rewards it had
+(the runner marks it truncated). A server that hangs or dies costs its episode only: its calls
 raise or overrun `task.agent_timeout_s`, and the episode is an error sample.
 
 Runs where only the standard library part of ours is importable (reward.loader here).
@@ -24,7 +26,7 @@ import typing
 from typing import Any
 
 import openenv.core  # noqa: F401 - imported once, in the zygote, not by every episode
-from openai import AsyncOpenAI
+from openai import AsyncOpenAI, BadRequestError
 
 from reward.loader import load_object  # standard library only, as the zygote's own loader
 
@@ -71,7 +73,12 @@ async def episode(base_url: str, row: dict, *, client: str, server_url: str, act
         for _ in range(max_turns):
             if result.done:
                 break
-            reply = await llm.chat.completions.create(model="policy", messages=messages)
+            try:
+                reply = await llm.chat.completions.create(model="policy", messages=messages)
+            except BadRequestError as err:
+                if err.code == "context_length_exceeded":  # the context is full: truncated, keeping its rewards
+                    break
+                raise
             text = reply.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": text})
             result = await env.step(action(**{action_field: text}))

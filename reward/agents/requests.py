@@ -29,6 +29,15 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "logprobs_mode": (), "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",),
 }
 
+# Why `response_format` (JSON mode, a JSON schema: the Agents SDK's `output_type`) is refused rather
+# than served through the engine's structured outputs (docs/environments-and-agents.md)
+STRUCTURED_OUTPUT = (
+    "response_format: structured output is not served: the learner would train on tokens a grammar "
+    "constrained (the engine masks every token the JSON schema forbids) as if the policy had sampled them "
+    "freely, so the sampler's and the learner's log-probs disagree; use a plain-text instruction (e.g. 'reply "
+    "with a JSON object with keys ...') and parse the reply. With the OpenAI Agents SDK, leave Agent.output_type "
+    "unset and parse result.final_output yourself; omit response_format (or send {\"type\": \"text\"})")
+
 
 def show(value: Any) -> str:
     """A client's value quoted in an error: cut short, however long or deeply nested."""
@@ -66,6 +75,8 @@ def check_fields(body: dict[str, Any], completions: bool) -> None:
         if name not in SERVED | IGNORED | set(NEUTRAL):
             raise ApiError(400, f"unsupported field {show(name)}: this training server refuses what it cannot honour "
                                 "exactly rather than ignore it; omit it", name)
+        if name == "response_format" and not _neutral(value, NEUTRAL[name]):
+            raise ApiError(400, STRUCTURED_OUTPUT, name, "structured_output_not_served")
         if name in NEUTRAL and not _neutral(value, NEUTRAL[name]):
             neutral = " or ".join(json.dumps(o) for o in NEUTRAL[name]) or "nothing else"
             raise ApiError(400, f"{name}={show(value)} is not supported by this training server (it samples one "

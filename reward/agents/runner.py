@@ -186,8 +186,16 @@ class AgentRunner:
                                 group_id=req.group_id, sample_index=req.sample_index, metadata=req.metadata,
                                 max_len=self.max_len, decode=self.decode)
         cause = lost or (outcome.error if outcome is not None else "no outcome")
+        if lost is None and refused and "(rollout.max_model_len)" in refused:
+            # it reached its context (a call refused for it): the episode ends there, truncated, and keeps
+            # what it earned: the agent's return value, or, where the agent raised at the refusal, the
+            # reward functions' score (issue 59)
+            sample.truncated, cause = True, None
         if cause is None and refused and "task.agent_max_calls" in refused:
             cause = refused
+        elif cause is not None and refused:  # named, though the agent's client may have hidden it (issue 59)
+            said = refused.partition(": ")[2][4:] in cause  # its message (after the status) is there already
+            cause += f" ({refused.partition(':')[0]})" if said else f"; before that, {refused}"
         reward = None
         if cause is None:
             reward, cause = episode_reward(outcome.value, self.reward_bound)

@@ -74,7 +74,7 @@ class _Episode:
     conv: Conversation = field(default_factory=Conversation)
     done: bool = False  # ended or closed: nothing more is recorded
     waiting: int = 0  # its requests in flight or waiting their turn (at most max_pending_per_episode)
-    refused: str | None = None  # the first cap it ran into (logged once per episode, not per request)
+    refused: str | None = None  # its last refusal, naming the call (only the first is logged: `_refused`)
 
 
 class AgentServer:
@@ -238,7 +238,9 @@ class AgentServer:
             return list(ep.calls)
 
     def refusal(self, key: str) -> str | None:
-        """The cap the episode ran into, if any (the runner makes it the sample's error)."""
+        """The episode's last refusal, if any ("the agent server refused call 3: 413 the request
+        body ..."): the runner names it in the sample's error, since the agent may have seen only
+        what its client made of it."""
         with self._lock:
             ep = self._episodes.get(key)
             return None if ep is None else ep.refused
@@ -255,13 +257,21 @@ class AgentServer:
         return ep
 
     def _refuse(self, ep: _Episode, why: str, close: bool = False) -> ApiError:
-        """The 429 for an episode past a cap; the episode's first is logged and is its refusal."""
-        with self._lock:
-            first, ep.refused = ep.refused is None, ep.refused or why
-        if first:
-            log.warning("agent server: an episode (seed_base %d) %s; its further refusals are not logged",
-                        ep.seed_base, why)
+        """The 429 for an episode past a cap (recorded as it is answered: `_refused`)."""
         return ApiError(429, why, code="rate_limit_exceeded", close=close)
+
+    def _refused(self, key: Any, err: ApiError) -> None:
+        """A 4xx answered to a live episode (`key`) is its last refusal; its first is logged."""
+        with self._lock:
+            ep = self._episodes.get(key) if isinstance(key, str) and 400 <= err.status < 500 \
+                and err.status != 404 else None
+            if ep is None:
+                return
+            first, call = ep.refused is None, len(ep.calls) + 1
+            ep.refused = f"the agent server refused call {call}: {err.status} {err.message}"
+        if first:
+            log.warning("agent server: an episode (seed_base %d) was refused call %d: %d %s; its further refusals "
+                        "are not logged", ep.seed_base, call, err.status, err.message)
 
     # ---- HTTP -----------------------------------------------------------------------------------
 
@@ -270,7 +280,8 @@ class AgentServer:
         app.add_middleware(AnswerFaults)
 
         @app.exception_handler(ApiError)
-        async def api_error(_: Request, err: ApiError) -> JSONResponse:
+        async def api_error(request: Request, err: ApiError) -> JSONResponse:
+            self._refused(request.path_params.get("key"), err)
             return err.response()
 
         @app.exception_handler(StarletteHTTPException)

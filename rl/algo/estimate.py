@@ -48,11 +48,12 @@ def estimate_advantages(
     turn_rewards: torch.Tensor | None = None,
     teacher_logprobs: torch.Tensor | None = None,  # [B, T-1] on-policy distillation: the teacher's
     student_logprobs: torch.Tensor | None = None,  # [B, T-1] ... and the student's of the same tokens
+    episode_index: torch.Tensor | None = None,  # [rows] each row's episode (TrainBatch.episode_index)
 ) -> Estimate:
     """The task's advantages (`_task_advantages`), with on-policy distillation
     (algorithm.distill_coef > 0) mixed with the teacher's per-token ones (rl/algo/distill.py)."""
     est = _task_advantages(settings, outcome, valid, group_ids, mask, kl_coef, old_logprobs, ref_logprobs, values,
-                           turn_rewards)
+                           turn_rewards, episode_index)
     if settings.distill_coef > 0:
         if teacher_logprobs is None or student_logprobs is None:
             raise ValueError("algorithm.distill_coef > 0 needs the teacher's and the student's log-probs of the "
@@ -83,10 +84,14 @@ def _task_advantages(
     ref_logprobs: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
     turn_rewards: torch.Tensor | None = None,  # [B, T-1] episodes: each turn's reward on its last model token
+    episode_index: torch.Tensor | None = None,  # [rows]: an episode's segments are rows of their own
 ) -> Estimate:
     """Outcome estimators see each sample's total reward (an episode's turn rewards included);
     per-token ones (REINFORCE++, GAE) get each turn's reward on the turn's last model token and
-    the rest of the total (reward functions' share) on the last one."""
+    the rest of the total (reward functions' share) on the last one. With `episode_index` (an
+    episode in several rows, its segments: outcome, valid and group_ids are per episode, the rest
+    per row), an outcome estimator sees each episode once and its advantage goes to every row of
+    it; a per-token one treats each row as a trajectory ending with its episode's reward."""
     mask = mask.to(torch.float32)
     outcome = torch.where(valid.bool(), outcome.to(torch.float64), torch.zeros_like(outcome, dtype=torch.float64))
     metrics: dict[str, float] = {}
@@ -107,9 +112,18 @@ def _task_advantages(
     kwargs = {key: given[key] if key == "group_ids" else given[key].float() for key in estimator.inputs}
     kwargs.update(ADVANTAGES.settings(name, settings))
     if estimator.kind == "outcome":
-        seq_reward = outcome if kl is None else outcome - kl_coef * kl.sum(dim=1).to(torch.float64)
+        seq_kl = None if kl is None else kl.sum(dim=1).to(torch.float64)
+        if seq_kl is not None and episode_index is not None:  # an episode's KL: all of its rows'
+            seq_kl = torch.zeros_like(outcome).index_add_(0, episode_index, seq_kl)
+        seq_reward = outcome if seq_kl is None else outcome - kl_coef * seq_kl
         per_sample = estimator.fn(seq_reward, valid=valid, **kwargs)
+        if episode_index is not None:
+            per_sample = per_sample[episode_index]
         return Estimate(per_sample.float()[:, None] * mask, None, metrics)
+    if episode_index is not None:  # per-token: each row a trajectory, ending with its episode's reward
+        outcome, valid = outcome[episode_index], valid[episode_index]
+        if "group_ids" in kwargs:
+            kwargs["group_ids"] = group_ids[episode_index]
     if turn_rewards is None:
         token_rewards = token_level_rewards(outcome.float(), mask, kl, kl_coef)
     else:

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rl.data.types import ScoredSample, TrainBatch
 
 
+def _rows(scored: list[ScoredSample], segment_rows: bool) -> list[tuple[int, Any]]:
+    """(sample index, the part laid out as a row): each sample's own part, then, with
+    `segment_rows`, the earlier segments of the samples that did not fail (a failed one trains on
+    nothing: its own row, zero-masked, keeps its place)."""
+    rows: list[tuple[int, Any]] = [(i, s.sample) for i, s in enumerate(scored)]
+    if segment_rows:
+        rows += [(i, seg) for i, s in enumerate(scored) if s.error is None for seg in s.sample.segments or ()]
+    return rows
+
+
 def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mask_truncated: bool = False,
-                      max_staleness: int = 0) -> TrainBatch:
+                      max_staleness: int = 0, segment_rows: bool = False) -> TrainBatch:
     """Right-pad prompt+completion rows; the loss covers completion tokens of scored samples only
     (an episode's model tokens: its observation tokens are masked out). Episodes also get
     `turn_rewards`: each rewarded turn's reward on its last model token.
@@ -19,14 +31,21 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
     Samples must come from policy versions `version - max_staleness` .. `version` (asynchronous
     rollouts, `algorithm.off_policy_steps`): older ones are refused, never trained on. (A failed
     sample, e.g. an agent that crashed before its first call, has no tokens of any version.)
+
+    With `segment_rows`, an episode's earlier segments (`Sample.segments`: its prompt changed
+    midway) are rows too, after the samples' own, each its own prompt + tokens under the episode's
+    mask and finish reason; `episode_index` then says whose each row is, so that advantages are
+    computed per episode (its reward counted once in its group) and spread to all of its rows.
+    Without, only each episode's last segment is a row.
     """
     stale = {s.sample.policy_version for s in scored  # (a failed sample is never trained on: no date needed)
              if s.error is None and not version - max_staleness <= s.sample.policy_version <= version}
     if stale:
         raise RuntimeError(f"samples from policy versions {sorted(stale)} reached a step training version {version} "
                            f"(at most {max_staleness} behind allowed)")
-    width = max(2, max(len(s.sample.prompt_ids) + len(s.sample.completion_ids) for s in scored))  # (all may be empty)
-    b = len(scored)
+    rows = _rows(scored, segment_rows)
+    width = max(2, max(len(part.prompt_ids) + len(part.completion_ids) for _, part in rows))  # (all may be empty)
+    b = len(rows)
     input_ids = torch.full((b, width), pad_id, dtype=torch.long)
     attention = torch.zeros((b, width), dtype=torch.long)
     loss_mask = torch.zeros((b, width - 1))
@@ -34,28 +53,32 @@ def build_train_batch(scored: list[ScoredSample], pad_id: int, version: int, mas
     adv = torch.zeros((b, width - 1))
     episodes = any(s.sample.turns is not None for s in scored)
     turn_rewards = torch.zeros((b, width - 1)) if episodes else None
-    for i, s in enumerate(scored):
-        p, c = s.sample.prompt_ids, s.sample.completion_ids
-        input_ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
-        attention[i, : len(p) + len(c)] = 1
+    for r, (i, part) in enumerate(rows):
+        s = scored[i]
+        p, c = part.prompt_ids, part.completion_ids
+        input_ids[r, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
+        attention[r, : len(p) + len(c)] = 1
         # position t predicts token t+1: completion token j sits at len(p)+j, predicted from len(p)+j-1
         span = slice(len(p) - 1, len(p) - 1 + len(c))
-        rollout_lp[i, span] = torch.tensor(s.sample.logprobs)
+        rollout_lp[r, span] = torch.tensor(part.logprobs)
         if s.error is None and c and not (mask_truncated and s.sample.finish_reason == "length"):
             # an episode's observation tokens are not the model's: never in the loss
-            mine = s.sample.completion_mask
-            loss_mask[i, span] = 1.0 if mine is None else torch.tensor(mine, dtype=torch.float32)
-            for j, r in s.sample.turn_rewards() if turn_rewards is not None else ():
-                turn_rewards[i, len(p) - 1 + j] += r
+            mine = part.completion_mask
+            loss_mask[r, span] = 1.0 if mine is None else torch.tensor(mine, dtype=torch.float32)
+            for t in part.turns or () if turn_rewards is not None else ():
+                if t.role == "model" and t.reward is not None:  # each rewarded turn's on its last model token
+                    turn_rewards[r, len(p) - 1 + t.end - 1] += t.reward
+    segmented = len(rows) > len(scored)
     return TrainBatch(
         input_ids=input_ids,
         attention_mask=attention,
         loss_mask=loss_mask,
         rollout_logprobs=rollout_lp,
         advantages=adv,
-        group_ids=torch.tensor([s.sample.group_id for s in scored], dtype=torch.long),
+        group_ids=torch.tensor([scored[i].sample.group_id for i, _ in rows], dtype=torch.long),
         policy_version=version,
         turn_rewards=turn_rewards,
+        episode_index=torch.tensor([i for i, _ in rows], dtype=torch.long) if segmented else None,
     )
 
 

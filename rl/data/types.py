@@ -41,7 +41,12 @@ class Sample:
 
     An episode (multi-turn, `rl.data.episodes`) is one Sample too: `completion_ids` holds every token
     after the prompt, the model's turns exactly as sampled and the observations as tokenized once,
-    `completion_mask` marks which are the model's (1) and `turns` says where each turn lies."""
+    `completion_mask` marks which are the model's (1) and `turns` says where each turn lies.
+
+    An episode whose prompt changed midway (an agent handoff swapping the system message, a
+    summary, a trimmed context) has `segments`: its earlier parts, each token-exact with a prompt
+    of its own; the Sample's own prompt and completion are its last part (docs/environments-and-
+    agents.md "Segments"). Every part trains with the episode's one reward."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -65,6 +70,8 @@ class Sample:
     # log p(prompt token t | earlier ones) for each prompt token (None for the first), when the
     # request asked for them (`GenerationRequest.prompt_logprobs`)
     prompt_logprobs: list[float | None] | None = None
+    segments: list[Segment] | None = None  # episodes only: the parts before this one, in order
+    truncated: bool = False  # the episode filled its context (a call refused for it) and ended there, kept
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.completion_ids):
@@ -80,7 +87,8 @@ class Sample:
 
     def oldest_version(self) -> int:
         """The policy version of the sample's oldest token (the staleness bound counts it)."""
-        return min(self.token_versions, default=self.policy_version) if self.token_versions else self.policy_version
+        own = min(self.token_versions, default=self.policy_version) if self.token_versions else self.policy_version
+        return min([own] + [v for seg in self.segments or () for v in seg.token_versions])
 
     def turn_rewards(self) -> list[tuple[int, float]]:
         """(index in completion_ids of the turn's last model token, reward) of each rewarded turn."""
@@ -97,6 +105,25 @@ class Turn:
     text: str
     reward: float | None = None  # the environment's reward for this model turn
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Segment:
+    """An earlier part of an episode (`Sample.segments`): a prompt of its own (the calls before
+    it are not its prefix), then its turns as in a Sample, its own training row."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    completion_mask: list[int]
+    token_versions: list[int]
+    turns: list[Turn]
+
+    def __post_init__(self) -> None:
+        n = len(self.completion_ids)
+        if not len(self.logprobs) == len(self.completion_mask) == len(self.token_versions) == n:
+            raise ValueError(f"Segment has {n} completion tokens but {len(self.logprobs)} logprobs, a mask of "
+                             f"{len(self.completion_mask)} and {len(self.token_versions)} token versions")
 
 
 @dataclass
@@ -120,6 +147,11 @@ class ScoredSample:
             rest.pop(key)  # an episode's error is the ScoredSample's (below)
         if rest["turns"] is None:
             rest.pop("turns")
+        segments = rest.pop("segments")
+        if segments:  # an earlier part's size and model turns, not its ids
+            rest["segments"] = [{"prompt_tokens": len(seg["prompt_ids"]),
+                                 "completion_tokens": len(seg["completion_ids"]), "turns": seg["turns"]}
+                                for seg in segments]
         row = {"prompt_text": rest.pop("prompt_text"), "completion_text": rest.pop("completion_text"),
                "data": rest.pop("metadata"), "reward": self.reward, "components": self.components, "error": self.error}
         return {**row, **rest}
@@ -146,6 +178,9 @@ class TrainBatch:
     returns: torch.Tensor | None = None  # [B, T-1], the critic's targets (PPO)
     turn_rewards: torch.Tensor | None = None  # [B, T-1], episodes: each turn's reward on its last model token
     teacher_logprobs: torch.Tensor | None = None  # [B, T-1], the teacher's (on-policy distillation)
+    # episodes with segments: the sample (index in the scored list) each row is a part of; rows
+    # 0..n-1 are the samples' own, the earlier segments' rows follow. None: row i is sample i
+    episode_index: torch.Tensor | None = None  # [B] long
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -174,4 +209,5 @@ class TrainBatch:
             returns=rows(self.returns),
             turn_rewards=rows(self.turn_rewards),
             teacher_logprobs=rows(self.teacher_logprobs),
+            episode_index=None if self.episode_index is None else self.episode_index[index],
         )

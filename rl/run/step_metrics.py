@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from rl.algo.advantages import group_success_stats
 from rl.config.schema import TrainConfig
 from rl.data.types import Sample, ScoredSample
-from rl.plan.flops import step_cost
+from rl.plan.flops import step_cost, utilisation
 from rl.run.faults import episode_cause
 from rl.run.scoring import reward_metrics, reward_tensors
 
@@ -81,6 +81,7 @@ def cost_metrics(cfg: TrainConfig, train_metrics: dict[str, float], learner_s: f
     tflop, peak = train_metrics.get("perf/model_tflop"), train_metrics.get("perf/peak_tflops", 0.0)
     if tflop is not None and peak > 0 and learner_s > 0:
         out["perf/mfu"] = tflop / (learner_s * peak * cfg.trainer.num_workers)
+        out.update(utilisation(train_metrics, learner_s, cfg.trainer.num_workers))  # hw and effective, named
         out["perf/trained_tokens_per_s"] = train_metrics["perf/trained_tokens"] / learner_s
     if cfg.cluster.price_per_device_hour > 0:
         devices = cfg.trainer.num_workers + cfg.rollout.num_workers
@@ -101,10 +102,15 @@ def episode_metrics(samples: list[Sample]) -> dict[str, float]:
     failed = [s.error for s in episodes if s.error is not None and s.error.startswith("task.agent=")]
     agents = {"agent/errors_count": float(len(failed)),
               "agent/timeouts_count": float(sum(AGENT_KILLED in episode_cause(e) for e in failed))} if failed else {}
-    turns = [sum(t.role == "model" for t in s.turns) for s in episodes]
-    obs = sum(len(s.completion_ids) - sum(s.completion_mask) for s in episodes)
+    truncated = sum(s.truncated for s in episodes)  # reached the context, kept (issue 59)
+    if truncated:
+        agents["agent/truncated_count"] = float(truncated)
+    parts = [[*(s.segments or ()), s] for s in episodes]  # an episode's segments count as its own
+    turns = [sum(t.role == "model" for p in ps for t in p.turns) for ps in parts]
+    tokens = sum(len(p.completion_ids) for ps in parts for p in ps)
+    obs = tokens - sum(sum(p.completion_mask) for ps in parts for p in ps)
     return {"episode/turns_mean": statistics.fmean(turns), "episode/turns_max": float(max(turns)),
-            "episode/observation_tokens_frac": obs / max(1, sum(len(s.completion_ids) for s in episodes)),
+            "episode/observation_tokens_frac": obs / max(1, tokens),
             "episode/errors_count": float(sum(s.error is not None for s in episodes)), **agents}
 
 

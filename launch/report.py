@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from rl.run.loggers import flatten
+from rl.run.run_log import read_metrics
 
 TIME_PARTS = ("time/rollout_s", "time/reward_s", "time/score_s", "time/train_s", "time/sync_s", "time/eval_s")
 # (title, y label, metric keys: the first one present of each tuple is drawn)
@@ -32,19 +33,9 @@ PANELS: tuple[tuple[str, str, tuple[tuple[str, ...], ...]], ...] = (
 def read_rows(run_dir: str) -> list[dict[str, Any]]:
     """metrics.jsonl rows by step (a step redone after a resume: its latest row); a line that does
     not parse (the one a running run is writing) is skipped."""
-    by_step: dict[int, dict[str, Any]] = {}
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
+    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
         raise FileNotFoundError(f"{run_dir} holds no metrics.jsonl: not a run directory, or no step has ended yet")
-    with open(path) as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and "step" in row:
-                by_step[int(row["step"])] = row
-    return [by_step[k] for k in sorted(by_step)]
+    return read_metrics(run_dir)
 
 
 def step_reward(row: dict[str, Any]) -> float | None:

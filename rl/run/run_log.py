@@ -236,7 +236,13 @@ class RunLog:
 
 
 def _rows_before(path: str, step: int) -> dict[int, dict[str, Any]]:
-    """metrics.jsonl's rows of the steps before `step` (a step's latest; a line that does not parse skipped)."""
+    """metrics.jsonl's rows of the steps before `step`."""
+    return {k: row for k, row in metric_rows(path).items() if 0 <= k < step}
+
+
+def metric_rows(path: str) -> dict[int, dict[str, Any]]:
+    """A metrics.jsonl's rows by step (a step redone after a resume: its latest row); a line that
+    does not parse (the one a running run is writing) is skipped."""
     rows: dict[int, dict[str, Any]] = {}
     with open(path) as f:
         for line in f:
@@ -244,17 +250,12 @@ def _rows_before(path: str, step: int) -> dict[int, dict[str, Any]]:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and 0 <= row["step"] < step:
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
                 rows[row["step"]] = row
     return rows
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     """One row per step in step order; a step redone after a resume keeps its latest row."""
-    by_step: dict[int, dict[str, Any]] = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                by_step[row["step"]] = row
+    by_step = metric_rows(os.path.join(run_dir, "metrics.jsonl"))
     return [by_step[k] for k in sorted(by_step)]

@@ -57,8 +57,50 @@ def check_serve(cfg: DictConfig) -> str:
     require_length(cfg.model.path, model_config, cfg.rollout.max_model_len)
     require_vllm_architecture(cfg.model.path, model_config)
     require_writable(cfg.run.dir)
-    refuse_existing_run(cfg.run.dir)  # a service's metrics and saved weights are never written over
+    if cfg.run.resume:
+        require_served_run(cfg.run.dir, name)
+    else:
+        refuse_existing_run(cfg.run.dir)  # a service's metrics and saved weights are never written over
     return name
+
+
+def require_served_run(run_dir: str, name: str) -> None:
+    """`run.resume=true`: `run_dir` holds a service's run (its `tinker/` weights) of the same base
+    model, whose saved `tinker://` paths, runs and checkpoints the restarted service serves again."""
+    import json
+
+    from launch.tinker.service import RUN_META
+
+    weights = os.path.join(run_dir, "tinker")
+    if not os.path.isdir(weights):
+        raise FileNotFoundError(f"run.resume=true: {run_dir} holds no Tinker service run (no tinker/ folder); "
+                                "give the run.dir of an earlier launch.serve, or drop run.resume to start a new one")
+    for entry in sorted(os.listdir(weights)):
+        try:
+            with open(os.path.join(weights, entry, RUN_META)) as f:
+                served = json.load(f).get("base_model")
+        except (OSError, ValueError):
+            continue
+        if served and served != name:
+            raise ValueError(f"run.resume=true: {run_dir} holds weights trained on {served!r}, not {name!r}: "
+                             f"start it with model.path={served} (or serve.model_name={served})")
+
+
+def _next_step(run_dir: str) -> int:
+    """The first metrics.jsonl step a resumed service writes (after the earlier run's)."""
+    import json
+
+    last = 0
+    path = os.path.join(run_dir, "metrics.jsonl")
+    with open(path) if os.path.exists(path) else open(os.devnull) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:  # a line cut short when the earlier service was killed
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), int):
+                last = max(last, row["step"])
+    return last + 1
 
 
 class Served:
@@ -85,7 +127,9 @@ class Served:
         OmegaConf.update(cfg, "serve.model_name", model_name)
         # the run directory as launch.train keeps one: config.yaml, metrics.jsonl (a row per
         # optim_step) and the run's loggers; summary.json and report.png/md when it stops
-        self.run_log = RunLog(cfg.run.dir, 0, title="TINKER", progress=False,
+        first_step = _next_step(cfg.run.dir) if cfg.run.resume else 1
+        self.run_log = RunLog(cfg.run.dir, 0, title="TINKER", progress=False, resume=bool(cfg.run.resume),
+                              start_step=first_step - 1,
                               config_yaml=OmegaConf.to_yaml(cfg, resolve=True), loggers=list(cfg.run.loggers),
                               config=OmegaConf.to_container(cfg, resolve=True),
                               sink_options={"project": cfg.run.project,
@@ -110,7 +154,7 @@ class Served:
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.service = TinkerService(config, self.fleet, tokenizer, cfg.model.path, cfg.run.dir, start_trainer,
-                                     run_log=self.run_log)
+                                     run_log=self.run_log, first_step=first_step)
         self.server = uvicorn.Server(uvicorn.Config(make_app(self.service), host=cfg.serve.host, port=cfg.serve.port,
                                                     log_level="warning", timeout_keep_alive=75,
                                                     timeout_graceful_shutdown=GRACE_S))
@@ -128,7 +172,8 @@ class Served:
         threading.Thread(target=self._expire, name="tinker-sessions", daemon=True).start()
 
     def _expire(self) -> None:
-        while not self._stopping.wait(10):
+        # a client gone (no heartbeat for serve.session_timeout_s) is noticed within a quarter of it
+        while not self._stopping.wait(min(10.0, self.service.s.session_timeout_s / 4)):
             self.service.expire()
 
     def stop(self) -> None:

@@ -38,7 +38,10 @@ def serving(args: list[str], log_path: Path, env: dict[str, str] | None = None, 
         yield url
     finally:
         signalled = time.monotonic()
-        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:  # it exited already (it refused to start)
+            pass
         try:
             returncode = proc.wait(60)
         except subprocess.TimeoutExpired:

@@ -350,3 +350,174 @@ def test_sigterm_stops_the_service_within_seconds_whatever_its_calls_wait_for(ti
     assert stopped["returncode"] == 0 and stopped["seconds"] < 20, stopped
     assert (run_dir / "summary.json").exists() and (run_dir / "report.md").exists()
     assert "Tinker service stopped" in (tmp_path / "serve.log").read_text()
+
+
+_GONE_CLIENT = """
+import json, sys, time
+import httpx, tinker
+url, model, key = sys.argv[1:4]
+tc = tinker.ServiceClient(base_url=url).create_lora_training_client(base_model=model, rank=4,
+                                                                    train_unembed=False).result(timeout=600)
+# calls queued behind seq_id 1 and 2, which never come: they wait for their turn when the client dies
+queued = [httpx.post(url + "/api/v1/optim_step", json={"model_id": tc.model_id, "seq_id": s,
+                                                      "adam_params": {"learning_rate": 1e-3}},
+                     headers={"x-api-key": key}, timeout=60).json()["request_id"] for s in (3, 4, 5)]
+print("QUEUED " + json.dumps({"model_id": tc.model_id, "queued": queued}), flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_client_gone_frees_its_models_and_drops_its_calls_and_a_full_service_evicts_an_idle_model(
+        tiny_untrained, tmp_path):
+    """Issue 60.6: a client process killed with calls queued stops heartbeating (the SDK beats every
+    10 s): within serve.session_timeout_s (+ a quarter of it) its model is freed and its queued calls fail as
+    dropped, never computed. A full service (serve.max_models=1) makes room for a new model by
+    evicting the idle one (its state saved); that model's next call restores it where it was."""
+    import subprocess
+    import sys
+    import time
+
+    model = os.path.join(tiny_untrained, "model")
+    run_dir = tmp_path / "run"
+    os.environ["TINKER_API_KEY"] = KEY
+    with serving([f"model.path={model}", f"serve.api_key={KEY}", "serve.session_timeout_s=25", "serve.max_models=1",
+                  "serve.seq_wait_s=600", f"run.dir={run_dir}"], tmp_path / "serve.log") as url:
+        client = subprocess.Popen([sys.executable, "-c", _GONE_CLIENT, url, model, KEY], stdout=subprocess.PIPE,
+                                  stderr=open(tmp_path / "client.log", "w"), text=True,
+                                  env={**os.environ, "TINKER_API_KEY": KEY})
+        try:
+            line = ""
+            while not line.startswith("QUEUED "):
+                line = client.stdout.readline()
+                assert line or client.poll() is None, (tmp_path / "client.log").read_text()[-3000:]
+        finally:
+            client.kill()
+            client.wait(30)
+        gone = json.loads(line[len("QUEUED "):])
+        killed = time.monotonic()
+        while httpx.post(url + "/api/v1/get_info", json={"model_id": gone["model_id"]}, headers={"x-api-key": KEY},
+                         timeout=60).status_code != 404:
+            assert time.monotonic() - killed < 45, "the dead client's model is still alive"
+            time.sleep(0.5)
+        for request_id in gone["queued"]:  # answered at once: dropped
+            r = httpx.post(url + "/api/v1/retrieve_future", json={"request_id": request_id},
+                           headers={"x-api-key": KEY}, timeout=10).json()
+            assert r.get("category") == "user" and "dropped" in r["error"], r
+
+        sc = tinker.ServiceClient(base_url=url)
+
+        def step(tc):
+            tc.forward_backward([_ce()] * 2, "cross_entropy").result(timeout=300)
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result(timeout=300)
+            return tc.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"]
+
+        first = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
+        after_one = step(first)
+        # the service is full (max_models=1): the idle first model is evicted, not the new one refused.
+        # The second starts as the first did (the same seed) and takes two steps with no eviction between
+        second = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
+        assert step(second) == pytest.approx(after_one, rel=1e-5)
+        after_two = step(second)
+        assert abs(after_two - after_one) > 1e-3
+        # the first model's next calls: restored from its saved state (the second one evicted in turn),
+        # Adam's moments too: its second step is the second model's
+        assert first.forward([_ce()], "cross_entropy").result(timeout=300).metrics["loss:sum"] == \
+            pytest.approx(after_one, rel=1e-5)
+        assert step(first) == pytest.approx(after_two, rel=1e-4)
+        sc.close("success")
+    calls = [json.loads(line) for line in (run_dir / "calls.jsonl").read_text().splitlines()]
+    assert not [c for c in calls if c["of"] == gone["model_id"]]  # its queued calls were never computed
+    log = (tmp_path / "serve.log").read_text()
+    assert f"training model {first.model_id}: evicted" in log and f"training model {first.model_id}: restored" in log
+
+
+def _hf_logprobs(model, tokens):
+    """log p(tokens[t+1] | tokens[:t+1]) of a transformers model, as the service's forward reports them."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([tokens])).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0].numpy()
+
+
+def test_weights_come_out_through_the_rest_calls_and_a_resumed_service_serves_them(tiny_untrained, tmp_path):
+    """Issue 60.3 and 60.4: the runs and checkpoints a model saved are listed by the SDK's RestClient
+    (list/get training runs, list_checkpoints, list_user_checkpoints); the archive behind the
+    cookbook's `weights.download` (a 302 to a URL fetched without the key, a tar) holds a peft folder
+    that loads in peft and, merged, in transformers with the service's log-probs. Restarted with
+    run.resume=true on the same run.dir, the service lists those runs and checkpoints again, samples
+    from the old sampler path and makes a training model from the old state."""
+    import tarfile
+    import urllib.request
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = os.path.join(tiny_untrained, "model")
+    run_dir = tmp_path / "run"
+    os.environ["TINKER_API_KEY"] = KEY
+    args = [f"model.path={model}", f"serve.api_key={KEY}", f"run.dir={run_dir}"]
+    with serving(args, tmp_path / "serve.log") as url:
+        sc = tinker.ServiceClient(base_url=url)
+        tc = sc.create_lora_training_client(base_model=model, rank=4, train_unembed=False).result(timeout=600)
+        for _ in range(2):
+            tc.forward_backward([_ce()] * 2, "cross_entropy").result(timeout=300)
+            tc.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=300)
+        trained = tc.forward([_datum(SEQ, weights=[1.0] * (len(SEQ) - 1))], "cross_entropy").result(timeout=300)
+        lp = np.asarray(trained.loss_fn_outputs[0]["logprobs"].tolist())
+        sampler_path = tc.save_weights_for_sampler("final").result(timeout=300).path
+        state_path = tc.save_state("state-2").result(timeout=300).path
+
+        rest = tinker.RestClient(base_url=url)
+        assert tc.model_id in [r.training_run_id for r in rest.list_training_runs().result(timeout=60).training_runs]
+        run = rest.get_training_run(tc.model_id).result(timeout=60)
+        assert run.base_model == model and run.is_lora and run.lora_rank == 4
+        assert run.last_sampler_checkpoint.tinker_path == sampler_path and run.last_checkpoint.tinker_path == state_path
+        listed = rest.list_checkpoints(tc.model_id).result(timeout=60).checkpoints
+        assert {c.tinker_path for c in listed} == {sampler_path, state_path} and all(c.size_bytes > 0 for c in listed)
+        mine = rest.list_user_checkpoints().result(timeout=60)
+        assert {sampler_path, state_path} <= {c.tinker_path for c in mine.checkpoints}
+        assert mine.cursor.total_count == 2
+        with pytest.raises(tinker.NotFoundError):
+            rest.get_training_run("sess-nothere:train:0").result(timeout=60)
+
+        # the archive, fetched as the SDK's get_checkpoint_archive_url and the cookbook's download do
+        r = httpx.get(f"{url}/api/v1/training_runs/{tc.model_id}/checkpoints/sampler_weights/final/archive",
+                      headers={"x-api-key": KEY, "accept": "application/gzip"}, follow_redirects=False, timeout=60)
+        assert r.status_code == 302 and r.headers["Expires"].endswith("GMT"), r.text
+        urllib.request.urlretrieve(r.headers["Location"], tmp_path / "archive.tar")  # no API key: its URL is its secret
+        with tarfile.open(tmp_path / "archive.tar") as tar:
+            assert not any(m.issym() or m.islnk() or m.name.startswith(("/", "..")) for m in tar.getmembers())
+            tar.extractall(tmp_path / "adapter")
+        assert httpx.get(r.headers["Location"].replace("/archives/", "/archives/x"), timeout=60).status_code == 404
+        base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        adapted = PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+        assert np.allclose(_hf_logprobs(adapted, SEQ), lp, atol=1e-4)
+        adapted.merge_and_unload().save_pretrained(tmp_path / "merged")
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+        assert np.allclose(_hf_logprobs(merged, SEQ), lp, atol=1e-4)
+        sc.close("success")
+
+    # restarted on the same run.dir: refused without run.resume, served again with it
+    with pytest.raises(RuntimeError, match="already holds a run"):
+        with serving(args, tmp_path / "refused.log"):
+            pass
+    with serving(args + ["run.resume=true"], tmp_path / "resumed.log") as url:
+        sc = tinker.ServiceClient(base_url=url)
+        rest = tinker.RestClient(base_url=url)
+        assert tc.model_id in [r.training_run_id for r in rest.list_training_runs().result(timeout=60).training_runs]
+        assert rest.get_training_run(tc.model_id).result(timeout=60).last_sampler_checkpoint.tinker_path == sampler_path
+        assert {c.tinker_path for c in rest.list_checkpoints(tc.model_id).result(timeout=60).checkpoints} == \
+            {sampler_path, state_path}
+        sampler = sc.create_sampling_client(model_path=sampler_path).result(timeout=600)
+        again = sampler.compute_logprobs(types.ModelInput.from_ints(SEQ)).result(timeout=300)
+        assert again[0] is None and np.allclose(again[1:], lp, atol=1e-4)
+        restored = sc.create_training_client_from_state_with_optimizer(state_path).result(timeout=600)
+        out = restored.forward([_datum(SEQ, weights=[1.0] * (len(SEQ) - 1))], "cross_entropy").result(timeout=300)
+        assert np.allclose(np.asarray(out.loss_fn_outputs[0]["logprobs"].tolist()), lp, atol=1e-5)
+        restored.forward_backward([_ce()] * 2, "cross_entropy").result(timeout=300)
+        restored.optim_step(types.AdamParams(learning_rate=2e-2)).result(timeout=300)
+        sc.close("success")
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # the resumed service's row follows the first one's

@@ -385,3 +385,100 @@ def _same_update(trainer, peft_model, rows, data, loss, policy_loss, step):
             assert torch.allclose(trained[name][real], p[real], atol=1e-6), (loss, name)
             moved = max(moved, float((p - initial[name]).abs().max()))
     assert moved > 1e-3, loss  # the step moved the adapters (Adam's first step: about lr)
+
+
+# ---- a full service evicts the idle model; a session gone drops its queued calls (issue 60.6) ------------
+
+class _FakeTrainers:
+    """start_trainer for a TinkerService without Ray: each 'actor' records the calls it ran."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []  # (model id, method)
+        self.started: list[str] = []
+
+    def __call__(self, spec, name):
+        trainers = self
+
+        class Handle:
+            def __getattr__(self, method):
+                def remote(*args, **kwargs):
+                    trainers.calls.append((name, method))
+                    if method in ("save_state", "save_adapter"):
+                        os.makedirs(args[0], exist_ok=True)
+                    return {"grad_norm": 0.0, "learning_rate": kwargs.get("learning_rate", 0.0)}
+                return type("Remote", (), {"remote": staticmethod(remote)})()
+
+        class Group:
+            handles = [Handle()]
+            down = False
+
+            def each(self, refs, kind, timeout_s):
+                return refs
+
+            def shutdown(self):
+                Group.down = True
+
+        self.started.append(name)
+        return Group()
+
+
+def test_a_full_service_evicts_the_idle_model_and_a_session_gone_drops_its_queued_calls(tiny_untrained, tmp_path):
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from launch.tinker.service import TinkerService
+    from rl.config.compose import compose
+
+    model = f"{tiny_untrained}/model"
+    cfg = OmegaConf.to_object(compose("serve", [f"model.path={model}", "serve.max_models=1", "serve.seq_wait_s=60"]))
+    trainers = _FakeTrainers()
+    service = TinkerService(cfg, None, AutoTokenizer.from_pretrained(model), model, str(tmp_path), trainers,
+                            log=lambda _: None)
+    try:
+        sid = service.create_session()
+        result = lambda rid: service.futures.get(rid)[0].result(10)  # noqa: E731
+        result(service.create_model(sid, 0, service.model_name, {"rank": 4}))
+        a = service.models[f"{sid}:train:0"]
+        result(service.create_model(sid, 1, service.model_name, {"rank": 4}))  # full: the idle one is evicted
+        b = service.models[f"{sid}:train:1"]
+        assert a.state == "evicted" and a.group is None and (a.id, "save_state") in trainers.calls
+        assert b.state == "live"
+        result(service.optim_step(a.id, 1, {"learning_rate": 1e-3}))  # a comes back from its state; b goes
+        assert a.state == "live" and b.state == "evicted" and trainers.started == [a.id, b.id, a.id]
+        assert trainers.calls[-2:] == [(a.id, "load_state"), (a.id, "optim_step")]
+        queued = service.optim_step(a.id, 3, {"learning_rate": 1e-3})  # waits for seq_id 2: a is busy
+        with pytest.raises(UserError, match="alive and busy") as full:
+            service.create_model(sid, 2, service.model_name, {"rank": 4})
+        assert full.value.status == 429
+        service.sessions[sid].last_seen -= cfg.serve.session_timeout_s + 1  # the client stopped heartbeating
+        started = time.monotonic()
+        assert service.expire() == [sid]
+        with pytest.raises(UserError, match="dropped"):
+            service.futures.get(queued)[0].result(10)
+        assert time.monotonic() - started < 5 and trainers.calls.count((a.id, "optim_step")) == 1  # never computed
+        assert not service.models and not os.path.exists(os.path.dirname(b.evicted_to))  # its saved state removed
+    finally:
+        service.close()
+
+
+def test_run_resume_takes_a_services_run_dir_of_the_same_base_model_only(tiny_untrained, tmp_path):
+    """Issue 60.4, before Ray: a run.dir that holds a run is refused unless run.resume=true; a resumed
+    one must hold a service's weights (tinker/) trained on the base model it serves now."""
+    import json
+
+    from launch.serve import check_serve
+    from rl.config.compose import compose
+
+    model = f"{tiny_untrained}/model"
+    run_dir = tmp_path / "run"
+    (run_dir / "tinker" / "sess-1_train_0").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("")
+    args = [f"model.path={model}", f"run.dir={run_dir}"]
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        check_serve(compose("serve", args))
+    assert check_serve(compose("serve", args + ["run.resume=true"])) == os.path.abspath(model)
+    (run_dir / "tinker" / "sess-1_train_0" / "run.json").write_text(json.dumps({"base_model": "other/model"}))
+    with pytest.raises(ValueError, match="other/model"):
+        check_serve(compose("serve", args + ["run.resume=true"]))
+    with pytest.raises(FileNotFoundError, match="no Tinker service run"):
+        check_serve(compose("serve", [f"model.path={model}", f"run.dir={tmp_path / 'empty'}", "run.resume=true"]))

@@ -45,7 +45,8 @@ def make_app(service: TinkerService) -> FastAPI:
     async def guard(request: Request, call_next):
         """Every call: the API key (when one is set), the body's size; a refusal the SDK shows as
         the service said it, and nothing else breaks on an unexpected error."""
-        if request.url.path != "/api/v1/healthz":
+        # (an archive's URL is its own secret, as a signed URL: the cookbook fetches it with urllib)
+        if request.url.path != "/api/v1/healthz" and not request.url.path.startswith("/api/v1/archives/"):
             key = request.headers.get("x-api-key")
             if not key:
                 return _detail(401, "no X-API-Key header: give the SDK an api_key (TINKER_API_KEY=tml-...)")
@@ -228,21 +229,71 @@ def make_app(service: TinkerService) -> FastAPI:
                 rank, flags = json.load(f)["r"], {}
         return {"base_model": service.model_name, "is_lora": True, "lora_rank": rank, **flags}
 
+    # ---- training runs and checkpoints (RestClient; the cookbook's weights.download) -------------
+
+    def page(request: Request, default: int) -> tuple[int, int]:
+        try:
+            limit = int(request.query_params.get("limit", default))
+            offset = int(request.query_params.get("offset", 0))
+        except ValueError:
+            raise UserError("limit and offset must be integers", status=422) from None
+        if limit < 1 or offset < 0:
+            raise UserError(f"limit={limit} must be >= 1 and offset={offset} >= 0", status=422)
+        return limit, offset
+
+    @app.get("/api/v1/training_runs")
+    def training_runs(request: Request):
+        limit, offset = page(request, 20)
+        runs = service.training_runs()
+        return {"training_runs": runs[offset:offset + limit],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
+
+    @app.get("/api/v1/training_runs/{model_id}")
+    def training_run(model_id: str):
+        return service.training_run(model_id)
+
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     def checkpoints(model_id: str):
-        import datetime
-        import os
+        service.training_run(model_id)  # 404 for a run this service never had
+        return {"checkpoints": service.checkpoints(model_id), "cursor": None}
 
-        out = []
-        for kind, type_ in (("weights", "training"), ("sampler_weights", "sampler")):
-            folder = os.path.dirname(service.weights_path(model_id, kind, "x")[0])
-            for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
-                if "~" in name:  # a save being swapped in (trainer/adapter_trainer.swap_in)
-                    continue
-                when = datetime.datetime.fromtimestamp(os.path.getmtime(os.path.join(folder, name)), datetime.UTC)
-                out.append({"checkpoint_id": f"{kind}/{name}", "checkpoint_type": type_, "time": when.isoformat(),
-                            "tinker_path": f"tinker://{model_id}/{kind}/{name}"})
-        return {"checkpoints": out, "cursor": None}
+    @app.get("/api/v1/checkpoints")
+    def user_checkpoints(request: Request):
+        limit, offset = page(request, 100)
+        every = sorted((c for r in service.training_runs() for c in service.checkpoints(r["training_run_id"])),
+                       key=lambda c: c["time"], reverse=True)
+        return {"checkpoints": every[offset:offset + limit],
+                "cursor": {"offset": offset, "limit": limit, "total_count": len(every)}}
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints/{kind}/{name}/archive")
+    def archive_url(model_id: str, kind: str, name: str, request: Request):
+        """The SDK's get_checkpoint_archive_url (the cookbook's weights.download): a 302 to a URL
+        that serves the checkpoint's folder as a tar for 15 minutes, fetched without the API key
+        (as the hosted service's signed URLs are)."""
+        import email.utils
+
+        token, expires = service.archive_token(f"tinker://{model_id}/{kind}/{name}")
+        url = f"{str(request.base_url).rstrip('/')}/api/v1/archives/{token}/{name}.tar"
+        return Response(status_code=302, headers={"Location": url,
+                                                  "Expires": email.utils.formatdate(expires, usegmt=True)})
+
+    @app.get("/api/v1/archives/{token}/{filename}")
+    def archive(token: str, filename: str):
+        """The checkpoint's files at the archive's top level (a peft folder for sampler weights)."""
+        import os
+        import tarfile
+        import tempfile
+
+        from fastapi.responses import FileResponse
+        from starlette.background import BackgroundTask
+
+        folder, _ = service.archive(token)
+        fd, tmp = tempfile.mkstemp(suffix=".tar")
+        with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
+            for entry in sorted(os.listdir(folder)):
+                tar.add(os.path.join(folder, entry), arcname=entry)
+        return FileResponse(tmp, media_type="application/x-tar", filename=filename,
+                            background=BackgroundTask(os.remove, tmp))
 
     # ---- sampling -------------------------------------------------------------------------------
 

@@ -64,11 +64,13 @@ class SeqGate:
                 raise UserError(f"seq_id={seq_id} waited {self.wait_s:.0f} s (serve.seq_wait_s) for seq_id="
                                 f"{self.next}, which never came: calls of a model must be numbered without gaps")
             if self.closed:
-                raise RuntimeError("the service is stopping")
+                raise self.why
 
-    def close(self) -> None:
+    def close(self, why: BaseException | None = None) -> None:
+        """End every wait, now and later, with `why` (default: the service is stopping)."""
         with self._cond:
             self.closed = True
+            self.why = why or RuntimeError("the service is stopping")
             self._cond.notify_all()
 
     def done(self, seq_id: int) -> None:

@@ -8,7 +8,13 @@ serves it): sessions, training models, samplers and their saved weights, on our 
   rollout fleet (rollout/fleet.py), each request naming its adapter (vLLM's LoRA), with the
   per-token log-probs the engine reports.
 - Saved weights live under the run directory as `<model_id>/<kind>/<name>` and are named to clients
-  as `tinker://<model_id>/<kind>/<name>` (kind: `weights` = training state, `sampler_weights`).
+  as `tinker://<model_id>/<kind>/<name>` (kind: `weights` = training state, `sampler_weights`);
+  each model's folder has its `RUN_META`. The REST listings (training runs, checkpoints) read these
+  folders, so a service resumed on the same run directory serves them again.
+- Sessions end when their client stops heartbeating (`serve.session_timeout_s`): their models stop
+  and their queued calls are dropped. At `serve.max_models` live actors, a new model (or an evicted
+  one's next call) evicts the idle model unused longest: its state is saved and restored at its next
+  call.
 
 Everything a client sends is checked here, before any actor sees it: ids (another session's model
 or sampler is unknown to this one), token ids against the vocabulary, shapes, sizes, numbers.
@@ -17,6 +23,7 @@ or sampler is unknown to this one), token ids against the vocabulary, shapes, si
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -38,6 +45,7 @@ from rl.data.types import GenerationRequest
 
 TINKER_PATH = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([A-Za-z0-9_.\-]+)$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+RUN_META = "run.json"  # in a model's folder under run.dir/tinker: its id, base model and LoRA settings
 
 
 @dataclass
@@ -63,6 +71,14 @@ class TrainingModel:
     tokens: int = 0
     steps: int = 0
     last_step: float = field(default_factory=time.monotonic)
+    # its actor: "starting", "live", "evicting" (its state being saved to free a slot), "evicted"
+    # (stopped, its state under `evicted_to`: the model's next call starts it again from there)
+    state: str = "starting"
+    busy: int = 0  # calls submitted and not finished (an idle model has none)
+    last_used: float = field(default_factory=time.monotonic)
+    evicted_to: str | None = None
+    last_wall: float = field(default_factory=time.time)  # when its last call ended (a TrainingRun's last_request_time)
+    slot: threading.Lock = field(default_factory=threading.Lock)  # held by a call running on the actor, or an eviction
 
     def call(self, method: str, *args: Any, kind: str, timeout_s: float, **kwargs: Any) -> Any:
         """`method` on the model's actor within `timeout_s`; an error the actor raised for what
@@ -91,11 +107,14 @@ class Sampler:
 
 class TinkerService:
     def __init__(self, cfg: Any, fleet: Any, tokenizer: Any, base_path: str, run_dir: str,
-                 start_trainer: Callable[[Any, str], Any], log: Callable[[str], None] = print, run_log: Any = None):
+                 start_trainer: Callable[[Any, str], Any], log: Callable[[str], None] = print, run_log: Any = None,
+                 first_step: int = 1):
         """`fleet`: the RolloutFleet of the base model (vLLM with LoRA); `start_trainer(spec, name)`
         starts one AdapterTrainer actor group (launch/serve.py starts them on Ray); `run_log` (a
-        rl.run.run_log.RunLog) gets a metrics row at every optim_step of any model."""
-        self.run_log, self._steps = run_log, itertools.count(1)
+        rl.run.run_log.RunLog) gets a metrics row at every optim_step of any model (numbered from
+        `first_step`: a resumed run.dir's rows come first). Weights saved under `run_dir` before
+        (a resumed service) are served as they were: their tinker:// paths, runs and checkpoints."""
+        self.run_log, self._steps = run_log, itertools.count(first_step)
         self.cfg, self.s = cfg, cfg.serve
         self.fleet, self.tokenizer, self.base_path, self.log = fleet, tokenizer, base_path, log
         self.model_name = self.s.model_name or cfg.model.path
@@ -115,6 +134,7 @@ class TinkerService:
                                         "sample_tokens": 0, "sample_s": 0.0}
         self._calls = open(os.path.join(run_dir, "calls.jsonl"), "a", buffering=1)  # one line per finished call
         self._log_lock = threading.Lock()  # calls.jsonl and the run log: written from the calls' threads
+        self._archives: dict[str, tuple[str, float, str]] = {}  # download token -> (folder, expires, tinker path)
 
     def _record(self, call: str, owner: str, seconds: float, **figures: Any) -> None:
         """A finished call in `run.dir/calls.jsonl`: what, whose, how long, its figures."""
@@ -134,13 +154,17 @@ class TinkerService:
         self.log(f"session {sid} started")
         return sid
 
-    def session(self, sid: str) -> Session:
+    def session(self, sid: str, touch: bool = True) -> Session:
+        """A live session; `touch`: the call is its client's own (one naming its session_id), which
+        keeps it alive as a heartbeat does. A call naming only a model or sampler does not: anyone
+        with the key may ask about those, and a dead client's session must expire all the same."""
         with self._lock:
             session = self.sessions.get(sid)
             if session is None or session.finished:
                 raise UserError(f"session_id={sid!r}: no such live session here (finished, expired or never "
                                 "made); create a new ServiceClient", status=404)
-            session.last_seen = time.monotonic()
+            if touch:
+                session.last_seen = time.monotonic()
             return session
 
     def heartbeat(self, sid: str) -> None:
@@ -160,8 +184,16 @@ class TinkerService:
             models = [self.models.pop(m) for m in session.models if m in self.models]
             for sampler in session.samplers:
                 self.samplers.pop(sampler, None)
+        for model in models:  # its calls still waiting for their turn end now, not computed
+            model.gate.close(UserError(f"session {sid} ended: the calls of {model.id} still queued were dropped",
+                                       status=410))
         for model in models:
-            model.group.shutdown()
+            if model.group is not None:
+                model.group.shutdown()
+            if model.evicted_to is not None:  # the state an eviction saved serves nobody now
+                import shutil
+
+                shutil.rmtree(os.path.dirname(model.evicted_to), ignore_errors=True)
         self.log(f"session {sid} ended ({len(models)} training model(s) stopped)")
 
     def expire(self) -> list[str]:
@@ -182,7 +214,7 @@ class TinkerService:
             model = self.models.get(model_id)
         if model is None or (sid is not None and model.session != sid):
             raise UserError(f"model_id={model_id!r}: no such training model in this session", status=404)
-        self.session(model.session)
+        self.session(model.session, touch=False)
         return model
 
     def sampler(self, sampler_id: str) -> Sampler:
@@ -191,7 +223,7 @@ class TinkerService:
         if sampler is None:
             raise UserError(f"sampling_session_id={sampler_id!r}: no such sampler (made in a live session)",
                             status=404)
-        self.session(sampler.session)
+        self.session(sampler.session, touch=False)
         return sampler
 
     def weights_path(self, model_id: str, kind: str, name: str) -> tuple[str, str]:
@@ -211,6 +243,113 @@ class TinkerService:
         if not os.path.isdir(folder):
             raise UserError(f"path={tinker_path!r}: no such saved weights here", status=404)
         return folder, m.group(1)
+
+    # ---- training runs and checkpoints on disk (the REST calls; a resumed run.dir's too) --------
+
+    def run_folder(self, model_id: str) -> str:
+        return os.path.join(self.weights_dir, model_id.replace(":", "_"))
+
+    def _write_run(self, model: TrainingModel) -> None:
+        """`RUN_META` in the model's folder: what a listing (and a resumed service) tells of it."""
+        from dataclasses import asdict
+
+        folder = self.run_folder(model.id)
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, RUN_META), "w") as f:
+            json.dump({"training_run_id": model.id, "base_model": self.model_name, "lora_rank": model.rank,
+                       "created": time.time(), "spec": asdict(model.spec)}, f)
+
+    def _runs_on_disk(self) -> dict[str, dict[str, Any]]:
+        """model id -> its `RUN_META` (or {} for a folder written before it was kept)."""
+        out: dict[str, dict[str, Any]] = {}
+        for entry in sorted(os.listdir(self.weights_dir)) if os.path.isdir(self.weights_dir) else []:
+            folder = os.path.join(self.weights_dir, entry)
+            if not os.path.isdir(folder):
+                continue
+            meta: dict[str, Any] = {}
+            with contextlib.suppress(OSError, ValueError):
+                with open(os.path.join(folder, RUN_META)) as f:
+                    meta = json.load(f)
+            model_id = meta.get("training_run_id") or entry.replace("_train_", ":train:")
+            out[model_id] = meta
+        return out
+
+    def checkpoints(self, model_id: str) -> list[dict[str, Any]]:
+        """The saved weights of a model (the SDK's Checkpoint), oldest first."""
+        import datetime
+
+        out = []
+        for kind, type_ in (("weights", "training"), ("sampler_weights", "sampler")):
+            folder = os.path.join(self.run_folder(model_id), kind)
+            for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+                path = os.path.join(folder, name)
+                if "~" in name or not _NAME.match(name) or not os.path.isdir(path):  # a save being swapped in
+                    continue
+                size = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+                when = datetime.datetime.fromtimestamp(os.path.getmtime(path), datetime.UTC)
+                out.append({"checkpoint_id": f"{kind}/{name}", "checkpoint_type": type_, "time": when.isoformat(),
+                            "tinker_path": f"tinker://{model_id}/{kind}/{name}", "size_bytes": size})
+        return sorted(out, key=lambda c: c["time"])
+
+    def training_run(self, model_id: str, meta: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The SDK's TrainingRun of a model, live or saved under run.dir (404: neither)."""
+        import datetime
+
+        with self._lock:
+            live = self.models.get(model_id)
+        if meta is None:
+            meta = self._runs_on_disk().get(model_id)
+        if live is None and meta is None:
+            raise UserError(f"training_run_id={model_id!r}: no such training run here (live or saved under "
+                            "run.dir)", status=404)
+        meta = meta or {}
+        checkpoints = self.checkpoints(model_id)
+        rank = live.rank if live is not None else meta.get("lora_rank")
+        if rank is None:  # a folder written before RUN_META: its checkpoints tell
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                first = next(c for c in checkpoints if c["checkpoint_type"] == "sampler")
+                with open(os.path.join(self.resolve(first["tinker_path"])[0], "adapter_config.json")) as f:
+                    rank = json.load(f)["r"]
+        times = [c["time"] for c in checkpoints]
+        if live is not None:
+            times.append(datetime.datetime.fromtimestamp(live.last_wall, datetime.UTC).isoformat())
+        if meta.get("created"):
+            times.append(datetime.datetime.fromtimestamp(meta["created"], datetime.UTC).isoformat())
+        last = {t: next((c for c in reversed(checkpoints) if c["checkpoint_type"] == t), None)
+                for t in ("training", "sampler")}
+        return {"training_run_id": model_id, "base_model": meta.get("base_model", self.model_name),
+                "model_owner": "local", "is_lora": True, "corrupted": False, "lora_rank": rank,
+                "last_request_time": max(times) if times else datetime.datetime.now(datetime.UTC).isoformat(),
+                "last_checkpoint": last["training"], "last_sampler_checkpoint": last["sampler"],
+                "user_metadata": None}
+
+    def training_runs(self) -> list[dict[str, Any]]:
+        """Every training run, live or saved under run.dir, the latest request first."""
+        runs = self._runs_on_disk()
+        with self._lock:
+            for model_id in self.models:
+                runs.setdefault(model_id, {})
+        out = [self.training_run(model_id, meta) for model_id, meta in runs.items()]
+        return sorted(out, key=lambda r: r["last_request_time"], reverse=True)
+
+    def archive_token(self, tinker_path: str, valid_s: float = 900.0) -> tuple[str, float]:
+        """A one-off download name for the folder of a checkpoint, valid `valid_s` seconds (the
+        archive's URL, fetched without the API key as a signed URL is)."""
+        folder, _ = self.resolve(tinker_path)
+        token, expires = secrets.token_urlsafe(24), time.time() + valid_s
+        with self._lock:
+            now = time.time()
+            self._archives = {k: v for k, v in self._archives.items() if v[1] > now}
+            self._archives[token] = (folder, expires, tinker_path)
+        return token, expires
+
+    def archive(self, token: str) -> tuple[str, str]:
+        """(the folder, its tinker:// path) an archive token names (404: unknown or expired)."""
+        with self._lock:
+            found = self._archives.get(token)
+        if found is None or found[1] < time.time() or not os.path.isdir(found[0]):
+            raise UserError("no such archive (its URL expired or was never made): ask for it again", status=404)
+        return found[0], found[2]
 
     # ---- training models ----------------------------------------------------------------------
 
@@ -245,17 +384,17 @@ class TinkerService:
 
         self.session(sid)
         folder, _ = self.resolve(path, "weights")
-        return self._start_model(sid, model_seq_id, saved_spec(folder), restore=(folder, optimizer))
+        # (the base as this service serves it: a resumed run.dir may have found it at another path)
+        spec = dataclasses.replace(saved_spec(folder), base_path=self.base_path, base_model=self.model_name,
+                                   threads=self.s.lora_threads, dtype=self.cfg.model.dtype)
+        return self._start_model(sid, model_seq_id, spec, restore=(folder, optimizer))
 
     def _start_model(self, sid: str, model_seq_id: int, spec: Any, restore: tuple[str, bool] | None) -> str:
         model_id = f"{sid}:train:{model_seq_id}"
         with self._lock:
             if model_id in self.models:
                 raise UserError(f"model_seq_id={model_seq_id} is already a model of this session", status=409)
-            live = sum(not self.sessions[m.session].finished for m in self.models.values())
-            if live >= self.s.max_models:
-                raise UserError(f"{live} training models are alive (serve.max_models={self.s.max_models}): "
-                                "close a ServiceClient or start the service with a higher serve.max_models", status=429)
+            victim = self._make_room(None)
             placeholder = TrainingModel(model_id, sid, spec.rank, spec, None, SeqGate(self.s.seq_wait_s),
                                         index=len(self.models))
             self.models[model_id] = placeholder
@@ -263,9 +402,16 @@ class TinkerService:
 
         def start() -> dict[str, Any]:
             try:
+                if victim is not None:
+                    self._evict(victim)
                 placeholder.group = self._start_trainer(spec, model_id)
                 if restore is not None:
                     placeholder.call("load_state", *restore, kind="load_state", timeout_s=self.s.op_timeout_s)
+                with self._lock:
+                    if model_id not in self.models:  # its session ended while it started
+                        raise UserError(f"session {sid} ended while {model_id} started", status=410)
+                    placeholder.state, placeholder.last_used = "live", time.monotonic()
+                self._write_run(placeholder)
             except BaseException:
                 with self._lock:
                     self.models.pop(model_id, None)
@@ -278,6 +424,58 @@ class TinkerService:
             return {"type": "create_model", "model_id": model_id}
 
         return self.futures.submit(sid, start)
+
+    # ---- a full service: the idle model longest unused is evicted (its state saved) -------------
+
+    def _make_room(self, keep: TrainingModel | None) -> TrainingModel | None:
+        """(Holding `_lock`, a model about to take a slot.) None when fewer than `serve.max_models`
+        actors are alive or starting; else the idle model unused the longest (not `keep`), marked
+        "evicting" (`_evict` saves and stops it); none idle: refused (429)."""
+        alive = [m for m in self.models.values() if m.state in ("starting", "live")]
+        if len(alive) < self.s.max_models:
+            return None
+        idle = [m for m in alive if m.state == "live" and m.busy == 0 and m is not keep]
+        if not idle:
+            raise UserError(f"{len(alive)} training models are alive and busy (serve.max_models={self.s.max_models}): "
+                            "retry when a call ends, close a ServiceClient or start the service with a higher "
+                            "serve.max_models", status=429)
+        victim = min(idle, key=lambda m: m.last_used)
+        victim.state = "evicting"
+        return victim
+
+    def _evict(self, model: TrainingModel) -> None:
+        """Save the state (adapters and optimizer) of a model `_make_room` chose and stop its actor;
+        its next call starts it again from that state (`_revive`)."""
+        folder = os.path.join(self.weights_dir, model.id.replace(":", "_"), "evicted", "state")
+        with model.slot:
+            try:
+                os.makedirs(os.path.dirname(folder), exist_ok=True)
+                model.call("save_state", folder, kind="save", timeout_s=self.s.op_timeout_s)
+            except BaseException:
+                model.state = "live"
+                raise
+            group, model.group, model.evicted_to, model.state = model.group, None, folder, "evicted"
+        group.shutdown()
+        self.log(f"training model {model.id}: evicted to make room (serve.max_models={self.s.max_models}); "
+                 f"its state is saved under {folder} and its next call restores it")
+
+    def _revive(self, model: TrainingModel) -> None:
+        """(Holding `model.slot`.) An evicted model's actor started again from its saved state."""
+        with self._lock:
+            victim = self._make_room(model)
+            model.state = "starting"
+        try:
+            if victim is not None:
+                self._evict(victim)
+            model.group = self._start_trainer(model.spec, model.id)
+            model.call("load_state", model.evicted_to, True, kind="load_state", timeout_s=self.s.op_timeout_s)
+        except BaseException:
+            group, model.group, model.state = model.group, None, "evicted"
+            if group is not None:
+                group.shutdown()
+            raise
+        model.state = "live"
+        self.log(f"training model {model.id}: restored from {model.evicted_to}")
 
     def info(self, model_id: str) -> dict[str, Any]:
         model = self.model(model_id)
@@ -297,22 +495,37 @@ class TinkerService:
     def _ordered(self, model: TrainingModel, seq_id: int, run: Callable[[], Any]) -> str:
         """Submit `run` as the model's call number `seq_id`: it runs after every lower number."""
         model.gate.claim(seq_id)  # (a model still starting: its calls wait in their turn)
+        with self._lock:
+            model.busy += 1
 
         def ordered() -> Any:
-            model.gate.turn(seq_id)
             try:
-                while model.group is None:  # the create future runs on its own thread
-                    if model.id not in self.models:
-                        raise UserError(f"model_id={model.id!r}: its start failed")
-                    time.sleep(0.05)
-                return run()
+                model.gate.turn(seq_id)
+                try:
+                    while model.group is None and model.state == "starting":  # the create future's thread
+                        if model.id not in self.models:
+                            raise UserError(f"model_id={model.id!r}: its start failed")
+                        time.sleep(0.05)
+                    with model.slot:  # (an eviction of this model ends first)
+                        if self.models.get(model.id) is not model:  # its session ended: dropped, not computed
+                            raise UserError(f"model_id={model.id!r}: its session ended; the call was dropped",
+                                            status=410)
+                        if model.state == "evicted":
+                            self._revive(model)
+                        return run()
+                finally:
+                    model.gate.done(seq_id)
             finally:
-                model.gate.done(seq_id)
+                with self._lock:
+                    model.busy -= 1
+                    model.last_used, model.last_wall = time.monotonic(), time.time()
 
         try:
             return self.futures.submit(model.session, ordered)
         except BaseException:  # never queued (the service is stopping): the number is not held
             model.gate.done(seq_id)
+            with self._lock:
+                model.busy -= 1
             raise
 
     def forward_backward(self, message: Any) -> str:
@@ -532,6 +745,9 @@ class TinkerService:
         sequence_ids = [f"{sampler.id}:seq:{secrets.token_hex(4)}" for _ in range(n)]
 
         def run() -> dict[str, Any]:
+            if self.samplers.get(sampler.id) is not sampler:  # its session ended while it waited: dropped
+                raise UserError(f"sampling_session_id={sampler.id!r}: its session ended; the call was dropped",
+                                status=410)
             started = time.perf_counter()
             samples = self._batcher(requests, self.s.op_timeout_s)
             errors = [s.error for s in samples if s.error]

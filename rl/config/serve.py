@@ -23,7 +23,9 @@ class ServeSection:
     max_models: int = 4  # training models alive at once (each is an actor with its own base copy)
     max_lora_rank: int = 64
     lora_threads: int = 1  # torch threads of each training model's actor
-    session_timeout_s: float = 300.0  # a session without a heartbeat this long is ended, its models freed
+    # a session without a heartbeat this long is ended, its models freed (noticed within a quarter
+    # more: a client that exits frees its models within a minute); the SDK beats every 10 s
+    session_timeout_s: float = 45.0
     poll_s: float = 20.0  # how long retrieve_future holds a pending request before "try again" (< the SDK's 45 s)
     op_timeout_s: float = 900.0  # a training or sampling call still unfinished after this fails
     seq_wait_s: float = 300.0  # a training call waits this long for the calls numbered before it
@@ -68,6 +70,9 @@ def validate_serve(cfg: Any) -> None:
     for name in ("session_timeout_s", "poll_s", "op_timeout_s", "seq_wait_s"):
         if not getattr(s, name) > 0:
             errors.append(f"serve.{name}={getattr(s, name)}: must be > 0")
+    if 0 < s.session_timeout_s < 20:
+        errors.append(f"serve.session_timeout_s={s.session_timeout_s}: the SDK heartbeats every 10 s, so a live "
+                      "client would be ended; use 20 or more, e.g. serve.session_timeout_s=45")
     if not 0 < s.poll_s < 45:
         errors.append(f"serve.poll_s={s.poll_s}: the SDK gives up on a poll after 45 s; use e.g. serve.poll_s=20")
     if r.backend != "vllm":

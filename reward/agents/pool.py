@@ -238,9 +238,11 @@ class _Sandbox:
     episodes' endpoints to the real ones (and its socket folder), the two host uids claimed."""
 
     def __init__(self, spec: str, base_dir: str, workers: int, limits: AgentLimits, kwargs: dict, name: str,
-                 endpoints: list[tuple[str, int]], hidden: list[str], reward_bound: float, cgroups: bool):
+                 endpoints: list[tuple], hidden: list[str], reward_bound: float, cgroups: bool):
         privileged = os.geteuid() == 0
-        addresses = [(host, _address(host, name), port) for host, port in endpoints]
+        # (host, port) or (host, port, a Unix socket serving it: the agent server's, reached directly)
+        addresses = [(e[0], _address(e[0], name), e[1]) for e in endpoints]
+        direct = [e[2] if len(e) > 2 else None for e in endpoints]
         self.uids = None
         if privileged:
             from sandbox.process import _SlotLocks  # the code sandbox's allocator: no uid is shared
@@ -248,9 +250,9 @@ class _Sandbox:
             self.uids = _SlotLocks(_UID_BASE, 2)
         self.relay_dir = tempfile.mkdtemp(prefix="rlpost-agents-relay-")
         os.chmod(self.relay_dir, 0o755)
-        paths = [os.path.join(self.relay_dir, f"{i}.sock") for i in range(len(endpoints))]
+        paths = [d or os.path.join(self.relay_dir, f"{i}.sock") for i, d in enumerate(direct)]
         self.relay = relay.Relay([(relay.unix_listener(path), relay.tcp_connector(ip, port))
-                                  for path, (_, ip, port) in zip(paths, addresses)],
+                                  for path, d, (_, ip, port) in zip(paths, direct, addresses) if d is None],
                                  max_connections=(workers + 1) * relay.EPISODE_CONNECTIONS).start("agent-relay")
         code_dirs = [_ROOT, os.path.abspath(base_dir or ".")]
         file_part = spec.rpartition(":")[0]
@@ -260,7 +262,8 @@ class _Sandbox:
         self.config = dict(
             spec=spec, base_dir=base_dir, kwargs=dict(kwargs or {}), name=name, limits=asdict(limits),
             fallback=not cgroups, privileged=privileged, uids=ids, gids=ids, code_dirs=code_dirs,
-            visible=[self.relay_dir], hidden=[os.path.realpath(h) for h in hidden],
+            visible=[self.relay_dir, *{os.path.dirname(d) for d in direct if d}],
+            hidden=[os.path.realpath(h) for h in hidden],
             endpoints=[(host, ip, port, path) for (host, ip, port), path in zip(addresses, paths)],
             seccomp=_seccomp_filter(), reward_bound=float(reward_bound))
 
@@ -277,12 +280,12 @@ class AgentPool:
 
     def __init__(self, spec: str, base_dir: str, workers: int, limits: AgentLimits,
                  kwargs: dict | None = None, name: str = "task.agent", python: str | None = None,
-                 endpoints: list[tuple[str, int]] = (), hidden: list[str] = (), reward_bound: float = 1e6,
+                 endpoints: list[tuple] = (), hidden: list[str] = (), reward_bound: float = 1e6,
                  zygote_restarts: int = 3):
         """Waits (up to _LOAD_TIMEOUT_S) for the zygote to load the function: a bad spec or signature
         raises RewardLoadError here. `python`: the zygote's interpreter (None: this one; it imports
         only reward.agents.episode's standard-library closure of ours); `endpoints`: the (host,
-        port) addresses episodes may reach (names resolved here, once); `hidden`: folders kept out
+        port[, Unix socket]) addresses episodes may reach (names resolved here, once); `hidden`: folders kept out
         of sight among the agent's code (run.dir); `reward_bound`: task.agent_reward_bound."""
         self.size, self.limits, self.name = workers, limits, name
         self.zygote_restarts, self.restarts = zygote_restarts, 0

@@ -24,8 +24,11 @@ import asyncio
 import functools
 import logging
 import math
+import os
 import secrets
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -151,6 +154,15 @@ class AgentServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._port))
         self._socket, self._port = sock, sock.getsockname()[1]
+        # the same app on a Unix socket too: sandboxed agent episodes reach it there (their worker
+        # relays their loopback to it: reward/agents/relay.py), without a hop through the driver
+        self._uds_dir = tempfile.mkdtemp(prefix="rlpost-agent-server-")
+        os.chmod(self._uds_dir, 0o755)
+        self.unix_path = os.path.join(self._uds_dir, "server.sock")
+        uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        uds.bind(self.unix_path)
+        os.chmod(self.unix_path, 0o666)  # the episodes' host uids connect to it
+        self._uds = uds
         # h11, not httptools (uvicorn's choice when installed): httptools has no cap on headers still
         # arriving; limit_concurrency answers 503 past max_connections connections or requests in flight
         config = uvicorn.Config(
@@ -160,7 +172,7 @@ class AgentServer:
             timeout_keep_alive=self.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             limit_concurrency=self.max_connections)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock, uds]}, daemon=True,
                                         name=f"agent-server:{self._port}")
         self._thread.start()
         deadline = time.monotonic() + timeout_s
@@ -179,6 +191,8 @@ class AgentServer:
             self._thread.join(timeout=15)
         if self._socket is not None:
             self._socket.close()
+            self._uds.close()
+            shutil.rmtree(self._uds_dir, ignore_errors=True)
         self._server = self._thread = self._socket = self._limiter = None  # the limiter belongs to the old loop
 
     def __enter__(self) -> AgentServer:

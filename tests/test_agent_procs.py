@@ -36,6 +36,12 @@ from reward.agents.pool import AgentLimits, AgentPool
 from reward.loader import RewardLoadError, load_agent_function
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def code_under_tmp() -> list[str]:
+    """The names in an episode's /tmp that lead to the agent's code (the checkout, when it lies
+    under /tmp, e.g. a CI clone): put back read-only, they are not another episode's files."""
+    return [REPO.split(os.sep)[2]] if REPO.startswith("/tmp/") else []
 TIMEOUT_S = 2.0
 LIMITS = AgentLimits(timeout_s=TIMEOUT_S, memory_mb=512, max_processes=32)
 CGROUPS = agent_procs._cgroups_usable()
@@ -154,8 +160,9 @@ def getpid(row):
     return float(os.getpid())
 
 def tmp_then_write(row):
-    """How many entries /tmp and /dev/shm had, before leaving a file in each."""
-    before = len(os.listdir("/tmp")) + len(os.listdir("/dev/shm"))
+    """How many entries /tmp and /dev/shm had, before leaving a file in each (but the folders that
+    lead to the agent's code, put back read-only where the checkout lies under /tmp: row["code"])."""
+    before = len(set(os.listdir("/tmp")) - set(row.get("code", ()))) + len(os.listdir("/dev/shm"))
     print(os.listdir("/tmp"), os.listdir("/dev/shm"))
     for d in ("/tmp", "/dev/shm"):
         with open(d + "/left-by-an-episode", "w") as f:
@@ -658,8 +665,9 @@ def test_an_episode_sees_only_its_own_processes(pool):
 def test_tmp_starts_empty_in_every_episode(pool):
     """/tmp and /dev/shm are the episode's own: empty at its start, though each episode before
     (sequential, and concurrent) left a file in both."""
-    one_by_one = [run_one(pool, {"case": "tmp_then_write"})[0] for _ in range(3)]  # (what it found: in the log tail)
-    together = run_all(pool, {i: {"case": "tmp_then_write"} for i in range(4)})
+    row = {"case": "tmp_then_write", "code": code_under_tmp()}
+    one_by_one = [run_one(pool, row)[0] for _ in range(3)]  # (what it found: in the log tail)
+    together = run_all(pool, {i: row for i in range(4)})
     for outcome in one_by_one + list(together.values()):
         assert outcome.error is None and outcome.value == 0.0, outcome
 
@@ -683,7 +691,8 @@ def test_an_episode_sees_the_code_and_nothing_beside_it(pool, agents_dir, tmp_pa
     for folder in (agents_dir, REPO):
         new = os.path.join(folder, f"written-by-an-episode-{os.getpid()}.py")
         try:
-            assert value_of(pool, {"case": "write", "path": new}) == errno.EROFS  # the code is read-only
+            # the code is read-only (a checkout under /tmp: its folders there belong to the zygote)
+            assert value_of(pool, {"case": "write", "path": new}) in (errno.EROFS, errno.EACCES)
             assert not os.path.exists(new)
         finally:
             with contextlib.suppress(FileNotFoundError):

@@ -19,6 +19,7 @@ from rl.config.schema import ModelConfig, RolloutConfig
 from rl.data.types import GenerationRequest, Sample
 
 HOSTILE = os.path.join(os.path.dirname(__file__), "hostile_agents.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the checkout
 MAX_NEW_TOKENS = 8
 MAX_PROCESSES = 32  # each agent's (AgentLimits.max_processes)
 
@@ -254,7 +255,8 @@ def assert_escapes_failed(seen: dict, run_dir, marker) -> None:
     """What each escape case noted from inside its sandbox: every attempt failed (issue 58)."""
     assert seen["tmp_writer"] == {"wrote": True}
     for_readers = [seen["tmp_reader"]]
-    assert all(r["found"] is False and r["tmp"] == [] for r in for_readers), for_readers  # a private /tmp
+    code = [ROOT.split(os.sep)[2]] if ROOT.startswith("/tmp/") else []  # a checkout under /tmp: its folders
+    assert all(r["found"] is False and r["tmp"] == code for r in for_readers), for_readers  # a private /tmp
     assert seen["proc_scan"]["pids"] == ["1"] and seen["proc_scan"]["found"] == 0, seen["proc_scan"]  # its own /proc
     assert set(seen["forge_sibling"]["pids"]) == {1}, seen["forge_sibling"]
     assert all(v != "worked" for v in seen["forge_sibling"]["tried"].values()), seen["forge_sibling"]

@@ -910,6 +910,60 @@ def first_bytes(sock: socket.socket) -> bytes:
         return b""
 
 
+_CYCLING_FLOOD = """
+import socket, sys
+path, n = sys.argv[1], int(sys.argv[2])
+def burst():
+    held = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_UNIX); s.connect(path); held.append(s)
+    return held
+held = burst()
+print("first", flush=True); sys.stdin.readline()
+for s in held:
+    s.close()
+sys.stdin.readline()
+held = burst()
+print("second", flush=True); sys.stdin.readline()
+"""
+
+
+def test_a_cycling_flood_on_the_unix_socket_never_evicts_another_sources_new_connection(tokenizer):
+    """Issue 58: a flood that closes its connections and opens new ones (as an episode's relay
+    does past 64) made a well-behaved client's new connection, its request still on the way, the
+    oldest idle one, closed under it (CI: `RemoteProtocolError: Server disconnected` for an honest
+    call). Eviction now takes the oldest idle connection of the source holding the most: the
+    flood's own (a source on the Unix socket: the peer process)."""
+    def generate(request: GenerationRequest) -> Sample:
+        return Sample(request.prompt_ids, [5], [-0.1], "stop", 0, "", "x", 0, 0)
+
+    with AgentServer(tokenizer, generate, max_unclaimed_connections=8, keep_alive_s=30.0) as s:
+        key, url = s.open_episode(seed_base=0)
+        flood = subprocess.Popen([sys.executable, "-c", _CYCLING_FLOOD, s.unix_path, "8"], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert flood.stdout.readline().strip() == "first"
+            good = socket.socket(socket.AF_UNIX)
+            good.settimeout(10)
+            good.connect(s.unix_path)  # opened, its request not sent yet
+            time.sleep(0.3)
+            flood.stdin.write("\n"); flood.stdin.flush()  # the flood closes its 8 ...
+            time.sleep(0.5)
+            flood.stdin.write("\n"); flood.stdin.flush()  # ... and opens 8 new ones
+            assert flood.stdout.readline().strip() == "second"
+            time.sleep(0.3)
+            path = url.split("127.0.0.1", 1)[1].split("/", 1)[1]
+            body = b'{"prompt": [1, 2]}'
+            good.sendall(f"POST /{path}/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            assert first_bytes(good) == b"HTTP/1.1 200"
+            good.close()
+        finally:
+            flood.kill()
+            flood.wait()
+        assert len(s.close_episode(key)) == 1
+
+
 def test_a_connection_flood_costs_only_the_flooder_and_is_logged_once(tokenizer, caplog):
     """Issue 47: 600 connections that name no live episode, on a server of 200 slots, leave another
     episode's calls answered (before: a 503, as 4 agents opening 1,000 each made of 5 good episodes
@@ -943,5 +997,5 @@ def test_a_connection_flood_costs_only_the_flooder_and_is_logged_once(tokenizer,
             for sock in idle + wrong:
                 sock.close()
         assert len(s.close_episode(good)) == 2 and len(s.close_episode(flooder)) == 2
-    evictions = [r for r in caplog.records if "oldest idle ones are closed" in r.getMessage()]
+    evictions = [r for r in caplog.records if "oldest idle ones of the source holding the most" in r.getMessage()]
     assert len(evictions) == 1, [r.getMessage() for r in evictions]

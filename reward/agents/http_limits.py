@@ -6,9 +6,12 @@ a client costs a bounded amount of memory and time and never a crash."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
+import socket
+import struct
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -128,9 +131,12 @@ class ConnectionBudget:
     """Who holds the server's connections, so one agent's flood cannot deny the others (issue 47).
 
     A connection is *unclaimed* until a request names a live episode (keyless, or only wrong keys
-    so far): at most `max_unclaimed` are kept, and past that the oldest idle one is closed. A flood
-    of connections that send nothing thus evicts itself, while a well-behaved client, which sends
-    its request as soon as it connects, is never the oldest idle one. A request to a live episode
+    so far): at most `max_unclaimed` are kept, and past that the oldest idle one *of the source
+    holding the most* is closed (a source: the peer process on the Unix socket, where each
+    sandboxed episode's worker relays its episode's connections, else the client's host). A flood
+    of connections that send nothing thus evicts itself: a flood that cycles its connections (a
+    relay keeps 64 per episode and closes the oldest) would otherwise make a well-behaved client's
+    brand-new connection, whose request is still on its way, the oldest idle one (issue 58). A request to a live episode
     claims its connection for that episode; an episode may hold `per_episode` connections, and a
     request past that is refused (the app answers 429 and closes it). Called on the server's event
     loop only (connections open, close and requests start there): no lock."""
@@ -138,6 +144,7 @@ class ConnectionBudget:
     def __init__(self, max_unclaimed: int = 256, per_episode: int = 8):
         self.max_unclaimed, self.per_episode = max_unclaimed, per_episode
         self._unclaimed: OrderedDict[Connection, None] = OrderedDict()  # oldest first
+        self._by_source: dict[Any, OrderedDict[Connection, None]] = {}  # the same, per source
         self._by_client: dict[tuple[str, int], Connection] = {}
         self._owner: dict[Connection, str] = {}
         self._held: Counter[str] = Counter()
@@ -147,20 +154,38 @@ class ConnectionBudget:
         if conn.client is not None:
             self._by_client[conn.client] = conn
         self._unclaimed[conn] = None
+        self._by_source.setdefault(conn.source, OrderedDict())[conn] = None
         if len(self._unclaimed) > self.max_unclaimed:
-            victim = next((c for c in self._unclaimed if c is not conn and c.idle()), None)
+            victim = self._victim(conn)
             if victim is not None:
                 if self.evicted == 0:
                     log.warning("agent server: over %d connections sent no request to a live episode; the oldest "
-                                "idle ones are closed (logged once)", self.max_unclaimed)
+                                "idle ones of the source holding the most are closed (logged once)",
+                                self.max_unclaimed)
                 self.evicted += 1
-                self._unclaimed.pop(victim)
+                self._unclaim(victim)
                 victim.close_idle()
+
+    def _victim(self, new: Connection) -> Connection | None:
+        """The oldest idle unclaimed connection of the source holding the most (not `new`)."""
+        for source in sorted(self._by_source, key=lambda k: len(self._by_source[k]), reverse=True):
+            victim = next((c for c in self._by_source[source] if c is not new and c.idle()), None)
+            if victim is not None:
+                return victim
+        return None
+
+    def _unclaim(self, conn: Connection) -> None:
+        self._unclaimed.pop(conn, None)
+        mine = self._by_source.get(conn.source)
+        if mine is not None:
+            mine.pop(conn, None)
+            if not mine:
+                del self._by_source[conn.source]
 
     def closed(self, conn: Connection) -> None:
         if conn.client is not None and self._by_client.get(conn.client) is conn:
             del self._by_client[conn.client]
-        self._unclaimed.pop(conn, None)
+        self._unclaim(conn)
         self._release(conn)
 
     def claim(self, client: tuple[str, int] | None, key: str) -> bool:
@@ -170,7 +195,7 @@ class ConnectionBudget:
         if conn is None or self._owner.get(conn) == key:
             return True  # (a client not served through `Connection`, e.g. an in-process test client)
         self._release(conn)
-        self._unclaimed.pop(conn, None)
+        self._unclaim(conn)
         if self._held[key] >= self.per_episode:
             return False
         self._owner[conn] = key
@@ -222,6 +247,7 @@ class Connection(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._raw = transport
+        self.source = _source(transport, self.client)
         self.transport = _Lingering(transport, self)  # what uvicorn (and each request's cycle) closes
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._await_headers()
@@ -275,6 +301,18 @@ class Connection(H11Protocol):
     def _headers_late(self) -> None:
         if self.cycle is None or self.cycle.response_complete:  # no request came in time
             self.timeout_keep_alive_handler()  # closes the connection as uvicorn closes an idle one
+
+
+def _source(transport: asyncio.Transport, client: tuple[str, int] | None) -> Any:
+    """Who opened a connection: on a Unix socket the peer's pid (each sandboxed episode's worker
+    is its own process), else the client's host."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family == socket.AF_UNIX:
+        with contextlib.suppress(OSError):
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            return ("pid", pid)
+        return ("unix", None)
+    return ("host", client[0] if client else None)
 
 
 class _Lingering:

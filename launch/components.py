@@ -195,7 +195,7 @@ def start_agents(cfg: TrainConfig, tokenizer, fleet, repairs):
         pool = AgentPool(t.agent, os.getcwd(), t.agent_workers,
                          AgentLimits(t.agent_timeout_s, memory_mb=t.agent_memory_mb, max_processes=t.agent_max_processes),
                          plain_dict(t.agent_kwargs), python=t.agent_python or None,
-                         endpoints=[(t.agent_host, server.port, server.unix_path),
+                         endpoints=[(t.agent_host, server.port, server.handoff_path),
                                     *map(endpoint_address, t.agent_endpoints)],
                          hidden=[cfg.run.dir], reward_bound=t.agent_reward_bound)
     except BaseException:

@@ -264,9 +264,11 @@ def act(base_url: str, row: dict[str, Any], notes_url: str | None = None, closed
         return 1.0
     if case == "fork_bomb":  # every process forks while it can; each fork adds a byte to a count in
         count = "/tmp/fork_bomb.count"  # the episode's own /tmp, which the first process reports
-        if os.fork() > 0:
+        reporter = httpx.Client(timeout=10.0)  # made before the bomb: amid 31 busy forks (one CPU share
+        if os.fork() > 0:                     # among them) building a client's SSL context took > 6 s
             time.sleep(2.0)
-            _note(notes_url, case, forked=os.path.getsize(count) if os.path.exists(count) else 0)
+            reporter.post(f"{notes_url}/{case}", json={"forked": os.path.getsize(count) if os.path.exists(count)
+                                                       else 0}).raise_for_status()
             time.sleep(10_000)
         while True:
             made = os.path.getsize(count) if os.path.exists(count) else 0

@@ -762,9 +762,15 @@ def test_close_kills_hanging_agents(agents_dir, regime, capsys):
         for i in range(3):
             pool.start(i, "http://x", {"case": "sleeps"})
         sampler.wait_for(6)  # the launcher, the zygote, two workers, each with its episode
+        deadline = time.monotonic() + 10
+        while pool.running() < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert pool.running() == 2 and pool.queued() == 1
-        cgroup_dirs = [d for w in pool._workers if w.cg for d in w.cg.paths.values()]
-        assert len(cgroup_dirs) == (6 if regime == "cgroups" else 0)
+        # the two running, and the spare started ahead (pool.spare): 3 controllers each
+        in_cgroups = [w for w in pool._workers if w.cg]
+        cgroup_dirs = [d for w in in_cgroups for d in w.cg.paths.values()]
+        assert len(cgroup_dirs) == 3 * len(in_cgroups)
+        assert len(in_cgroups) >= (2 if regime == "cgroups" else 0)
         t1 = time.monotonic()
         pool.close()
         closing = time.monotonic() - t1

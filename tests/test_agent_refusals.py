@@ -181,7 +181,7 @@ def test_a_refusal_reaches_the_episode_s_error_and_the_log(tok, tmp_path, caplog
                         "Agent.output_type", "(the agent server refused call 1)"]}
     with AgentServer(tok, _generate(tok), max_new_tokens=4, max_model_len=256) as server:
         pool = AgentPool("refused_agents.py:solve", str(tmp_path), 3, AgentLimits(timeout_s=60),
-                         endpoints=[(server.host, server.port)])
+                         endpoints=[(server.host, server.port, server.handoff_path)])
         runner = AgentRunner(server, pool, _NoRepairs(), name="refused_agents.py:solve", prompt_key="prompt",
                              timeout_s=60, workers=3, max_len=256, decode=tok.decode)
         try:

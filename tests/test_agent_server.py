@@ -912,12 +912,14 @@ def first_bytes(sock: socket.socket) -> bytes:
 
 _CYCLING_FLOOD = """
 import socket, sys
-path, n = sys.argv[1], int(sys.argv[2])
+sys.path.insert(0, sys.argv[3])
+from reward.agents.relay import hand_over, tcp_listener
+listener = tcp_listener("127.0.0.1", 0)
+kept = hand_over(sys.argv[1], listener)  # as an episode's worker does: the server accepts there
+port, n = listener.getsockname()[1], int(sys.argv[2])
+listener.close()
 def burst():
-    held = []
-    for _ in range(n):
-        s = socket.socket(socket.AF_UNIX); s.connect(path); held.append(s)
-    return held
+    return [socket.create_connection(("127.0.0.1", port)) for _ in range(n)]
 held = burst()
 print("first", flush=True); sys.stdin.readline()
 for s in held:
@@ -928,39 +930,42 @@ print("second", flush=True); sys.stdin.readline()
 """
 
 
-def test_a_cycling_flood_on_the_unix_socket_never_evicts_another_sources_new_connection(tokenizer):
-    """Issue 58: a flood that closes its connections and opens new ones (as an episode's relay
-    does past 64) made a well-behaved client's new connection, its request still on the way, the
-    oldest idle one, closed under it (CI: `RemoteProtocolError: Server disconnected` for an honest
-    call). Eviction now takes the oldest idle connection of the source holding the most: the
-    flood's own (a source on the Unix socket: the peer process)."""
+def test_a_cycling_flood_from_one_episode_never_evicts_anothers_new_connection(tokenizer):
+    """Issue 58: a flood that closes its connections and opens new ones made a well-behaved
+    client's new connection, its request still on the way, the oldest idle one, closed under it
+    (CI: `RemoteProtocolError: Server disconnected` for an honest call). Eviction now takes the
+    oldest idle connection of the source holding the most: the flood's own (a source: the episode
+    whose listener a connection came on, handed over by its worker; else the client's host)."""
     def generate(request: GenerationRequest) -> Sample:
         return Sample(request.prompt_ids, [5], [-0.1], "stop", 0, "", "x", 0, 0)
 
     with AgentServer(tokenizer, generate, max_unclaimed_connections=8, keep_alive_s=30.0) as s:
         key, url = s.open_episode(seed_base=0)
-        flood = subprocess.Popen([sys.executable, "-c", _CYCLING_FLOOD, s.unix_path, "8"], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+        flood = subprocess.Popen([sys.executable, "-c", _CYCLING_FLOOD, s.handoff_path, "8", ROOT],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert flood.stdout.readline().strip() == "first"
-            good = socket.socket(socket.AF_UNIX)
-            good.settimeout(10)
-            good.connect(s.unix_path)  # opened, its request not sent yet
+            good = socket.create_connection((s.host, s.port), timeout=10)  # opened, its request not sent yet
             time.sleep(0.3)
             flood.stdin.write("\n"); flood.stdin.flush()  # the flood closes its 8 ...
             time.sleep(0.5)
             flood.stdin.write("\n"); flood.stdin.flush()  # ... and opens 8 new ones
             assert flood.stdout.readline().strip() == "second"
             time.sleep(0.3)
-            path = url.split("127.0.0.1", 1)[1].split("/", 1)[1]
+            assert s.listening() == 1
+            path = url.split(str(s.port), 1)[1]
             body = b'{"prompt": [1, 2]}'
-            good.sendall(f"POST /{path}/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            good.sendall(f"POST {path}/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
                          f"content-length: {len(body)}\r\n\r\n".encode() + body)
             assert first_bytes(good) == b"HTTP/1.1 200"
             good.close()
         finally:
             flood.kill()
             flood.wait()
+        deadline = time.monotonic() + 5
+        while s.listening() and time.monotonic() < deadline:  # its worker gone: the listener is closed
+            time.sleep(0.05)
+        assert s.listening() == 0
         assert len(s.close_episode(key)) == 1
 
 

@@ -152,7 +152,7 @@ def test_an_agent_that_fills_the_context_ends_truncated_with_its_reward_so_far(t
     with AgentServer(tok, _scripted(tok, ["5"]), max_new_tokens=4, max_model_len=64) as server:
         for fn in ("solve", "raises"):
             pool = AgentPool(f"talker.py:{fn}", str(tmp_path), 1, AgentLimits(timeout_s=60),
-                             endpoints=[(server.host, server.port)])
+                             endpoints=[(server.host, server.port, server.handoff_path)])
             runner = AgentRunner(server, pool, _NoRepairs(), name=f"talker.py:{fn}", prompt_key="prompt",
                                  timeout_s=60, workers=1, max_len=64, decode=tok.decode)
             try:

@@ -183,7 +183,7 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path, notes):
     pool = AgentPool(spec, str(tmp_path), workers=6, limits=AgentLimits(timeout_s=8.0, memory_mb=1024,
                                                                          max_processes=MAX_PROCESSES),
                      kwargs={"notes_url": notes.url, "closed_url": closed_url, "vocab": vocab},
-                     endpoints=[("127.0.0.1", server.port), ("127.0.0.1", notes.port)], hidden=[str(run_dir)])
+                     endpoints=[("127.0.0.1", server.port, server.handoff_path), ("127.0.0.1", notes.port)], hidden=[str(run_dir)])
 
     class Fleet:
         def repair(self) -> None:
@@ -293,7 +293,7 @@ def test_a_call_after_the_agent_returned_is_refused_and_recorded_nowhere(served,
     spec = f"{HOSTILE}:act"
     pool = AgentPool(spec, str(tmp_path), workers=1, limits=AgentLimits(timeout_s=8.0, memory_mb=1024,
                                                                          max_processes=MAX_PROCESSES),
-                     kwargs={"vocab": vocab}, endpoints=[("127.0.0.1", server.port)])
+                     kwargs={"vocab": vocab}, endpoints=[("127.0.0.1", server.port, server.handoff_path)])
 
     class Fleet:
         def repair(self) -> None:

@@ -11,8 +11,10 @@ reward.agents.jail/relay: it runs in `task.agent_python`'s interpreter too.
   worker per request, reporting each one's exit.
 - A worker first says hello (the driver reads its host pid from the message's credentials, to put
   it in its cgroups); then, given an episode, it makes the episode's network, IPC, UTS and pid
-  namespaces, listens on the endpoints' addresses in that network, forks the episode, relays its
-  connections to the pool's Unix sockets (relay.py), and sends its result to the driver.
+  namespaces, listens on the endpoints' addresses in that network, hands the agent server's
+  listener to the server (which accepts there itself: handoff.py), forks the episode, relays its
+  connections to the other endpoints to the pool's Unix sockets (relay.py), and sends its result
+  to the driver.
 - The episode: a private /tmp, /dev/shm and /proc, uid 1, no capabilities, seccomp; it calls
   `fn(base_url, row, **kwargs)` and reads the return value once, as a plain float (or None), and
   writes it as JSON. Nothing an episode sends is ever unpickled.
@@ -101,7 +103,7 @@ def _zygote_main(ctrl_fd: int, cfg: dict, up_w: int, down_r: int) -> None:
     ctrl = socket.socket(fileno=ctrl_fd)
     field = cfg["name"]
     try:
-        names = [(name, ip) for name, ip, _, _ in cfg["endpoints"] if name != ip]
+        names = [(name, ip) for name, ip, _, _, _ in cfg["endpoints"] if name != ip]
         visible = visible_paths(cfg)
         cfg["keep"] = [p for p in visible if p.startswith(("/tmp/", "/dev/shm/")) and p not in cfg["visible"]]  # code
         root = jail.enter_root(visible, cfg["hidden"], cfg["limits"]["tmp_mb"] << 20, names)
@@ -224,8 +226,8 @@ def _zygote_loop(ctrl: socket.socket, wake_r: int, wake_w: int, fn: Callable[...
 
 # -- a worker ------------------------------------------------------------------------------------
 def _worker_main(sock_fd: int, log_fd: int, fn: Callable[..., Any], cfg: dict) -> None:
-    """Say hello, take one episode, run it sandboxed, relay its connections, send its result.
-    Never returns."""
+    """Say hello, make the episode's sandbox ready, take one episode, run it there, relay its
+    connections, send its result. Never returns."""
     code = 1
     try:
         os.setsid()
@@ -236,14 +238,18 @@ def _worker_main(sock_fd: int, log_fd: int, fn: Callable[..., Any], cfg: dict) -
         sock = socket.socket(fileno=sock_fd)
         sock.set_inheritable(False)
         sock.sendall(b"H")  # its credentials tell the driver this worker's host pid
-        if cfg["fallback"]:
-            _set_rlimits(cfg["limits"])
-        try:
-            base_url, row = pickle.loads(_recv_msg(sock))  # from the driver (trusted)
+        try:  # the driver put it in its cgroups (what it forks from now on is counted there): go
+            go = _recv_exact(sock, 1)
         except EOFError:
+            go = b""
+        if go != b"G":  # the pool closed meanwhile
             code = 0
             return
-        _send_msg(sock, _run_episode(fn, base_url, row, cfg, sock))
+        if cfg["fallback"]:
+            _set_rlimits(cfg["limits"])
+        reply = _run_episode(fn, cfg, sock)
+        if reply is not None:
+            _send_msg(sock, reply)
         code = 0
     except BaseException:  # noqa: BLE001 - our own set-up or I/O failed: say so in the log tail
         traceback.print_exc()
@@ -252,22 +258,41 @@ def _worker_main(sock_fd: int, log_fd: int, fn: Callable[..., Any], cfg: dict) -
         os._exit(code)
 
 
-def _run_episode(fn: Callable[..., Any], base_url: str, row: dict, cfg: dict, sock: socket.socket) -> bytes:
-    """The episode in its namespaces, its connections relayed while it runs; its JSON result, or
-    {"died": wait status} when it ended without one."""
+def _run_episode(fn: Callable[..., Any], cfg: dict, sock: socket.socket) -> bytes | None:
+    """The episode's namespaces and its process, sandboxed, made before its job comes (a worker
+    started ahead of need has them ready: pool.AgentPool.spare); then the job from the driver,
+    passed on; its connections relayed while it runs. Its JSON result, {"died": wait status} when
+    it ended without one, or None when the driver closed before sending a job."""
     jail.episode_namespaces()
-    for _, ip, _, _ in cfg["endpoints"]:
+    for _, ip, _, _, _ in cfg["endpoints"]:
         jail.add_address(ip)
-    listeners = [(relay.tcp_listener(ip, port), relay.unix_connector(path)) for _, ip, port, path in cfg["endpoints"]]
+    listeners, handed = [], []
+    for _, ip, port, path, handoff in cfg["endpoints"]:
+        listener = relay.tcp_listener(ip, port)
+        if handoff:  # the agent server accepts here itself; kept open while the episode runs
+            handed.append(relay.hand_over(path, listener))
+            listener.close()
+        else:
+            listeners.append((listener, relay.unix_connector(path)))
+    job_r, job_w = os.pipe()
     result_r, result_w = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the episode keeps only its result pipe and its output: not the driver's socket
-        os.close(result_r)
-        sock.close()
-        for listener, _ in listeners:
-            listener.close()
-        _episode_main(fn, base_url, row, cfg, result_w)
-    os.close(result_w)
+    if pid == 0:  # the episode keeps only its job and result pipes and its output: not the driver's socket
+        for f in (result_r, job_w):
+            os.close(f)
+        for s in (sock, *handed, *(listener for listener, _ in listeners)):
+            s.close()
+        _episode_main(fn, cfg, job_r, result_w)
+    for f in (job_r, result_w):
+        os.close(f)
+    try:
+        job = _recv_msg(sock)  # pickled (base_url, row), from the driver (trusted)
+    except EOFError:
+        _kill(pid)
+        return None
+    with suppress(OSError):  # (an episode that died setting up: its exit status says so below)
+        _write_all(job_w, job)
+    os.close(job_w)
     pidfd = os.pidfd_open(pid)
     pump = relay.Relay(listeners)
     pump.sel.register(result_r, 1, "result")
@@ -293,8 +318,9 @@ def _run_episode(fn: Callable[..., Any], base_url: str, row: dict, cfg: dict, so
     return json.dumps({"died": status}).encode()
 
 
-def _episode_main(fn: Callable[..., Any], base_url: str, row: dict, cfg: dict, result_w: int) -> None:
-    """The episode process: sandboxed, it runs the agent and writes one JSON line. Never returns."""
+def _episode_main(fn: Callable[..., Any], cfg: dict, job_r: int, result_w: int) -> None:
+    """The episode process: sandboxed, it waits for its job, runs the agent and writes one JSON
+    line. Never returns."""
     me = os.getpid()
     try:
         jail.enter_episode(cfg["limits"]["tmp_mb"] << 20, cfg["seccomp"], cfg["privileged"], cfg["visible"],
@@ -303,6 +329,13 @@ def _episode_main(fn: Callable[..., Any], base_url: str, row: dict, cfg: dict, r
     except BaseException as exc:  # noqa: BLE001
         os.write(result_w, json.dumps({"error": f"could not enter its sandbox: {exc}"}).encode())
         os._exit(1)
+    job = bytearray()
+    while chunk := os.read(job_r, 1 << 16):
+        job += chunk
+    os.close(job_r)
+    if not job:  # no episode came (its worker was stopped)
+        os._exit(0)
+    base_url, row = pickle.loads(job)  # from the driver, through its worker
     reply = episode_result(fn, base_url, row, cfg["kwargs"], cfg["reward_bound"])
     if os.getpid() != me:  # a process the agent forked returned from it: only the episode replies
         os._exit(0)
@@ -310,6 +343,12 @@ def _episode_main(fn: Callable[..., Any], base_url: str, row: dict, cfg: dict, r
     with suppress(OSError):
         os.write(result_w, reply)
     os._exit(0)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def episode_result(fn: Callable[..., Any], base_url: str, row: dict, kwargs: dict, bound: float) -> bytes:

@@ -6,12 +6,10 @@ a client costs a bounded amount of memory and time and never a crash."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import contextvars
 import json
 import logging
 import math
-import socket
-import struct
 from collections import Counter, OrderedDict
 from typing import Any
 
@@ -127,16 +125,20 @@ class AnswerFaults:
                            code="internal_error").response()(scope, receive, send)
 
 
+CONNECTION: contextvars.ContextVar[Connection | None] = contextvars.ContextVar("agent_server_connection",
+                                                                             default=None)
+
+
 class ConnectionBudget:
     """Who holds the server's connections, so one agent's flood cannot deny the others (issue 47).
 
     A connection is *unclaimed* until a request names a live episode (keyless, or only wrong keys
     so far): at most `max_unclaimed` are kept, and past that the oldest idle one *of the source
-    holding the most* is closed (a source: the peer process on the Unix socket, where each
-    sandboxed episode's worker relays its episode's connections, else the client's host). A flood
-    of connections that send nothing thus evicts itself: a flood that cycles its connections (a
-    relay keeps 64 per episode and closes the oldest) would otherwise make a well-behaved client's
-    brand-new connection, whose request is still on its way, the oldest idle one (issue 58). A request to a live episode
+    holding the most* is closed (a source: the episode whose listener it came on, handed over by its
+    worker (reward/agents/handoff.py), else the client's host). A flood of connections that send
+    nothing thus evicts itself: a flood that cycles its connections would otherwise make a
+    well-behaved client's brand-new connection, whose request is still on its way, the oldest idle
+    one (issue 58: CI saw an honest call cut so). A request to a live episode
     claims its connection for that episode; an episode may hold `per_episode` connections, and a
     request past that is refused (the app answers 429 and closes it). Called on the server's event
     loop only (connections open, close and requests start there): no lock."""
@@ -145,14 +147,11 @@ class ConnectionBudget:
         self.max_unclaimed, self.per_episode = max_unclaimed, per_episode
         self._unclaimed: OrderedDict[Connection, None] = OrderedDict()  # oldest first
         self._by_source: dict[Any, OrderedDict[Connection, None]] = {}  # the same, per source
-        self._by_client: dict[tuple[str, int], Connection] = {}
         self._owner: dict[Connection, str] = {}
         self._held: Counter[str] = Counter()
         self.evicted = 0
 
     def opened(self, conn: Connection) -> None:
-        if conn.client is not None:
-            self._by_client[conn.client] = conn
         self._unclaimed[conn] = None
         self._by_source.setdefault(conn.source, OrderedDict())[conn] = None
         if len(self._unclaimed) > self.max_unclaimed:
@@ -183,15 +182,14 @@ class ConnectionBudget:
                 del self._by_source[conn.source]
 
     def closed(self, conn: Connection) -> None:
-        if conn.client is not None and self._by_client.get(conn.client) is conn:
-            del self._by_client[conn.client]
         self._unclaim(conn)
         self._release(conn)
 
-    def claim(self, client: tuple[str, int] | None, key: str) -> bool:
-        """The connection `client` came on now serves episode `key`; False if that episode already
-        holds `per_episode` others (the caller refuses the request and closes the connection)."""
-        conn = self._by_client.get(client) if client is not None else None
+    def claim(self, conn: Connection | None, key: str) -> bool:
+        """The connection `conn` (the request's: `CONNECTION.get()`) now serves episode `key`; False
+        if that episode already holds `per_episode` others (the caller refuses the request and closes
+        the connection). (By connection, not client address: episodes' listeners are in networks of
+        their own, where every client is 127.0.0.1 and ports repeat.)"""
         if conn is None or self._owner.get(conn) == key:
             return True  # (a client not served through `Connection`, e.g. an in-process test client)
         self._release(conn)
@@ -236,8 +234,9 @@ class Connection(H11Protocol):
     `linger_bytes` and `headers_timeout_s`; only past those is it closed over unread bytes."""
 
     def __init__(self, *args: Any, headers_timeout_s: float, budget: ConnectionBudget | None = None,
-                 linger_bytes: int = LINGER_BYTES, **kwargs: Any):
+                 linger_bytes: int = LINGER_BYTES, source: Any = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.source = source  # who opened it (None: told by its address, at connection_made)
         self._headers_timeout_s = headers_timeout_s
         self._headers_deadline: asyncio.TimerHandle | None = None
         self._budget = budget
@@ -247,7 +246,8 @@ class Connection(H11Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._raw = transport
-        self.source = _source(transport, self.client)
+        if self.source is None:
+            self.source = ("host", self.client[0] if self.client else None)
         self.transport = _Lingering(transport, self)  # what uvicorn (and each request's cycle) closes
         self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._await_headers()
@@ -263,6 +263,7 @@ class Connection(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if not self._lingering:
+            CONNECTION.set(self)  # a request's task, made in here, copies it: `ConnectionBudget.claim`
             super().data_received(data)
             return
         self._discarded += len(data)  # the rest of a refused body: counted, never kept
@@ -301,18 +302,6 @@ class Connection(H11Protocol):
     def _headers_late(self) -> None:
         if self.cycle is None or self.cycle.response_complete:  # no request came in time
             self.timeout_keep_alive_handler()  # closes the connection as uvicorn closes an idle one
-
-
-def _source(transport: asyncio.Transport, client: tuple[str, int] | None) -> Any:
-    """Who opened a connection: on a Unix socket the peer's pid (each sandboxed episode's worker
-    is its own process), else the client's host."""
-    sock = transport.get_extra_info("socket")
-    if sock is not None and sock.family == socket.AF_UNIX:
-        with contextlib.suppress(OSError):
-            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-            return ("pid", pid)
-        return ("unix", None)
-    return ("host", client[0] if client else None)
 
 
 class _Lingering:

@@ -12,8 +12,9 @@ do, each line backed by a test): every episode has its own pid, mount, network, 
 namespaces, a private /tmp, /dev/shm and /proc, a root file system with only the interpreter, its
 packages and the agent's code, read-only (not the run directory, data, checkpoints or caches), an
 unprivileged host uid of its own with no capabilities, and a seccomp filter against tracing,
-namespaces and mounts. Its network is its own loopback, where its worker relays the endpoints it
-may reach (the agent server, and `task.agent_endpoints`) to the pool's relay (relay.py): nothing
+namespaces and mounts. Its network is its own loopback, where its worker offers the endpoints it
+may reach (the agent server, and `task.agent_endpoints`): the agent server accepts on its
+listener there itself (handoff.py), the others are relayed to the pool's relay (relay.py); nothing
 else on the host is reachable. Its result crosses as JSON, never as a pickle.
 
 Limits, where root can write the v1 `memory` and `pids` cgroup hierarchies (detected once per
@@ -240,7 +241,8 @@ class _Sandbox:
     def __init__(self, spec: str, base_dir: str, workers: int, limits: AgentLimits, kwargs: dict, name: str,
                  endpoints: list[tuple], hidden: list[str], reward_bound: float, cgroups: bool):
         privileged = os.geteuid() == 0
-        # (host, port) or (host, port, a Unix socket serving it: the agent server's, reached directly)
+        # (host, port) or (host, port, a Unix socket taking listeners: the agent server's, which then
+        # accepts in each episode's network itself: reward/agents/handoff.py)
         addresses = [(e[0], _address(e[0], name), e[1]) for e in endpoints]
         direct = [e[2] if len(e) > 2 else None for e in endpoints]
         self.uids = None
@@ -264,7 +266,7 @@ class _Sandbox:
             fallback=not cgroups, privileged=privileged, uids=ids, gids=ids, code_dirs=code_dirs,
             visible=[self.relay_dir, *{os.path.dirname(d) for d in direct if d}],
             hidden=[os.path.realpath(h) for h in hidden],
-            endpoints=[(host, ip, port, path) for (host, ip, port), path in zip(addresses, paths)],
+            endpoints=[(host, ip, port, path, d is not None) for (host, ip, port), path, d in zip(addresses, paths, direct)],
             seccomp=_seccomp_filter(), reward_bound=float(reward_bound))
 
     def release(self) -> None:
@@ -285,9 +287,11 @@ class AgentPool:
         """Waits (up to _LOAD_TIMEOUT_S) for the zygote to load the function: a bad spec or signature
         raises RewardLoadError here. `python`: the zygote's interpreter (None: this one; it imports
         only reward.agents.episode's standard-library closure of ours); `endpoints`: the (host,
-        port[, Unix socket]) addresses episodes may reach (names resolved here, once); `hidden`: folders kept out
-        of sight among the agent's code (run.dir); `reward_bound`: task.agent_reward_bound."""
+        port[, the Unix socket taking a server's listeners: handoff.py]) addresses episodes may
+        reach (names resolved here, once); `hidden`: folders kept out of sight among the agent's
+        code (run.dir); `reward_bound`: task.agent_reward_bound."""
         self.size, self.limits, self.name = workers, limits, name
+        self.spare = max(1, workers // 4)  # workers started ahead, ready for the next episodes
         self.zygote_restarts, self.restarts = zygote_restarts, 0
         self._python = python or sys.executable
         self._cgroups = _cgroups_usable()
@@ -493,29 +497,44 @@ class AgentPool:
 
     def _hello(self, w: _Worker) -> None:
         """A new worker's first byte: its host pid from the credentials the kernel attached; then it
-        goes in its cgroups (before it gets a job) and is idle."""
+        goes in its cgroups and is told to go on (it forks its episode only then, so the episode is
+        counted there from its first page), and is idle."""
         if not w.hello():
             w.kill()
             return
-        if not self._cgroups:
-            return
-        try:
-            w.join_cgroups(self.limits)
-        except (OSError, SandboxError) as exc:
-            w.kill()
-            self._fail_queued(f"could not put a worker in its cgroups: {exc}")
+        if self._cgroups:
+            try:
+                w.join_cgroups(self.limits)
+            except (OSError, SandboxError) as exc:
+                w.kill()
+                self._fail_queued(f"could not put a worker in its cgroups: {exc}")
+                return
+        try:  # it may now make its episode's sandbox and process, ready for a job
+            w.sock.sendall(b"G")
+        except OSError:  # it died meanwhile: its exit report says so
+            pass
 
     def _dispatch(self) -> None:
-        """Hand queued jobs to idle workers; ask for more workers (up to `workers`) for the rest."""
+        """Hand queued jobs to idle workers, `workers` episodes at most at once; keep enough workers
+        started (idle, or on their way) for the queued jobs that may start now, plus `spare` ready
+        for the next ones: a worker is a fresh fork per episode, and starting one (the zygote's
+        fork, its hello, its cgroups, its namespaces and its episode's sandboxed process) then stays
+        off the next episode's path."""
+        running = sum(1 for w in self._workers if w.job is not None)
         idle = [w for w in self._workers if w.pid is not None and w.job is None and not w.doomed]
-        while self._queue and idle:
+        while self._queue and idle and running < self.size:
             w, job = idle.pop(), self._queue.popleft()
             job.started, w.job, w.tail = time.monotonic(), job, b""
+            running += 1
             with suppress(OSError):  # it died meanwhile: its exit report ends the job
                 w.sock.sendall(struct.pack("!Q", len(job.payload)) + job.payload)
-        live = [w for w in self._workers if not w.doomed]
-        pending = sum(1 for w in live if w.pid is None)
-        for _ in range(min(len(self._queue) - pending, self.size - len(live))):
+        if not self._jobs:  # nothing to run: no worker is kept waiting (the next ones start with the next jobs)
+            for w in self._workers:
+                if w.job is None and w.pid is not None and not w.doomed:
+                    w.kill()
+            return
+        waiting = sum(1 for w in self._workers if w.job is None and not w.doomed)  # idle or starting
+        for _ in range(min(len(self._queue), self.size - running) + self.spare - waiting):
             self._spawn()
 
     def _on_result(self, w: _Worker) -> None:

@@ -1,9 +1,10 @@
 """Byte relays between an episode's private network and the endpoints it may reach.
 
 An episode's network namespace has only its own loopback. Its worker listens there on each
-endpoint's address (`127.0.0.1:port`: the agent server, and the task's named servers) and relays
-every connection to a Unix socket of the pool; the pool relays that to the endpoint's real TCP
-address on the host. Path-based Unix sockets cross network namespaces, so nothing else on the
+endpoint's address (`127.0.0.1:port`: the agent server, and the task's named servers). The agent
+server's listener is handed to the server itself (`hand_over`; reward/agents/handoff.py), which
+accepts there: no relay on the calls' path. Every connection to another endpoint is relayed to a
+Unix socket of the pool, which relays it to the endpoint's real TCP address on the host. Path-based Unix sockets cross network namespaces, so nothing else on the
 host (Ray, other services, other addresses) is reachable from an episode. Standard library only:
 the worker side runs in the zygote's interpreter.
 """
@@ -108,6 +109,11 @@ class Relay:
             return
         for a, b in ((conn, target), (target, conn)):
             a.setblocking(False)
+            if a.family in (socket.AF_INET, socket.AF_INET6):
+                # each chunk goes on as it came: with Nagle, a response written while the peer's
+                # delayed ACK of the last one is due waits for it (~15 ms a call; the servers we
+                # relay set TCP_NODELAY themselves, as asyncio and httpx do)
+                a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._links[a] = b
             self._pending[a] = bytearray()  # what is still to be written to `a`
             self._eof[a] = False            # `a` sent its last byte
@@ -196,6 +202,21 @@ def tcp_connector(host: str, port: int, timeout_s: float = 10.0) -> Callable[[],
     def connect() -> socket.socket:
         return socket.create_connection((host, port), timeout=timeout_s)
     return connect
+
+
+def hand_over(path: str, listener: socket.socket, timeout_s: float = 10.0) -> socket.socket:
+    """Give `listener` to the server taking listeners at the Unix socket `path` (the agent server:
+    reward/agents/handoff.py), which then accepts on it itself; returns the connection to keep
+    open while the listener is to be served (closing it, or exiting, ends that)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    try:
+        s.connect(path)
+        socket.send_fds(s, [b"L"], [listener.fileno()])
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def tcp_listener(host: str, port: int) -> socket.socket:

@@ -31,6 +31,7 @@ import socket
 import tempfile
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -45,7 +46,9 @@ from rl.data.dataset import derive_seed
 from rl.data.types import GenerationRequest, Sample
 from reward.agents import answers, requests
 from reward.agents.chat import Conversation, Prompts
-from reward.agents.http_limits import MAX_HEADER_BYTES, AnswerFaults, ApiError, Connection, ConnectionBudget, read_body
+from reward.agents.handoff import Handoffs
+from reward.agents.http_limits import (CONNECTION, MAX_HEADER_BYTES, AnswerFaults, ApiError, Connection, ConnectionBudget,
+                                       read_body)
 
 __all__ = ["MAX_HEADER_BYTES", "AgentServer", "RequestRejected"]
 
@@ -154,15 +157,12 @@ class AgentServer:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self._port))
         self._socket, self._port = sock, sock.getsockname()[1]
-        # the same app on a Unix socket too: sandboxed agent episodes reach it there (their worker
-        # relays their loopback to it: reward/agents/relay.py), without a hop through the driver
+        # sandboxed episodes' workers hand their listeners over here (reward/agents/handoff.py): the
+        # server accepts inside each episode's network, no relay between
         self._uds_dir = tempfile.mkdtemp(prefix="rlpost-agent-server-")
         os.chmod(self._uds_dir, 0o755)
-        self.unix_path = os.path.join(self._uds_dir, "server.sock")
-        uds = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        uds.bind(self.unix_path)
-        os.chmod(self.unix_path, 0o666)  # the episodes' host uids connect to it
-        self._uds = uds
+        self._handoffs = Handoffs(os.path.join(self._uds_dir, "listeners.sock"), self._serve_listener)
+        self.handoff_path = self._handoffs.path
         # h11, not httptools (uvicorn's choice when installed): httptools has no cap on headers still
         # arriving; limit_concurrency answers 503 past max_connections connections or requests in flight
         config = uvicorn.Config(
@@ -172,7 +172,7 @@ class AgentServer:
             timeout_keep_alive=self.keep_alive_s, h11_max_incomplete_event_size=MAX_HEADER_BYTES,
             limit_concurrency=self.max_connections)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock, uds]}, daemon=True,
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True,
                                         name=f"agent-server:{self._port}")
         self._thread.start()
         deadline = time.monotonic() + timeout_s
@@ -181,17 +181,42 @@ class AgentServer:
                 self.stop()
                 raise RuntimeError(f"agent server on {self.host}:{self._port} did not start within {timeout_s} s")
             time.sleep(0.01)
+        self._loop = self._server.servers[0].get_loop()
+        self._on_loop(self._handoffs.start, self._loop)
         return self.url
+
+    def _on_loop(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 10.0) -> Any:
+        """`fn(*args)` on the server's event loop; its result."""
+        async def call() -> Any:
+            return fn(*args)
+        return asyncio.run_coroutine_threadsafe(call(), self._loop).result(timeout_s)
+
+    async def _serve_listener(self, listener: socket.socket, source: Any) -> asyncio.AbstractServer:
+        """Serve the app on an episode's listener (handed over: reward/agents/handoff.py), as uvicorn
+        serves its own sockets, its connections counted as `source`'s."""
+        server = self._server
+
+        def connection(_loop: asyncio.AbstractEventLoop | None = None) -> Connection:
+            return server.config.http_protocol_class(config=server.config, server_state=server.server_state,
+                                                     app_state=server.lifespan.state, _loop=_loop, source=source)
+        return await asyncio.get_running_loop().create_server(connection, sock=listener,
+                                                              backlog=server.config.backlog)
+
+    def listening(self) -> int:
+        """Episodes' listeners served now (each closed when its worker goes)."""
+        return self._on_loop(self._handoffs.listening)
 
     def stop(self) -> None:
         """Stop serving (calls in flight get a few seconds to finish); idempotent."""
         if self._server is not None:
+            if self._thread is not None and self._thread.is_alive():
+                with suppress(Exception):  # (a loop already gone: its listeners went with it)
+                    self._on_loop(self._handoffs.close)
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=15)
         if self._socket is not None:
             self._socket.close()
-            self._uds.close()
             shutil.rmtree(self._uds_dir, ignore_errors=True)
         self._server = self._thread = self._socket = self._limiter = None  # the limiter belongs to the old loop
 
@@ -306,8 +331,7 @@ class AgentServer:
 
         async def run(completions: bool, key: str, request: Request) -> Response:
             ep = self._episode(key)
-            client = (request.client.host, request.client.port) if request.client else None
-            if not self._connections.claim(client, key):
+            if not self._connections.claim(CONNECTION.get(), key):
                 raise self._refuse(ep, f"had over {self._connections.per_episode} connections open at once",
                                    close=True)  # body unread
             if self._limiter is None:  # made on the server's event loop

@@ -45,7 +45,7 @@ def predicted(overrides: list[str], run_dir: str) -> dict:
     """`launch.plan`'s prediction for the command, with run.dir pointing at `run_dir`."""
     from launch.plan import plan_run
     from rl.config.compose import compose
-    from rl.config.schema import validate
+    from rl.config.validation import validate
 
     cfg = compose("train", overrides + [f"run.dir={run_dir}"])
     validate(cfg)

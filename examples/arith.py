@@ -10,7 +10,7 @@ that a ~1M-parameter model can half-learn in seconds: a good starting point for 
 - reward: `configs/reward/arith.yaml` (the default `reward=arith`): `reward.builtin:exact_answer`
   against the `answer` column plus a small `reward.builtin:format_number` bonus.
 
-`python -m launch.train` on its defaults builds this task on first use (`examples.ensure_builtin`).
+`python -m launch.train` on its defaults builds this task on first use (`rl.data.builtins.ensure_builtin`).
 """
 
 from __future__ import annotations

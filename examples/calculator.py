@@ -19,7 +19,7 @@ the one without a tool call, is its answer (`102`), right or wrong. A worked epi
   room to improve (`build`; `python -m examples.calculator`); `sample_episodes` plays episodes
   turn by turn in process, as the RL runner does, and is the build's measure of success.
 
-`configs/task/calculator.yaml` (`task=calculator`) trains it; built on first use (`examples.ensure_builtin`).
+`configs/task/calculator.yaml` (`task=calculator`) trains it; built on first use (`rl.data.builtins.ensure_builtin`).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ episode (C tokens separated by spaces, as in the single-turn task)::
   single-turn task's warm-up mix, then revisions that are mostly better after each feedback)
   until a first attempt is an exactly correct program about half of the time.
 
-`configs/task/code_agent.yaml` (`task=code_agent`) trains it; built on first use (`examples.ensure_builtin`).
+`configs/task/code_agent.yaml` (`task=code_agent`) trains it; built on first use (`rl.data.builtins.ensure_builtin`).
 """
 
 from __future__ import annotations

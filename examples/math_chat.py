@@ -17,7 +17,7 @@ column) plus a small `reward.builtin:math_format` bonus. Train and test question
 - data: OUT/data/{train,test}.jsonl (columns `prompt`, `answer`, `level`), `write_data`;
 - model: none of its own: `task=math_chat` trains `model=smollm2` (examples/smollm2.py) by default.
 
-Built on first use (`examples.ensure_builtin`); by hand: `python -m examples.math_chat [--out DIR]`.
+Built on first use (`rl.data.builtins.ensure_builtin`); by hand: `python -m examples.math_chat [--out DIR]`.
 """
 
 from __future__ import annotations

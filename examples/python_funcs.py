@@ -16,7 +16,7 @@ family's reference implementation. None of them is a HumanEval problem: those th
 - data: OUT/data/train.jsonl (columns above and `family`, the family's name template), `write_data`;
 - model: none of its own: `task=python_funcs` trains `model=smollm2` by default.
 
-Built on first use (`examples.ensure_builtin`); by hand: `python -m examples.python_funcs [--out DIR]`.
+Built on first use (`rl.data.builtins.ensure_builtin`); by hand: `python -m examples.python_funcs [--out DIR]`.
 """
 
 from __future__ import annotations

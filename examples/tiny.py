@@ -23,7 +23,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from trainer.sft import chat_example, example_logprobs, pad_id_of, sft_train, train_examples
+from rl.data.padding import pad_id_of
+from trainer.sft import chat_example, example_logprobs, sft_train, train_examples
 from trainer.supervised import torch_threads
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"

@@ -1,11 +1,13 @@
 """Every check of what a user gave, before Ray or any model starts: one layer that the command
 lines (`launch.train`, `launch.train_sft`, `launch.train_rm`, `launch.plan`) call.
 
-The config's own rules (types, ranges, choices, combinations) are `rl.config.schema.validate`
-(and `validate_sft` / `validate_rm`), which `check_inputs` runs first; what needs the host or
-the files is here: the GPUs asked for exist, the model folders and their limits, the data, the
-reward functions, environment and agent load, the memory plan fits, the run directory. Each
-raises one of `launch.cli.INPUT_ERRORS` naming the field and the fix.
+The config's own rules (types, ranges, choices, combinations) are `rl.config.validation.validate`
+(and `validate_sft` / `validate_rm`), which `check_inputs` runs first, after the one step that
+rewrites a config (a shorthand expanded by the code it names: `task.env=openenv:...`); what needs
+the host or the files is here: the GPUs asked for exist, the reward functions, environment and
+agent load, the model folders and their limits, the data, the memory plan fits, the run
+directory. The user's own inputs are checked before a missing built-in task is built (which can
+take minutes). Each raises one of `launch.cli.INPUT_ERRORS` naming the field and the fix.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from examples import builtin_dir, ensure_builtin
 from launch.components import load_agent, reward_specs
 from launch.hub import resolve_hub_ids
 from launch.model_files import embedding_rows, experts, position_limit, require_model, require_vllm_architecture
 from launch.plan import preflight  # the memory plan (rl/plan/memory_plan.py)
-from rl.config.schema import ConfigError, validate
+from reward.agents.openenv_task import expand_openenv
+from rl.config.schema import ConfigError
+from rl.data.builtins import builtin_dir, ensure_builtin
+from rl.config.validation import validate
 
 
 def require_writable(path: str, what: str = "run.dir") -> None:
@@ -68,7 +72,7 @@ def require_tensor_parallel(path: str, config: dict[str, Any], tp: int) -> None:
 
 def supervised_inputs(cfg: Any) -> None:
     """A supervised run's inputs: the built-in policy and data its default paths name are built
-    when missing (`examples.ensure_builtin`); the model folder (or Hub id) must exist."""
+    when missing (`rl.data.builtins.ensure_builtin`); the model folder (or Hub id) must exist."""
     resolve_hub_ids(cfg)
     ensure_builtin([cfg.model.path, *cfg.data.train_files, *cfg.data.test_files], cfg.run.seed)
     require_model(cfg.model.path)
@@ -169,8 +173,10 @@ def ensure_inputs(cfg: DictConfig) -> None:
     for path, field in ((cfg.model.path, "model.path"), *((c, "algorithm.critic_init") for c in critic)):
         if builtin_dir(path) is None:  # the user's own folder: refused before a built-in task is built
             require_model(path, field)
-    ensure_builtin([cfg.model.path, *cfg.task.train_files, *cfg.eval.files, *_reward_model_paths(cfg), *critic],
-                   cfg.run.seed)
+    named = [cfg.model.path, *cfg.task.train_files, *cfg.eval.files, *_reward_model_paths(cfg), *critic]
+    if any(builtin_dir(path) is not None and not os.path.exists(path) for path in named):
+        read_own_rows(cfg)  # a build takes minutes: the user's own rows are refused before it
+    ensure_builtin(named, cfg.run.seed)
     # A folder with config.json, whose position limit holds rollout.max_model_len tokens, and whose
     # heads split over the tensor-parallel ranks.
     model_config = require_model(cfg.model.path)
@@ -189,6 +195,21 @@ def ensure_inputs(cfg: DictConfig) -> None:
         require_same_tokenizer(cfg.model.path, cfg.algorithm.teacher_path)
     if cfg.model.lora.rank > 0:
         require_lora_targets(cfg.model.path, list(cfg.model.lora.target_modules))
+
+
+def read_own_rows(cfg: DictConfig) -> None:
+    """Read the user's own prompt files among `task.train_files` and `eval.files` (not a built-in
+    task's, not rows written from `task.datasets`): each row's prompt must be a non-empty string.
+    Run before a build; `load_data` reads every file again once the build has written its own."""
+    from rl.data.dataset import load_columns
+
+    if cfg.task.datasets:
+        return
+    evaluated = cfg.eval.files if cfg.eval.every_steps > 0 else []
+    for field, files in (("task.train_files", cfg.task.train_files), ("eval.files", evaluated)):
+        own = [f for f in files if builtin_dir(f) is None]
+        if own:
+            load_columns(own, {"task.prompt_key": cfg.task.prompt_key}, field, texts=("task.prompt_key",))
 
 
 def write_task_rows(cfg: DictConfig) -> None:
@@ -289,17 +310,32 @@ def resolve_paths(cfg: DictConfig) -> None:
     cfg.run.dir = _abs(cfg.run.dir)
 
 
-def load_inputs(cfg: DictConfig):
-    """Everything read from the user's files, checked before Ray starts: the reward functions
-    (imported here once, so a bad name fails in seconds), the prompts and the tokenizer."""
+def load_user_code(cfg: DictConfig):
+    """The user's code the config names, imported in the driver once so that a bad name fails in
+    seconds, before any built-in task is built or Ray starts: the reward functions (returned as a
+    scorer, None without any, for the data's columns check), the environment class, the agent."""
     from reward.loader import load_environment
     from reward.scorer import RewardScorer
-    from rl.data.dataset import PromptDataset
 
     scorer = RewardScorer(reward_specs(cfg), base_dir=os.getcwd()) if cfg.reward.functions else None
     if cfg.task.env:
         load_environment(cfg.task.env, os.getcwd())
-    load_agent(cfg)  # a bad task.agent fails here, before Ray starts
+    load_agent(cfg)
+    return scorer
+
+
+def load_inputs(cfg: DictConfig):
+    """Everything read from the user's files, checked before Ray starts: the user's code, the
+    prompts and the tokenizer (`load_user_code`, then `load_data`)."""
+    return load_data(cfg, load_user_code(cfg))
+
+
+def load_data(cfg: DictConfig, scorer):
+    """The prompts and the tokenizer, checked against the model and against the columns the
+    reward functions of `scorer` (what `load_user_code` returned) require. Returns (tokenizer,
+    training prompts, held-out prompts or None)."""
+    from rl.data.dataset import PromptDataset
+
     # Every row of every file is read (the prompt column a non-empty string) before transformers loads.
     budget = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
     data = PromptDataset(cfg.task.train_files, cfg.task.prompt_key, None, cfg.run.seed, budget,
@@ -376,15 +412,19 @@ def check_run_dir(cfg: DictConfig, overrides: list[str] | None = None):
 
 
 def check_inputs(cfg: DictConfig, overrides: list[str]):
-    """Every check of what the user gave, cheapest first, before Ray starts: the config, the host,
-    the model folders, the user's files (rewards, environments, every data row, the tokenizer: a
-    misnamed column is refused in seconds, not after the plan's probes), the memory plan, the run
-    directory. Returns (inputs, the checkpoint to resume from or None); raises one of INPUT_ERRORS
-    naming the field and the fix."""
+    """Every check of what the user gave, cheapest first, before Ray starts: the config (its
+    shorthands expanded first: the one step here that rewrites it before validation), the host,
+    the user's code (reward functions, environment, agent) and own data rows, both refused before a
+    missing built-in task is built (which takes minutes), the model folders, the user's files (every
+    data row, the tokenizer: a misnamed column is refused in seconds, not after the plan's probes),
+    the memory plan, the run directory. Returns (inputs, the checkpoint to resume from or None);
+    raises one of INPUT_ERRORS naming the field and the fix."""
+    expand_openenv(cfg)
     validate(cfg)
     check_host(cfg)
+    scorer = load_user_code(cfg)
     ensure_inputs(cfg)
     resolve_paths(cfg)
-    inputs = load_inputs(cfg)
+    inputs = load_data(cfg, scorer)
     preflight(cfg)  # a run that cannot fit its memory is refused here, naming the fix
     return inputs, check_run_dir(cfg, overrides)

@@ -3,9 +3,10 @@ fleet, the learner group, the reward service and the environment service, and th
 between the learner and the fleet. It starts them in order with their placement
 (launch/components.py knows how each is built), keeps them whole and shuts them down.
 
-It is the only caller of the fleet's `repair`: a repair returns the workers it replaced, and the
-Cluster then has the weight sync join them and bring them up to date, and tells the fleet when
-every worker holds the current weights (`fleet.synced()`). A sync that loses workers is handled
+In a training run it is the one caller of the fleet's `repair` (the Tinker service repairs a fleet
+of its own, launch/tinker/service.py): a repair returns the workers it replaced, and the Cluster
+then has the weight sync join them and bring them up to date, and tells the fleet when every
+worker holds the current weights (`fleet.synced()`). A sync that loses workers is handled
 the same way. No component calls another back or reads another's attributes: they meet here.
 
 The loop sees the Cluster as its weight sync (`sync`, `bytes_per_sync`), the GPU hand-over sees it
@@ -28,10 +29,10 @@ from rl.run.rollouts import repaired_while
 
 
 class Cluster:
-    def __init__(self, fleet, learner, weights, *, rewards=None, sandboxes=None, envs=None, placement=None,
+    def __init__(self, fleet, learner, weight_sync, *, rewards=None, sandboxes=None, envs=None, placement=None,
                  log: Callable[[str], None] = print):
-        """The parts as started (`Cluster.start` starts them from a config); `weights` not joined yet."""
-        self.fleet, self.learner, self.weights = fleet, learner, weights
+        """The parts as started (`Cluster.start` starts them from a config); `weight_sync` not joined yet."""
+        self.fleet, self.learner, self.weight_sync = fleet, learner, weight_sync
         self.rewards, self.sandboxes, self.envs, self.placement, self.log = rewards, sandboxes, envs, placement, log
         self.version = 0  # the policy version every rollout worker holds
         self._lock = threading.RLock()
@@ -47,10 +48,10 @@ class Cluster:
         parts: dict[str, Any] = {}
         try:
             parts["sandboxes"] = start_sandbox_pool(cfg)
-            fleet, rewards, learner, weights, placement = build_components(config, log, started=parts)
+            fleet, rewards, learner, weight_sync, placement = build_components(config, log, started=parts)
             parts["envs"] = start_env_service(config)
-            cluster = cls(fleet, learner, weights, rewards=rewards, sandboxes=parts["sandboxes"], envs=parts["envs"],
-                          placement=placement, log=log)
+            cluster = cls(fleet, learner, weight_sync, rewards=rewards, sandboxes=parts["sandboxes"],
+                          envs=parts["envs"], placement=placement, log=log)
             cluster.join()
             return cluster
         except BaseException:
@@ -65,13 +66,13 @@ class Cluster:
 
     @property
     def bytes_per_sync(self) -> float:
-        return self.weights.bytes_per_sync
+        return self.weight_sync.bytes_per_sync
 
     def join(self) -> None:
         """Join the weight sync with the current workers, replacing those that fail meanwhile
         (within `rollout.max_restarts`)."""
         with self._lock:
-            while failed := self.weights.join():
+            while failed := self.weight_sync.join():
                 self.fleet.replace(failed, "weight-sync join")
 
     def sync(self, version: int) -> float:
@@ -79,7 +80,7 @@ class Cluster:
         meanwhile is replaced, the sync joined again and redone. Returns the bytes sent to each."""
         with self._lock:
             while True:
-                synced = self.weights.sync(version)
+                synced = self.weight_sync.sync(version)
                 if not synced.failed:
                     self.version = version
                     self.fleet.synced()
@@ -109,7 +110,7 @@ class Cluster:
 
     def shutdown(self) -> None:
         """End every group (never waits on a stuck one)."""
-        self.weights.close()
+        self.weight_sync.close()
         for part in (self.learner, self.rewards, self.fleet, self.envs):
             if part is not None:
                 part.shutdown()

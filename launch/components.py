@@ -12,7 +12,8 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rl.config.schema import TrainConfig, endpoint_address, plain_dict
+from rl.config.schema import TrainConfig, plain_dict
+from rl.config.validation import endpoint_address
 from rl.plan.devices import GPU_VISIBILITY_ENV
 
 

@@ -102,7 +102,7 @@ def resolve_hub_ids(cfg: Any) -> None:
     """Every model field that names a Hub id replaced by the folder of its snapshot
     in the Hugging Face cache: `model.path` at `model.revision`, a reward model's `path` and
     `algorithm.critic_init` at their `@revision`. Built-in and existing local paths stay as given."""
-    from examples import builtin_dir
+    from rl.data.builtins import builtin_dir
 
     if builtin_dir(cfg.model.path) is None:
         if cfg.model.revision and not looks_like_hub_id(cfg.model.path):

@@ -16,7 +16,7 @@ POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 
 
 def require_model(path: str, what: str = "model.path") -> dict[str, Any]:
-    """A model folder must exist once the built-in ones have been built (`examples.ensure_builtin`)
+    """A model folder must exist once the built-in ones have been built (`rl.data.builtins.ensure_builtin`)
     and hold a readable `config.json`; returns that config as a dict."""
     from trainer.gguf import convert_command, is_gguf
 

@@ -313,9 +313,10 @@ def preflight(cfg: Any) -> Plan | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from examples import ensure_builtin
     from launch.hub import resolve_hub_ids
+    from reward.agents.openenv_task import expand_openenv
     from rl.config.compose import compose
+    from rl.data.builtins import ensure_builtin
 
     overrides = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in overrides):
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     try:
         try:
-            cfg = compose("train", overrides)  # the same configs/ tree and validation as launch.train
+            cfg = compose("train", overrides, expand=expand_openenv)  # the same configs/ tree, steps, validation
         except Exception as err:  # noqa: BLE001 - ours (ConfigError) or Hydra's (a bad override or group)
             raise ConfigError(" ".join(str(err).split())) from None
         resolve_hub_ids(cfg)  # a Hub id: its snapshot in the Hugging Face cache

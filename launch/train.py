@@ -69,7 +69,7 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
     from rl.run.faults import StopRequest
     from rl.loop import run_loop
     from rl.run.run_log import RunLog
-    from trainer.sft import pad_id_of
+    from rl.data.padding import pad_id_of
 
     tokenizer, data, eval_data = inputs or load_inputs(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)  # typed, plain data: what the actors are built from

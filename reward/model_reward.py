@@ -74,8 +74,8 @@ def score(
     """
     import torch
 
+    from rl.data.padding import pad_id_of
     from trainer.reward_model import collate, rm_input_ids, sequence_scores
-    from trainer.sft import pad_id_of
 
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}: must be >= 1")

@@ -41,9 +41,9 @@ from rl.run.scoring import reward_tensors, score_samples
 from rl.run.step_metrics import StepTimes, logprob_mismatch_warning, step_metrics
 
 
-class Weights(Protocol):
-    """The weight sync from the learner to the rollout workers, with the repairs it needs (the
-    driver's `Cluster`, launch/cluster.py, over trainer/sync/)."""
+class PolicySync(Protocol):
+    """What brings a new policy version from the learner to every rollout worker, replacing the
+    workers lost on the way: the driver's `Cluster` (launch/cluster.py), over trainer/sync/."""
 
     bytes_per_sync: float  # the whole weights (a delta sync sends less)
 
@@ -74,14 +74,14 @@ def student_logprobs(batch: TrainBatch) -> torch.Tensor:
 
 
 def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, source: Source, rewards: Rewards | None,
-             learner: Learner, weights: Weights, log: RunLog, handover: GpuHandover, start_step: int = 0,
+             learner: Learner, policy_sync: PolicySync, log: RunLog, handover: GpuHandover, start_step: int = 0,
              kl_state: dict | None = None, stop: StopRequest | None = None, in_flight: dict | None = None,
              eval_data: PromptDataset | None = None) -> list[dict[str, float]]:
     """Run steps [start_step, run.steps) of the run `cfg` describes; returns each step's metrics.
 
-    `source`: where samples come from (rl/run/rollouts.py); `weights`: the weight sync from the
-    learner to the engines (trainer/sync/); `handover`: who holds the GPUs when they are shared
-    (rl/run/colocation.py). `rewards`: None when only the episodes reward (an environment's or an
+    `source`: where samples come from (rl/run/rollouts.py); `policy_sync`: what syncs each new
+    policy version to the engines (the driver's `Cluster`); `handover`: who holds the GPUs when
+    they are shared (rl/run/colocation.py). `rewards`: None when only the episodes reward (an environment's or an
     agent's); `in_flight`: what a checkpoint recorded of the rollouts made ahead; `eval_data`:
     `eval.files`. A run ends early at a step boundary, with a checkpoint there, as `StopGuards`
     says; an actor lost for good ends it with an ActorFailure naming the step."""
@@ -100,8 +100,8 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, source: Source,
     try:
         for step in range(start_step, run.steps):
             evaluated = evaluation.before(step)
-            metrics, scored = _step(cfg, pad_id, learner, weights, log, step, kl_ctrl, rollouts, save, evaluated,
-                                    handover)
+            metrics, scored = _step(cfg, pad_id, learner, policy_sync, log, step, kl_ctrl, rollouts, save,
+                                    evaluated, handover)
             history.append(metrics)
             guards.record(metrics, scored)
             stopping = guards.stopping(step + 1)
@@ -115,8 +115,8 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, source: Source,
     return history
 
 
-def _step(cfg: TrainConfig, pad_id: int, learner: Learner, weights: Weights, log: RunLog, step: int, kl_ctrl,
-          rollouts: Rollouts, save, evaluated: dict[str, float],
+def _step(cfg: TrainConfig, pad_id: int, learner: Learner, policy_sync: PolicySync, log: RunLog, step: int,
+          kl_ctrl, rollouts: Rollouts, save, evaluated: dict[str, float],
           handover: GpuHandover) -> tuple[dict[str, float], list[ScoredSample]]:
     """One step trained at policy version `step`: its batch (made now, ahead, or streamed), scores,
     advantages, the update, the weight sync; logs and returns its metrics (with the evaluation
@@ -147,7 +147,7 @@ def _step(cfg: TrainConfig, pad_id: int, learner: Learner, weights: Weights, log
         handover.to_sync()  # both sides hold just their weights
         with rollouts.between_batches():
             t_held = time.perf_counter()
-            sent = weights.sync(step + 1)
+            sent = policy_sync.sync(step + 1)
             t_synced = time.perf_counter()
         handover.to_rollout()
     except ActorFailure as err:
@@ -158,7 +158,7 @@ def _step(cfg: TrainConfig, pad_id: int, learner: Learner, weights: Weights, log
 
     times = StepTimes(t0, t_batch, t_scored, t_trained, t_held, t_synced, time.perf_counter())
     metrics = step_metrics(cfg, step, scored, samples, collected, est.metrics, trained, kl_coef, sent,
-                           weights.bytes_per_sync, times, evaluated)
+                           policy_sync.bytes_per_sync, times, evaluated)
     warning = logprob_mismatch_warning(step, metrics.get("sync/logprob_abs_diff", 0.0),
                                        cfg.trainer.logprob_warn_threshold)
     if warning and not metrics["policy/staleness_max"]:  # samples of older versions differ by design

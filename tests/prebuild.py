@@ -35,7 +35,7 @@ BUILDS: dict[str, tuple[str, str, str]] = {
     "tiny_untrained": ("tiny_untrained", "from examples.arith import build; "
                                          "build(OUT, seed=0, steps=0, target_accuracy=0, n_eval=8, log_every=0)", "."),
     # the real model's folder made on first use of model=smollm2's path, as launch.train makes it
-    "smollm2": ("smollm2", f"from examples import ensure_builtin; "
+    "smollm2": ("smollm2", f"from rl.data.builtins import ensure_builtin; "
                            f"assert ensure_builtin([{SMOLLM2_PATH!r}]) == [{SMOLLM2_PATH!r}]", SMOLLM2_PATH),
     "tiny_calc": ("tiny_calc", "from examples.calculator import build; build(OUT, seed=0, log_every=0)", "."),
     "tiny_code_agent": ("tiny_code_agent", "from examples.code_agent import build; build(OUT, seed=0, log_every=0)",

@@ -70,7 +70,8 @@ def test_an_agent_runs_in_the_interpreter_named(other_env) -> None:
 @pytest.mark.slow
 def test_bad_interpreters_and_agents_are_refused_naming_the_field(other_env, tmp_path, make_config) -> None:
     from launch.components import load_agent
-    from rl.config.schema import ConfigError, validate
+    from rl.config.schema import ConfigError
+    from rl.config.validation import validate
 
     python, agents = other_env
     with pytest.raises(ConfigError, match=r"task.agent_python='/no/such/python' is not an executable file"):

@@ -8,6 +8,7 @@ command line, in its own process, and imports none of Ray, vLLM or DeepSpeed."""
 
 from __future__ import annotations
 
+import re
 import resource
 import shutil
 import subprocess
@@ -399,3 +400,26 @@ def test_supervised_bad_input_fails_naming_the_field(case, tiny_dir, tmp_path):
                           timeout=120)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     _check_error(proc.stderr, expected)
+
+
+@pytest.mark.parametrize("bad, error, says", [
+    (["task.env=nope.py:Env"], "RewardLoadError", "task.env='nope.py:Env'"),
+    (["reward.functions=[{fn: nope.py:score}]"], "RewardLoadError", "reward.functions[0].fn='nope.py:score'"),
+    (["task.train_files=[{tmp}/train.jsonl]"], "DataError", "train.jsonl line 2"),
+])
+def test_bad_user_inputs_are_refused_before_a_built_in_model_is_built(bad, error, says, tmp_path, monkeypatch):
+    """The calculator task in a launch directory where its tiny model is not built yet (a build of
+    ~2 minutes), with one bad input of the user's (an environment, a reward function, a data row):
+    refused naming it before anything is built. (`task.env=nope.py:Env` was refused only after the
+    build, issue 61.)"""
+    import launch.checks
+    from rl.config.compose import compose
+
+    built = []
+    monkeypatch.setattr(launch.checks, "ensure_builtin", lambda paths, seed=0: built.append(list(paths)) or [])
+    (tmp_path / "train.jsonl").write_text('{"prompt": "1+2="}\n{"prompt": ""}\n')
+    monkeypatch.chdir(tmp_path)  # a fresh launch directory: no built-in task there
+    overrides = ["task=calculator", *(o.replace("{tmp}", str(tmp_path)) for o in bad)]
+    with pytest.raises(ValueError, match=re.escape(says)) as err:
+        launch.checks.check_inputs(compose("train", overrides), overrides)
+    assert type(err.value).__name__ == error and built == []

@@ -65,7 +65,7 @@ def test_reward_takes_both_frameworks_arguments():
 def test_ours_overrides_pass_validation(tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from rl.config.schema import validate
+    from rl.config.validation import validate
 
     case = vs_trl.cases(["27m"], ["bf16"])[0]
     overrides = vs_trl.ours_overrides(case, tmp_path / "m", tmp_path / "train.jsonl", tmp_path / "run", 6)

@@ -8,7 +8,8 @@ import tempfile
 import pytest
 from hydra import compose, initialize_config_dir
 
-from rl.config.schema import ConfigError, validate
+from rl.config.schema import ConfigError
+from rl.config.validation import validate
 from tests.conftest import imported_packages
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -48,11 +49,11 @@ def _algorithm_registries():
 
 
 def test_config_choices_match_the_registries():
-    """rl/config/schema.py offers choices without importing torch (fast CLI errors): for every
+    """rl/config/validation.py offers choices without importing torch (fast CLI errors): for every
     algorithm part they are exactly the names its rl.algo registry holds, both ways (no choice that
     fails at step 1, no registered part the config refuses), and every such field has a registry."""
     from rl.config.algorithm_names import ALGORITHM_CHOICES
-    from rl.config.schema import _CHOICES
+    from rl.config.validation import _CHOICES
 
     registries = _algorithm_registries()
     assert len(registries) >= 6 and set(registries) == set(ALGORITHM_CHOICES)
@@ -244,25 +245,49 @@ def test_streaming_mode_names_what_it_needs():
 
 
 def test_task_env_openenv_becomes_the_openenv_agent_episode():
-    """task.env=openenv:<EnvClient class or URL> (rl/config/schema.py expand_openenv, the first step
-    of validate): the OpenEnv episode agent, with the client, the server, task.env_kwargs and
-    task.max_turns as its kwargs; a URL alone plays through openenv-core's generic client."""
+    """task.env=openenv:<EnvClient class or URL> (reward/agents/openenv_task.py expand_openenv, a step
+    of its own before validation): the OpenEnv episode agent, with the client, the server,
+    task.env_kwargs and task.max_turns as its kwargs; a URL alone plays through openenv-core's
+    generic client."""
     from rl.config.compose import compose
-    from rl.config.schema import OPENENV_AGENT, OPENENV_GENERIC_CLIENT
+    from reward.agents.openenv_task import OPENENV_AGENT, OPENENV_GENERIC_CLIENT, expand_openenv
 
-    cfg = compose("train", ["task=openenv_sum", "task.agent_python="])  # this host may not have made the venv
+    cfg = compose("train", ["task=openenv_sum", "task.agent_python="], expand=expand_openenv)  # no venv needed
     assert cfg.task.agent == OPENENV_AGENT and cfg.task.env is None and dict(cfg.task.env_kwargs) == {}
     assert dict(cfg.task.agent_kwargs) == {"client": "examples.openenv_sum.client:SumEnv", "max_turns": 2,
                                            "server_url": "http://127.0.0.1:8001", "action_field": "message"}
-    validate(cfg)  # expanded once: validating again changes nothing
+    expand_openenv(cfg)  # expanded once: expanding again changes nothing
+    validate(cfg)
     assert cfg.task.agent == OPENENV_AGENT and cfg.task.agent_kwargs.client.endswith(":SumEnv")
     cfg = compose("train", ["task=openenv_sum", "task.agent_python=", "task.env=openenv:http://10.0.0.2:9000",
-                            "task.max_turns=3"])
+                            "task.max_turns=3"], expand=expand_openenv)
     assert cfg.task.agent_kwargs.client == OPENENV_GENERIC_CLIENT
     assert cfg.task.agent_kwargs.server_url == "http://10.0.0.2:9000" and cfg.task.agent_kwargs.max_turns == 3
-    cfg = compose("train", ["task=calculator"])  # any other task.env is left as it is
+    cfg = compose("train", ["task=calculator"], expand=expand_openenv)  # any other task.env is left as it is
     assert cfg.task.env == "examples.calculator:Calculator" or ":" in cfg.task.env
     assert not cfg.task.agent
+
+
+@pytest.mark.parametrize("overrides", [[], ["task=openenv_sum", "task.agent_python="], ["task=calculator_agent"],
+                                       ["algorithm=ppo"], ["rollout.n=1", "trainer.zero_stage=4"]])
+def test_validation_reads_the_config_and_never_changes_it(overrides):
+    """validate only checks: a valid config and a refused one come out as they went in, and an
+    unexpanded shorthand (task.env=openenv:...) is refused naming the step that expands it, never
+    expanded behind the caller's back (rl/config names no code of the layers above it)."""
+    from omegaconf import OmegaConf
+
+    cfg = _compose(*overrides)
+    before = OmegaConf.to_yaml(cfg)
+    if "task=openenv_sum" in overrides:
+        with pytest.raises(ConfigError, match=r"task.env='openenv:examples.openenv_sum.client:SumEnv': expected .*"
+                                              r"a shorthand such as openenv:... is expanded before validation"):
+            validate(cfg)
+    else:
+        try:
+            validate(cfg)
+        except ConfigError:
+            assert "rollout.n=1" in overrides  # the one refused here
+    assert OmegaConf.to_yaml(cfg) == before
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -272,9 +297,10 @@ def test_task_env_openenv_becomes_the_openenv_agent_episode():
 ])
 def test_task_env_openenv_refuses_what_it_cannot_play(overrides, says):
     from rl.config.compose import compose
+    from reward.agents.openenv_task import expand_openenv
 
     with pytest.raises(ConfigError) as err:
-        compose("train", ["task=openenv_sum", "task.agent_python=", *overrides])
+        compose("train", ["task=openenv_sum", "task.agent_python=", *overrides], expand=expand_openenv)
     assert says in str(err.value) and "task.env='openenv:" in str(err.value), str(err.value)
 
 

@@ -47,7 +47,8 @@ def test_estimate_mixes_the_task_advantage_with_the_teachers() -> None:
     (["algorithm.teacher_path=/x"], "algorithm.teacher_path='/x' loads a teacher that algorithm.distill_coef=0"),
 ])
 def test_a_teacher_without_weight_or_a_weight_without_teacher_is_refused(make_config, overrides, expected) -> None:
-    from rl.config.schema import ConfigError, validate
+    from rl.config.schema import ConfigError
+    from rl.config.validation import validate
 
     with pytest.raises(ConfigError, match=expected):
         validate(make_config(*overrides))

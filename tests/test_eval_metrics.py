@@ -40,7 +40,8 @@ def test_pass_avg_and_maj_at_k_over_rows() -> None:
 
 
 def test_eval_k_beyond_eval_n_is_refused_naming_both(make_config) -> None:
-    from rl.config.schema import ConfigError, validate
+    from rl.config.schema import ConfigError
+    from rl.config.validation import validate
 
     with pytest.raises(ConfigError, match=r"eval.k=\[2, 8\]: pass@8 and maj@8 need 8 sampled completions per row, "
                                           r"and eval.n=4 samples 4: set eval.n >= 8"):

@@ -168,7 +168,8 @@ def test_hybrid_placement_puts_each_learner_rank_on_its_rollout_workers_gpu(logi
     (["trainer.zero_stage=0"], "set trainer.zero_stage=1, 2 or 3"),
 ])
 def test_hybrid_settings_that_cannot_work_are_refused_naming_the_fix(overrides, message):
-    from rl.config.schema import ConfigError, validate
+    from rl.config.schema import ConfigError
+    from rl.config.validation import validate
     from tests.conftest import compose_config
 
     good = ["cluster.placement_mode=hybrid", "cluster.gpus_per_learner=1", "cluster.gpus_per_rollout_worker=1",
@@ -183,7 +184,7 @@ def test_hybrid_settings_that_cannot_work_are_refused_naming_the_fix(overrides, 
 def test_hybrid_gpu_profile_is_a_valid_hybrid_run():
     """`cluster=hybrid_gpu`: learner rank and engine share each GPU, IPC weight sync, sleep
     between steps, bf16 and CUDA graphs, and the settings pass validation."""
-    from rl.config.schema import validate
+    from rl.config.validation import validate
     from tests.conftest import compose_config
 
     cfg = compose_config(["cluster=hybrid_gpu"])
@@ -207,7 +208,8 @@ def test_hybrid_gpu_profile_is_a_valid_hybrid_run():
 def test_disaggregated_shares_that_may_pack_one_role_twice_on_a_gpu_are_refused(overrides, message, fix):
     """Ray packs fractional GPU shares of any actors onto one device: two learner ranks there break
     NCCL, two engines there each claim `gpu_memory_utilization` of the whole card."""
-    from rl.config.schema import ConfigError, validate
+    from rl.config.schema import ConfigError
+    from rl.config.validation import validate
     from tests.conftest import compose_config
 
     with pytest.raises(ConfigError, match=message):

@@ -73,7 +73,7 @@ def test_the_config_s_model_fields_are_replaced_by_their_snapshots(cache):
     assert _which(cfg.algorithm.critic_init) == "main"
     assert _which(cfg.reward.functions[1].kwargs.path) == "main"
     default = compose("train", [])
-    resolve_hub_ids(default)  # the built-in model's path is left for examples.ensure_builtin
+    resolve_hub_ids(default)  # the built-in model's path is left for rl.data.builtins.ensure_builtin
     assert default.model.path == "artifacts/tiny/model"
 
 

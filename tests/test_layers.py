@@ -227,3 +227,137 @@ def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path) -> None:
     ours, _ = _graph()  # the real tree: every package's modules found, relative imports resolved
     assert {"rl.loop", "trainer.learner", "examples.arith", "launch.train", "sandbox.pool"} <= set(ours)
     assert "rl.config.schema" in ours["rl.loop"] and "trainer.engine" in ours["trainer.learner_setup"]
+
+
+# A string that names code of ours ("reward.agents.openenv:episode", "rollout.vllm_worker.SyncExtension")
+# is a dependency as much as an import: the code it names is loaded by it. Such names count as imports
+# below, for cycles and for the layers. (A bare module name does not: "sandbox.backend" is a config key.
+# The built-in tasks' table, rl/data/builtins.py, names its task modules so, each imported by name only
+# to build its missing directory.)
+_NAMED = __import__("re").compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(:[A-Za-z_][\w.]*)?")
+# reward/ takes from trainer/ only the model code a reward model is scored with
+REWARD_MAY_IMPORT_FROM_TRAINER = {"trainer.reward_model"}
+
+
+def _named_modules(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The modules of ours whose code string constants of `path` (docstrings aside) name whole:
+    `module:attribute` or `module.Attribute` (a bare module or a top-level package's attribute does
+    not count: "sandbox.backend" and "rollout.n" are config keys)."""
+    tree = ast.parse(path.read_text(), str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    found = set()
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docstrings:
+            continue
+        match = _NAMED.fullmatch(node.value.strip())
+        if not match:
+            continue
+        target = match.group(1) if match.group(2) else match.group(1).rpartition(".")[0]
+        if target in modules and "." in target:
+            found.add(target)
+    return found
+
+
+def _graph_with_names(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports or names (`_named_modules`)."""
+    modules = _modules(root)
+    ours, _ = _graph(root)
+    for name, path in modules.items():
+        ours[name] |= _named_modules(path, modules) - {name}
+    return ours
+
+
+def reward_imports_of_trainer(ours: dict[str, set[str]]) -> list[str]:
+    """Imports from reward/ into trainer/ beyond the model code reward models need."""
+    return [f"{a} imports {b}" for a, targets in sorted(ours.items()) if a.split(".")[0] == "reward"
+            for b in sorted(targets) if b.split(".")[0] == "trainer" and b not in REWARD_MAY_IMPORT_FROM_TRAINER]
+
+
+def launch_imports_of_examples(ours: dict[str, set[str]]) -> list[str]:
+    """Modules of launch/ that import examples/ (what the launcher needs of the built-in tasks is
+    rl/data/builtins.py, which names them)."""
+    return [f"{a} imports {b}" for a, targets in sorted(ours.items()) if a.split(".")[0] == "launch"
+            for b in sorted(targets) if b.split(".")[0] == "examples"]
+
+
+def test_named_modules_count_as_imports_for_cycles_and_layers() -> None:
+    """No cycle and no upward dependency through a module named in a string either: rl/config names
+    no reward code (the OpenEnv expansion lives in reward/agents/), and inside rollout/ the vLLM
+    worker extension, which vllm_engine names, does not reach up to the actor module that starts
+    the engine (rollout/adapters.py is below both)."""
+    ours = _graph_with_names()
+    assert "rollout.vllm_worker" in ours["rollout.vllm_engine"]  # the names are seen
+    assert "reward.agents.openenv" in ours["reward.agents.openenv_task"]
+    assert _cycles(ours) == []
+    assert upward_imports(ours) == []
+    assert rl_upward_imports(ours) == []
+    assert "rollout.worker" not in ours["rollout.vllm_worker"]
+
+
+def test_reward_takes_only_model_code_from_trainer_and_launch_nothing_from_examples() -> None:
+    """reward/ imports of trainer/ only `trainer.reward_model` (not the SFT trainer's helpers: the pad
+    id is rl/data/padding.py); the launcher imports nothing of examples/ (the built-in tasks' table
+    and builder: rl/data/builtins.py). launch/serve.py still imports `examples.ensure_builtin` (the
+    old name kept in examples/__init__.py) until its owner moves it."""
+    ours = _graph_with_names()
+    assert reward_imports_of_trainer(ours) == []
+    assert launch_imports_of_examples(ours) in ([], ["launch.serve imports examples"])
+
+
+def test_the_named_module_checker_sees_names_and_skips_keys(tmp_path) -> None:
+    """On a small tree: a `module:attribute` string and a `module.Class` string are dependencies
+    (here an upward one and a cycle), a config key ("rollout.n") and a docstring are not."""
+    _write_tree(tmp_path, {
+        "rl/__init__.py": "",
+        "rl/config/__init__.py": "",
+        "rl/config/schema.py": ('"""Names reward.agents.openenv:episode in prose."""\n'
+                                'AGENT = "reward.agents.openenv:episode"\n'),
+        "rl/config/checks.py": 'KEYS = ["rollout.n", "rollout.engine"]\n',
+        "reward/__init__.py": "",
+        "reward/agents/__init__.py": "",
+        "reward/agents/openenv.py": "",
+        "rollout/__init__.py": "",
+        "rollout/engine.py": 'EXT = "rollout.ext.Extension"\n',
+        "rollout/ext.py": "def f():\n    from rollout.worker import g\n",
+        "rollout/worker.py": "from rollout import engine\n",
+    })
+    ours = _graph_with_names(tmp_path)
+    assert ours["rl.config.schema"] == {"reward.agents.openenv"} and ours["rl.config.checks"] == set()
+    assert upward_imports(ours) == ["rl.config.schema imports reward.agents.openenv"]
+    assert _cycles(ours) == [["rollout.engine", "rollout.ext", "rollout.worker"]]
+
+
+# The Tinker service (launch/tinker/): a package of its own under the command line (launch/serve.py)
+# and its Cluster. It imports rl, rollout and trainer only, nothing else of launch (the command line
+# hands it what launch knows: cores, environments), and never repairs the fleet itself: the Cluster's
+# repair, on the command line's main thread, is the one path.
+TINKER_SERVICE = "launch.tinker"
+TINKER_MAY_IMPORT = {"rl", "rollout", "trainer"}
+
+
+def tinker_service_imports(ours: dict[str, set[str]]) -> list[str]:
+    """Imports of the Tinker service's package beyond TINKER_MAY_IMPORT and itself."""
+    return [f"{a} imports {b}" for a, targets in sorted(ours.items())
+            if a == TINKER_SERVICE or a.startswith(TINKER_SERVICE + ".") for b in sorted(targets)
+            if not (b == TINKER_SERVICE or b.startswith(TINKER_SERVICE + ".")) and b.split(".")[0] not in TINKER_MAY_IMPORT]
+
+
+def test_the_tinker_service_is_a_package_under_the_command_line_with_one_repair_path() -> None:
+    """Its parts each one job (protocol, request checks, registry, calls, server), its imports one
+    way (not into the rest of launch, which only the command line uses), no `repair(` call in it,
+    and the command line the only module of launch that imports it."""
+    ours = _graph_with_names()
+    parts = {"app", "proto", "checks", "registry", "service", "futures", "batching", "server"}
+    assert {f"{TINKER_SERVICE}.{p}" for p in parts} <= set(ours)
+    assert tinker_service_imports(ours) == []
+    users = sorted(a for a, targets in ours.items() if a.split(".")[0] == "launch"
+                   and not a.startswith(TINKER_SERVICE) and any(b.startswith(TINKER_SERVICE) for b in targets))
+    assert users == ["launch.serve"]
+    for path in sorted((ROOT / "launch" / "tinker").glob("*.py")):
+        assert ".repair(" not in path.read_text(), f"{path.name} repairs the fleet: the Cluster does (launch/serve.py)"
+    assert "cluster.repair()" in (ROOT / "launch" / "serve.py").read_text()
+    # and the checker sees a breach: the service importing the rest of launch
+    assert tinker_service_imports({"launch.tinker.service": {"launch.cluster", "rollout.fleet"}}) == \
+        ["launch.tinker.service imports launch.cluster"]

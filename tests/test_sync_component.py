@@ -1,6 +1,6 @@
 """The weight sync as one component (trainer/sync/) and the `Cluster` that owns it
 (launch/cluster.py): each strategy joins, pushes and verifies what every worker holds, and
-reports the workers it lost; the Cluster replaces them (the only caller of the fleet's repair),
+reports the workers it lost; the Cluster replaces them (a training run's one caller of the fleet's repair),
 joins again and syncs the current version. The learner only exports tensors, the fleet only
 replaces workers and is told when they are up to date: no callbacks between them.
 
@@ -116,8 +116,8 @@ def test_a_worker_lost_while_joining_is_replaced_and_the_join_redone() -> None:
 
 
 def test_a_receive_that_raises_twice_names_the_worker() -> None:
-    broken = Pushed(0.0, {}, {}, {1: "RuntimeError: bad bucket"})
-    sync = _Scripted([broken, broken])
+    raised = Pushed(0.0, {}, {}, raised={1: "RuntimeError: bad bucket"})
+    sync = _Scripted([raised, raised])
     cluster = _cluster(sync)
     with pytest.raises(ActorFailure, match=r"rollout worker 1 failed during weight sync: its receive failed twice "
                                            r"\(RuntimeError: bad bucket\)"):
@@ -191,9 +191,9 @@ def _delta_syncs(sync, learner, fleet, version: int):
     one = 4 + torch.empty((), dtype=meta.torch_dtype).element_size()  # an int32 position and a value
     ray.get(learner.workers[0].__ray_call__.remote(lambda self: self.weights.named[0][1].data.view(-1)[0].add_(1.0)))
     want = _learner_weights(learner)
-    assert sync.sync(version + 1) == one and sync.weights.delta_fallbacks == 0
+    assert sync.sync(version + 1) == one and sync.weight_sync.delta_fallbacks == 0
     ray.get(fleet.workers[0].__ray_call__.remote(lambda self: self._receiver.delta.kept[-1].view(-1)[-1].add_(1.0)))
-    assert sync.sync(version + 2) == pytest.approx(sync.bytes_per_sync) and sync.weights.delta_fallbacks == 1
+    assert sync.sync(version + 2) == pytest.approx(sync.bytes_per_sync) and sync.weight_sync.delta_fallbacks == 1
     for w in fleet.workers:
         got = _rollout_weights(w)
         assert all(torch.equal(got[n], t) for n, t in want.items())

@@ -107,8 +107,8 @@ def test_served_reward_through_the_scorer_and_the_cache(built_rm) -> None:
 def test_reward_model_config_composes_for_grpo() -> None:
     from hydra import compose, initialize_config_dir
 
-    from examples import builtin_dir
-    from rl.config.schema import validate
+    from rl.data.builtins import builtin_dir
+    from rl.config.validation import validate
 
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base=None):
         cfg = compose("train", overrides=["reward=model"])

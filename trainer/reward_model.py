@@ -22,7 +22,8 @@ from rl.data.dataset import load_encoded
 from rl.algo.preference import bradley_terry_loss, pairwise_accuracy
 from rl.config.supervised import PAIR_ROWS
 from rl.plan.geometry import BatchGeometry
-from trainer.sft import collate_right_padded, pad_id_of, tokenize_pair
+from rl.data.padding import pad_id_of
+from trainer.sft import collate_right_padded, tokenize_pair
 from trainer.supervised import fit, torch_threads
 
 

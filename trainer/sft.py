@@ -20,18 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from rl.data.dataset import load_encoded
+from rl.data.padding import pad_id_of
 from rl.plan.geometry import BatchGeometry
 from trainer.supervised import TorchStepper, fit, lr_factor, torch_threads, train_loop
 
 IGNORE_INDEX = -100
-
-
-def pad_id_of(tokenizer: Any) -> int:
-    """The id that pads batches: the tokenizer's pad token, else its EOS."""
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    if pad is None:
-        raise ValueError("the tokenizer has neither a pad nor an EOS token; give it a pad_token")
-    return int(pad)
 
 
 def tokenize_pair(tokenizer: Any, prompt: str, completion: str) -> tuple[list[int], list[int]]:

@@ -23,7 +23,6 @@ reward.agents.jail/relay: it runs in `task.agent_python`'s interpreter too.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import faulthandler
 import inspect
 import json
@@ -43,10 +42,9 @@ from typing import Any, Callable
 
 from reward.agents import jail, relay
 from reward.loader import RewardLoadError, load_agent_function
+from sandbox import _linux
 
 _ERROR_CHARS = 1000
-_PR_SET_CHILD_SUBREAPER = 36
-_PR_SET_PDEATHSIG = 1
 MAX_MESSAGE = 1 << 16  # a worker's result message (JSON of a float or an error line): far less
 
 
@@ -469,11 +467,11 @@ def _kill_children(keep: set[int] | frozenset[int] = frozenset()) -> None:
 
 
 def _become_subreaper() -> None:
-    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    _linux.set_child_subreaper(True)
 
 
 def _die_with_parent() -> None:
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _linux.prctl(_linux.PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _set_rlimits(limits: dict) -> None:

@@ -89,14 +89,16 @@ class Handoffs:
                 listener.close()
                 continue
             task = self._loop.create_task(self._serve(listener, source))
-            task.add_done_callback(lambda t, servers=servers, conn=conn: self._served(t, servers, conn))
+            task.add_done_callback(lambda t, servers=servers, conn=conn, listener=listener:
+                                   self._served(t, servers, conn, listener))
         if not msg:  # the worker is gone: its episode is over
             self._drop(conn)
 
-    def _served(self, task: asyncio.Task, servers: list, conn: socket.socket) -> None:
-        if task.cancelled() or task.exception() is not None:
+    def _served(self, task: asyncio.Task, servers: list, conn: socket.socket, listener: socket.socket) -> None:
+        if task.cancelled() or task.exception() is not None:  # its episode's calls find no server: its deadline
             log.warning("agent server: serving an episode's listener failed: %r",
                         None if task.cancelled() else task.exception())
+            listener.close()  # (it holds the episode's network namespace)
             return
         servers.append(task.result())
         if conn not in self._conns:  # its worker went meanwhile

@@ -19,10 +19,13 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
-import platform
 import socket
 import struct
 import tempfile
+
+from sandbox._linux import (MNT_DETACH, MS_BIND, MS_NODEV, MS_NOEXEC, MS_NOSUID, MS_PRIVATE, MS_RDONLY, MS_REC,
+                            MS_REMOUNT, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_PDEATHSIG, PR_SET_SECCOMP, mount,
+                            prctl, syscall, umount, unshare)
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -30,43 +33,10 @@ CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
-MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
-MNT_DETACH = 0x2
 _ST_FLAGS = {os.ST_RDONLY: MS_RDONLY, os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC}
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP = 1, 24, 38, 22
 SECCOMP_MODE_FILTER = 2
-_SYS = {"x86_64": {"pivot_root": 155, "capset": 126}, "aarch64": {"pivot_root": 41, "capset": 91}}
 EPISODE_UID = 1  # inside the user namespace: the episode's identity (the zygote is 0)
 DEVICES = ("null", "zero", "full", "random", "urandom")
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
-_libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
-_libc.unshare.argtypes = (ctypes.c_int,)
-_libc.prctl.argtypes = (ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong)
-
-
-def _check(rc: int, what: str) -> None:
-    if rc != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"{what}: {os.strerror(e)}")
-
-
-def _b(s: str | None) -> bytes | None:
-    return None if s is None else s.encode()
-
-
-def unshare(flags: int) -> None:
-    _check(_libc.unshare(flags), f"unshare({flags:#x})")
-
-
-def mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
-    _check(_libc.mount(_b(source), _b(target), _b(fstype), flags, _b(data)), f"mount {target}")
-
-
-def _syscall(name: str, *args) -> int:
-    return _libc.syscall(_SYS[platform.machine()][name], *args)
 
 
 # -- the launcher --------------------------------------------------------------------------------
@@ -137,9 +107,9 @@ def enter_root(visible: list[str], hidden: list[str], tmp_bytes: int, names: lis
     for path in hidden:
         if os.path.isdir(new + path):
             mount("tmpfs", new + path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=0555")
-    _check(_syscall("pivot_root", _b(new), _b(new + "/.old")), "pivot_root")
+    syscall("pivot_root", new.encode(), (new + "/.old").encode())
     os.chdir("/")
-    _check(_libc.umount2(b"/.old", MNT_DETACH), "umount the old root")
+    umount("/.old")  # (lazily: the old root is busy)
     os.rmdir("/.old")
     mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     return new
@@ -211,7 +181,7 @@ def enter_episode(tmp_bytes: int, seccomp: bytes | None, mapped: bool, cover: li
     them (the agent's code in a folder under /tmp) put back, `cover` (the relay's sockets) hidden
     under an empty tmpfs; then uid 1 (when `mapped`) with every capability dropped, bounding set
     included, no_new_privs and the seccomp filter. Dies with its worker."""
-    _check(_libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
+    prctl(PR_SET_PDEATHSIG, 9, what="prctl(PR_SET_PDEATHSIG)")
     unshare(CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     kept = [(path, os.open(path, os.O_PATH | os.O_CLOEXEC)) for path in keep if os.path.exists(path)]
@@ -225,7 +195,7 @@ def enter_episode(tmp_bytes: int, seccomp: bytes | None, mapped: bool, cover: li
         if os.path.isdir(path):
             mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k,mode=0555")
     drop_privileges(mapped)
-    _check(_libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")  # cleared by the uid change
+    prctl(PR_SET_PDEATHSIG, 9, what="prctl(PR_SET_PDEATHSIG)")  # cleared by the uid change
     if seccomp:
         install_seccomp(seccomp)
 
@@ -235,20 +205,20 @@ def drop_privileges(mapped: bool) -> None:
     non-zero clears the rest) or, in a single-uid namespace, every set cleared by capset."""
     last = int(open("/proc/sys/kernel/cap_last_cap").read())
     for cap in range(last + 1):
-        _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), f"prctl(PR_CAPBSET_DROP, {cap})")
+        prctl(PR_CAPBSET_DROP, cap, what=f"prctl(PR_CAPBSET_DROP, {cap})")
     if mapped:
         os.setgroups([])
         os.setresgid(EPISODE_UID, EPISODE_UID, EPISODE_UID)
         os.setresuid(EPISODE_UID, EPISODE_UID, EPISODE_UID)
     header = struct.pack("Ii", 0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
     data = bytes(24)  # two {effective, permitted, inheritable} triples, all empty
-    _check(_syscall("capset", ctypes.c_char_p(header), ctypes.c_char_p(data)), "capset")
-    _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(PR_SET_NO_NEW_PRIVS)")
+    syscall("capset", ctypes.c_char_p(header), ctypes.c_char_p(data))
+    prctl(PR_SET_NO_NEW_PRIVS, 1, what="prctl(PR_SET_NO_NEW_PRIVS)")
 
 
 def install_seccomp(bpf: bytes) -> None:
     """Load a classic-BPF seccomp program (sandbox._seccomp's export format: 8-byte instructions)."""
     buf = ctypes.create_string_buffer(bpf, len(bpf))
     prog = struct.pack("HxxxxxxQ", len(bpf) // 8, ctypes.addressof(buf))
-    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.cast(ctypes.c_char_p(prog), ctypes.c_void_p).value,
-                       0, 0), "prctl(PR_SET_SECCOMP)")
+    prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.cast(ctypes.c_char_p(prog), ctypes.c_void_p).value,
+          what="prctl(PR_SET_SECCOMP)")

@@ -1,2 +1,3 @@
 """What a run accepts: the structured config schemas (RL runs in `schema`, SFT and reward-model
-runs in `supervised`), checked before anything starts, and `compose` to build one in Python."""
+runs in `supervised`), the checks a type cannot express (`validation`, which only reads a config),
+run before anything starts, and `compose` to build one in Python."""

@@ -1,7 +1,7 @@
 """The one list of the algorithm parts a config may name: advantage estimators, policy losses, loss
 aggregations, KL estimators and controllers, importance corrections.
 
-Torch-free and importing nothing of ours, so the config schema (`rl/config/schema.py`) offers these
+Torch-free and importing nothing of ours, so the config's validation (`rl/config/validation.py`) offers these
 as choices and rejects a misspelled name before torch loads, and `rl.algo`'s registries
 (`rl/algo/registry.py`) refuse to register a name that is not here. `tests/test_config.py` checks
 that every registry's names equal these lists, both ways.

@@ -19,7 +19,8 @@ from typing import Any
 
 from hydra.core.config_store import ConfigStore
 
-from rl.config.schema import ModelConfig, check_schema, logger_errors, raise_errors
+from rl.config.schema import ModelConfig
+from rl.config.validation import check_schema, logger_errors, raise_errors
 
 
 @dataclass

@@ -444,17 +444,17 @@ class PromptDataset:
             self._perm_epoch = epoch
         return int(self._perm[offset])
 
-    def requests(self, step: int, prompts_per_step: int, n: int, round: int = 0) -> list[GenerationRequest]:
+    def requests(self, step: int, prompts_per_step: int, n: int, sampling_round: int = 0) -> list[GenerationRequest]:
         """`prompts_per_step` prompts, each repeated `n` times with its own sampling seed.
 
         Round 0 walks the seeded epoch permutation (with a curriculum, from its cursor, passing over
-        resting prompts); a later `round` of the same step (DAPO's refill) draws prompts at random
+        resting prompts); a later `sampling_round` of the same step (DAPO's refill) draws prompts at random
         from a stream of its own, with group ids after those of earlier rounds, so seeds and groups
         never repeat within a step."""
         out = []
-        groups = [round * prompts_per_step + i for i in range(prompts_per_step)]
-        if round > 0:
-            extra = np.random.default_rng(derive_seed(self.seed, step, round, 7))
+        groups = [sampling_round * prompts_per_step + i for i in range(prompts_per_step)]
+        if sampling_round > 0:
+            extra = np.random.default_rng(derive_seed(self.seed, step, sampling_round, 7))
             indices = [int(extra.integers(len(self))) for _ in groups]
         elif self.curriculum is not None:
             indices = self.curriculum.draw(prompts_per_step, self._index, groups)

@@ -2,7 +2,10 @@
 create them with their placement, call all of them with a deadline, restart one, shut them down.
 
 The rollout fleet, the learner group, the reward service, the environment service and the sandbox
-pool are each one of these plus what is their own (how they split work, what a failure costs).
+pool each hold one (`group`) plus what is their own (how they split work, what a failure costs);
+only the fleet and the learner group wait on their actors through it alone so far: the reward
+service, the environment service and the sandbox pool still wait on some calls with `ray.get`
+themselves (start-up, restarts, `where`; issue 61).
 The weight sync reaches the fleet's and the learner's actors through the same narrow port: their
 `handles`, `gather` (a deadline on every wait) and `kill`. Ray is passed in (`ray=`), so this
 module imports no actor framework (tests/test_layers.py).

@@ -155,7 +155,7 @@ def check_in_flight_mode(in_flight: dict | None, streaming: bool) -> None:
                          f"rollout.mode={was}")
 
 
-def restore(path: str, state: LoopState, cfg: Any, learner: Any, weights: Any, handover: Any,
+def restore(path: str, state: LoopState, cfg: Any, learner: Any, policy_sync: Any, handover: Any,
             curriculum: Any = None) -> tuple[dict, str]:
     """Put a checkpoint back: the curriculum's state (the same prompts as the run that stopped),
     the learner's, the engines' weights (they started from model.path), and the rollouts it
@@ -166,7 +166,7 @@ def restore(path: str, state: LoopState, cfg: Any, learner: Any, weights: Any, h
         curriculum.load(state.curriculum)
     learner.load_checkpoint(os.path.join(path, "learner"))
     handover.to_sync()
-    weights.sync(state.policy_version)
+    policy_sync.sync(state.policy_version)
     stream = (in_flight or {}).get("streaming")
     ahead = (f" ({len(stream['ready'])} finished group(s) kept, {len(stream['pending'])} request(s) "
              "in flight sent again)" if stream else

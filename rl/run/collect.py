@@ -35,7 +35,7 @@ def collect(cfg: TrainConfig, data: PromptDataset, source: Source, score: Score,
     rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
     for rnd in range(rounds):
         t0 = time.perf_counter()
-        samples = source.run(data.requests(step, P, n, round=rnd))
+        samples = source.run(data.requests(step, P, n, sampling_round=rnd))
         t1 = time.perf_counter()
         scored = score(samples)
         timing["time/rollout_s"] += t1 - t0

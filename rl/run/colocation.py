@@ -9,7 +9,7 @@ engine runs, and the weight sync sits in between, when both hold only weights:
     to_learner()      engines sleep (level 2: weights and KV cache dropped); learner states back
     score, train
     to_sync()         learner offloads all but its 16-bit weights; engines get their weight memory
-    weights.sync      learner -> engines (CUDA IPC on a shared GPU)
+    policy_sync.sync  learner -> engines (CUDA IPC on a shared GPU)
     to_rollout()      learner weights off too; engines get their KV cache and generate
 
 A checkpoint between steps (`learner_resident`) puts the engines to sleep at level 1, which keeps

@@ -45,7 +45,7 @@ class Pushed:
     sent: float
     reports: dict[int, dict] = field(default_factory=dict)
     failed: dict[int, str] = field(default_factory=dict)
-    broken: dict[int, str] = field(default_factory=dict)
+    raised: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,9 +137,9 @@ class WeightSync:
             pushed = self.push(version, full)
             if pushed.failed:
                 return Synced(failed=pushed.failed)
-            if pushed.broken:
+            if pushed.raised:
                 if rejoined:
-                    i, why = next(iter(pushed.broken.items()))
+                    i, why = next(iter(pushed.raised.items()))
                     raise ActorFailure(self.rollout.name(i), "weight sync", f"its receive failed twice ({why})")
                 rejoined = True
                 failed = self._join()

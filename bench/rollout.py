@@ -139,7 +139,7 @@ def start_fleet(cfg):
     from launch.console import rollout_env
     from launch.placement import make_placement
     from launch.components import start_ray, worker_threads
-    from rl.run.faults import Deadlines
+    from rl.actors.faults import Deadlines
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env

@@ -296,7 +296,7 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
     from launch.cluster import Cluster
     from launch.console import actor_env
     from launch.placement import make_placement
-    from rl.run.faults import Deadlines
+    from rl.actors.faults import Deadlines
     from rollout.fleet import RolloutFleet
     from trainer.group import LearnerGroup
     from trainer.sync import make_weight_sync

@@ -21,7 +21,7 @@ from rl.plan.devices import GPU_VISIBILITY_ENV
 def run_deadlines(cfg: TrainConfig):
     """The run's deadlines for its actor groups' calls (run.call_timeout_s, its factor, and
     run.start_timeout_s for start-up): one instance per group, as each learns its own calls."""
-    from rl.run.faults import Deadlines
+    from rl.actors.faults import Deadlines
 
     return Deadlines(cfg.run.call_timeout_s, cfg.run.call_timeout_factor, cfg.run.start_timeout_s)
 

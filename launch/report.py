@@ -18,8 +18,8 @@ import statistics
 import sys
 from typing import Any
 
-from rl.run.loggers import flatten
-from rl.run.run_log import read_metrics
+from rl.log.loggers import flatten
+from rl.log.run_log import read_metrics
 
 TIME_PARTS = ("time/rollout_s", "time/reward_s", "time/score_s", "time/train_s", "time/sync_s", "time/eval_s")
 # (title, y label, metric keys: the first one present of each tuple is drawn)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 from rl.run import checkpoint
-from rl.run.faults import ActorFailure, NotLearning, RewardsFailing, RunStopped, StopRequest
+from rl.actors.faults import ActorFailure, NotLearning, RewardsFailing, RunStopped, StopRequest
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

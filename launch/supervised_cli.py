@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 from launch.checks import require_writable, supervised_inputs
 from launch.cli import INPUT_ERRORS, fail
-from rl.run.run_log import refuse_existing_run
+from rl.log.run_log import refuse_existing_run
 
 
 def trainer_function(name: str) -> Callable[[Any], Any]:

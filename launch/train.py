@@ -66,9 +66,9 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
     from launch.placement import report_placement
     from launch.supervise import stop_on_signals
     from rl.run import checkpoint
-    from rl.run.faults import StopRequest
+    from rl.actors.faults import StopRequest
     from rl.loop import run_loop
-    from rl.run.run_log import RunLog
+    from rl.log.run_log import RunLog
     from rl.data.padding import pad_id_of
 
     tokenizer, data, eval_data = inputs or load_inputs(cfg)

@@ -17,8 +17,8 @@ from typing import Any
 import ray
 
 from rl.data.env import StepResult, as_step_result
-from rl.run.actor_group import ActorGroup
-from rl.run.faults import ActorFailure, Deadlines
+from rl.actors.group import ActorGroup
+from rl.actors.faults import ActorFailure, Deadlines
 from reward.loader import RewardLoadError, load_environment
 from reward.scorer import RewardCallTimeout, call_with_timeout
 

@@ -16,8 +16,8 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RuntimeEnvSetupError
 
-from rl.run.actor_group import ActorGroup
-from rl.run.faults import ActorFailure, Deadlines
+from rl.actors.group import ActorGroup
+from rl.actors.faults import ActorFailure, Deadlines
 from rl.data.types import Sample, ScoredSample
 from reward.loader import RewardLoadError
 from reward.scorer import DEFAULT_BOUND, RewardFunctionSpec, RewardScorer

@@ -33,10 +33,10 @@ from rl.run import checkpoint
 from rl.run.collect import make_rollouts
 from rl.run.colocation import GpuHandover
 from rl.run.evaluate import Evaluation
-from rl.run.faults import ActorFailure, StopRequest
+from rl.actors.faults import ActorFailure, StopRequest
 from rl.run.guards import StopGuards
 from rl.run.rollouts import Rollouts, Source
-from rl.run.run_log import RunLog
+from rl.log.run_log import RunLog
 from rl.run.scoring import reward_tensors, score_samples
 from rl.run.step_metrics import StepTimes, logprob_mismatch_warning, step_metrics
 

@@ -21,8 +21,8 @@ from typing import Any, Callable
 
 import ray
 
-from rl.run.actor_group import ActorGroup, OverActors
-from rl.run.faults import ActorFailure, Deadlines
+from rl.actors.group import ActorGroup, HoldsActorGroup
+from rl.actors.faults import ActorFailure, Deadlines
 from rl.data.types import GenerationRequest, Sample
 from rollout.protocol import RolloutSpec
 from rollout.worker import RolloutWorker
@@ -44,7 +44,7 @@ def split_by_group(requests: list[GenerationRequest], parts: int) -> list[list[G
     return chunks
 
 
-class RolloutFleet(OverActors):
+class RolloutFleet(HoldsActorGroup):
     def __init__(
         self,
         spec: RolloutSpec,

@@ -14,8 +14,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rl.run.actor_group import ActorGroup
-from rl.run.faults import ActorFailure, Calls, Deadlines, await_answers, fan_out
+from rl.actors.group import ActorGroup
+from rl.actors.faults import ActorFailure, Calls, Deadlines, await_answers, fan_out
 from sandbox.backend import Backend
 from sandbox.job import COMPILE_LIMITS, Job, Method, Result, Status
 from sandbox.runner import VALGRIND_SLOWDOWN, run_job

@@ -166,7 +166,7 @@ def run_grpo(model_dir: str | Path, train_file: str, run_dir: str | Path, *, lor
     from launch.checks import check_inputs
     from launch.train import train
     from rl.config.compose import compose
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
 
     overrides = [f"model.path={model_dir}", f"model.dtype={dtype}", f"task.train_files=[{train_file}]",
                  f"run.dir={run_dir}", f"run.steps={steps}", "run.progress=false", "run.save_final_model=false",

@@ -234,7 +234,7 @@ def two_agent_steps(overrides: list[str], write_data, tmp_path) -> list[dict]:
     token at step 0 (the episodes are token-exact), no reward failed; returns the 64 logged samples."""
     from launch.checks import check_inputs
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
 
     cfg = compose_config([*overrides, f"task.train_files=[{tmp_path}/data/train.jsonl]", f"run.dir={tmp_path}/run",
                           "run.progress=false", "run.steps=2", "task.prompts_per_step=4", "run.save_every=0",

@@ -110,7 +110,7 @@ def test_an_agents_sdk_agent_trains_and_a_framework_error_costs_only_its_episode
     import json
 
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
     from tests.conftest import compose_config
 
     out, _ = tiny_calc

@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from launch.train import train
-from rl.run.run_log import read_metrics
+from rl.log.run_log import read_metrics
 
 pytestmark = pytest.mark.slow
 

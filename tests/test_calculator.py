@@ -196,7 +196,7 @@ def test_calculator_task_learns_end_to_end_with_whole_episodes(tiny_calc, tmp_pa
     prompts each, half the task config's batch); samples.jsonl holds whole episodes with tool
     calls, tool answers and turn boundaries; eval runs before the first update, halfway and after."""
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
     from tests.conftest import compose_config
     from tests.test_e2e import _assert_reward_rises
 
@@ -235,7 +235,7 @@ def test_calculator_agent_written_with_the_openai_client_learns(tiny_calc, tmp_p
     30 steps the reward rises; every trajectory is token-exact across its calls: at step 0 (samples and learner
     both version 0) the learner's log-probs of every model token match the engine's (< 1e-3 fp32)."""
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
     from tests.conftest import compose_config
     from tests.test_e2e import _assert_reward_rises
 

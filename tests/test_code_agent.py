@@ -103,7 +103,7 @@ def test_code_agent_task_learns_end_to_end(tiny_code_agent, tmp_path):
     greedy went 0.319 -> 0.562 and the training reward 0.46 -> 0.74; with 1 sample per row,
     0.32 -> 0.14, noise)."""
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
     from tests.conftest import compose_config
 
     out, _ = tiny_code_agent

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from launch.train import train
-from rl.run.run_log import read_metrics
+from rl.log.run_log import read_metrics
 from tests.conftest import compose_config
 
 pytestmark = pytest.mark.slow

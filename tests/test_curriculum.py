@@ -83,7 +83,7 @@ def test_a_run_sets_flat_prompts_aside_and_its_resume_draws_the_same_prompts(mak
     checkpoint trains steps 4-7 on the prompts the uninterrupted run trained them on."""
     from launch.checks import check_run_dir
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
 
     rows = open(os.path.join(tiny_dir, "data", "train.jsonl")).readlines()[:12]
     small = tmp_path / "small.jsonl"

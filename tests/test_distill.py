@@ -84,7 +84,7 @@ def test_a_student_distilled_on_policy_moves_towards_its_teacher(make_config, ti
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
 
     teacher = AutoModelForCausalLM.from_pretrained(f"{tiny_dir}/model")
     with torch.no_grad():

@@ -12,7 +12,7 @@ import ray
 import torch
 
 from launch.train import train
-from rl.run.run_log import read_metrics
+from rl.log.run_log import read_metrics
 from tests.conftest import ray_left_free
 
 pytestmark = pytest.mark.slow

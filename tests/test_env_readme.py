@@ -32,7 +32,7 @@ def test_readme_environment_trains_and_logs_episodes_and_evaluations(make_config
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
 
     (tmp_path / "my_env.py").write_text(readme_example("# my_env.py"))
     cfg = make_config(f"task.env={tmp_path}/my_env.py:SecondChance", "task.max_turns=2", "reward.functions=[]",

@@ -15,8 +15,8 @@ import time
 import pytest
 
 from launch.supervise import command
-from rl.run.faults import ActorFailure, Deadlines
-from rl.run.run_log import read_metrics
+from rl.actors.faults import ActorFailure, Deadlines
+from rl.log.run_log import read_metrics
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 
@@ -197,7 +197,7 @@ def broken(prompts, completions, **kwargs):
 @pytest.mark.slow
 def test_rewards_that_all_fail_stop_the_run_with_the_error_and_a_summary(make_config, tmp_path):
     from launch.train import train
-    from rl.run.faults import RewardsFailing
+    from rl.actors.faults import RewardsFailing
 
     reward_file = tmp_path / "broken.py"
     reward_file.write_text(ALWAYS_FAILS)
@@ -323,7 +323,7 @@ def test_sigterm_stops_at_a_step_with_a_checkpoint_and_the_resumed_run_matches_a
 
 def test_first_signal_asks_for_a_stop_and_a_second_stops_at_once():
     from launch.supervise import stop_on_signals
-    from rl.run.faults import StopRequest
+    from rl.actors.faults import StopRequest
 
     stop, said = StopRequest(), []
     before = signal.getsignal(signal.SIGINT)  # default_int_handler, or SIG_IGN under `cmd &` in a script
@@ -363,7 +363,7 @@ def test_a_run_whose_every_update_is_skipped_stops_naming_the_cause(make_config,
     overflow; DeepSpeed skips each step, saying so only in its log. The step line says so, and after
     trainer.max_skipped_steps such steps the run stops with NotLearning (before: rc=0, nothing learned)."""
     from launch.train import train
-    from rl.run.faults import NotLearning
+    from rl.actors.faults import NotLearning
 
     reward_file = tmp_path / "huge.py"
     reward_file.write_text(HUGE_REWARD)

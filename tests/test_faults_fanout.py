@@ -1,4 +1,4 @@
-"""`rl.run.faults.fan_out`, the one "call many actors, wait with a deadline, tell the answered
+"""`rl.actors.faults.fan_out`, the one "call many actors, wait with a deadline, tell the answered
 from the hung, the dead and the raised" that the rollout fleet, the learner group, the reward
 service, the environment service and the sandbox pool share: here with hand-made refs, so no Ray."""
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rl.run.faults import Calls, fan_out, hung
+from rl.actors.faults import Calls, fan_out, hung
 
 
 class Died(Exception):

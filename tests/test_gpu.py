@@ -37,7 +37,7 @@ def _placement() -> list[str]:
 
 def _run(smollm2: str, math_data: str, run_dir: str, *overrides: str) -> list[dict]:
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
     from tests.conftest import compose_config
 
     cfg = compose_config(["model=smollm2", "task=math_chat", f"model.path={smollm2}",

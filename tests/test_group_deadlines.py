@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from rl.run.faults import ActorFailure, Deadlines
+from rl.actors.faults import ActorFailure, Deadlines
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -185,7 +185,7 @@ def test_a_group_waits_for_a_restart_with_a_deadline(ray_local, tmp_path):
     restart that does not finish is `hung` by run.start_timeout_s, and `failure` names it."""
     from ray import cloudpickle
 
-    from rl.run.actor_group import ActorGroup
+    from rl.actors.group import ActorGroup
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor's class lives in this test file
     group = ActorGroup(ray, Restarting, 1, role="test worker", args=lambda i: (str(tmp_path),),

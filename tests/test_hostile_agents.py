@@ -330,7 +330,7 @@ def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(ti
     the requests vLLM would have refused are 400s (no rollout worker replaced), and nothing of the
     agents is left afterwards."""
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
     from tests.conftest import compose_config
 
     out, _ = tiny_calc
@@ -378,8 +378,8 @@ def test_a_step_where_no_agent_made_a_call_names_the_agent_s_error(tiny_calc, tm
     sampled), the learner's batch is still a batch, and after reward.max_failed_steps such steps
     the run stops naming the agent's own error (before: a crash deep in the batch builder)."""
     from launch.train import train
-    from rl.run.faults import RewardsFailing
-    from rl.run.run_log import read_metrics
+    from rl.actors.faults import RewardsFailing
+    from rl.log.run_log import read_metrics
     from tests.conftest import compose_config
 
     out, _ = tiny_calc

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from rl.run.actor_group import ActorGroup
-from rl.run.faults import Deadlines
+from rl.actors.group import ActorGroup
+from rl.actors.faults import Deadlines
 from trainer.sync.ipc import IpcSync, RelayClient
 
 pytestmark = pytest.mark.slow  # over a second: real actors

@@ -6,9 +6,11 @@ higher one. Every import counts, also one inside a function.
 
 `rl` itself imports no Ray, DeepSpeed or vLLM. Inside it, its sub-packages point one way too:
 
-    rl.wire, rl.config, rl.data  <-  rl.algo (math; may read config), rl.plan  <-  rl.run  <-  rl.loop
+    rl.actors  <-  rl.wire, rl.config, rl.data, rl.log  <-  rl.algo (math; may read config), rl.plan
+        <-  rl.run  <-  rl.loop
 
-(`rl.run` holds the loop's stages, which compose the math: scoring, collecting, step metrics)
+(`rl.actors` is the actor plumbing every group uses; `rl.run` holds the loop's stages, which
+compose the math: scoring, collecting, step metrics; only the loop and the launcher use them)
 
 and `rl.algo`, the algorithm math, imports no I/O at all (files, processes, sockets, pickling),
 only tensors. Run alone: `python -m pytest tests/test_layers.py`.
@@ -35,14 +37,19 @@ ALLOWED = {
 FORBIDDEN_IN_RL = {"ray", "deepspeed", "vllm"}
 # rl's sub-packages -> the others of rl they may import (itself always); rl.loop, the recipe, any
 RL_ALLOWED = {
-    "rl.wire": set(),  # the learner <-> rollout wire: both sides import it
+    "rl.actors": set(),  # actor plumbing (groups, fan-out, deadlines, faults): the bottom layer
+    "rl.wire": {"rl.actors"},  # the learner <-> rollout wire: both sides import it
     "rl.config": set(),
     "rl.data": set(),
+    "rl.log": {"rl.actors", "rl.config", "rl.data"},  # the run's log, for the loop and the supervised trainers
     "rl.algo": {"rl.config"},
     "rl.plan": {"rl.wire"},
-    "rl.run": {"rl.config", "rl.data", "rl.algo", "rl.plan"},
-    "rl.loop": {"rl.wire", "rl.config", "rl.data", "rl.algo", "rl.plan", "rl.run"},
+    "rl.run": {"rl.actors", "rl.log", "rl.config", "rl.data", "rl.algo", "rl.plan"},
+    "rl.loop": {"rl.actors", "rl.log", "rl.wire", "rl.config", "rl.data", "rl.algo", "rl.plan", "rl.run"},
 }
+# the loop's own stages: no component below the launcher reaches them (issue 61: rollout/,
+# trainer/, reward/ and sandbox/ imported rl.run only for its actor plumbing)
+LOOP_ONLY = ("rl.run", "rl.loop")
 PURE_MATH_MAY_IMPORT = {"__future__", "dataclasses", "typing", "math", "torch"}
 
 
@@ -304,6 +311,26 @@ def test_reward_takes_only_model_code_from_trainer_and_launch_nothing_from_examp
     ours = _graph_with_names()
     assert reward_imports_of_trainer(ours) == []
     assert launch_imports_of_examples(ours) in ([], ["launch.serve imports examples"])
+
+
+def loop_stage_imports(ours: dict[str, set[str]]) -> list[str]:
+    """Modules of the components (rollout, trainer, reward, sandbox) that import the loop's stages."""
+    return sorted(f"{m} imports {t}" for m, targets in ours.items() if m.split(".")[0] in
+                  ("rollout", "trainer", "reward", "sandbox")
+                  for t in targets if any(t == p or t.startswith(p + ".") for p in LOOP_ONLY))
+
+
+def test_components_stand_on_the_actor_plumbing_not_on_the_loops_stages() -> None:
+    """Issue 61: rollout/, trainer/, reward/ and sandbox/ imported `rl.run` (the loop's stages) only
+    to reach the actor group and its faults (now rl/actors, the bottom layer) and the run's log
+    (rl/log); none of them imports rl.run or rl.loop."""
+    assert loop_stage_imports(_graph_with_names()) == []
+
+
+def test_the_loop_stage_checker_sees_a_component_reaching_up() -> None:
+    ours = {"trainer.group": {"rl.run.faults", "rl.actors.group"}, "rl.run.collect": {"rl.actors.faults"},
+            "reward.service": {"rl.loop"}, "sandbox.pool": {"rl.actors.faults"}}
+    assert loop_stage_imports(ours) == ["reward.service imports rl.loop", "trainer.group imports rl.run.faults"]
 
 
 def test_the_named_module_checker_sees_names_and_skips_keys(tmp_path) -> None:

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from rl.config.schema import ConfigError
 from rl.data.types import Sample, ScoredSample
 from rl.run import checkpoint
-from rl.run.faults import NotLearning, RewardsFailing, RunStopped, StopRequest
+from rl.actors.faults import NotLearning, RewardsFailing, RunStopped, StopRequest
 from rl.run.guards import StopGuards
 
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from rl.run.run_log import RunLog
+from rl.log.run_log import RunLog
 
 CONFIG = {"algorithm": {"name": "grpo", "lr": 0.001}, "run": {"steps": 3, "loggers": ["wandb", "mlflow"]}}
 
@@ -137,7 +137,7 @@ def test_a_run_with_every_logger_writes_them_all_and_its_report(make_config):
     """The default task for 3 steps with run.loggers=[tensorboard,jsonl,wandb,mlflow]: each sink
     holds the run's metrics, config and summary, and the run draws report.png at its end."""
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
 
     cfg = make_config("run.steps=3", "task.prompts_per_step=8", "run.save_every=0", "run.save_final_model=false",
                       "run.loggers=[tensorboard,jsonl,wandb,mlflow]")

@@ -117,7 +117,7 @@ def test_lora_run_learns_with_adapter_only_syncs(make_config):
     the reward rises, the rollout's log-probs equal the learner's after every sync, each sync
     sends the adapters only, and the final model is saved merged and as a peft adapter."""
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
     from tests.test_e2e import _assert_reward_rises
 
     cfg = make_config("run.steps=30", "model.lora.rank=8", "model.lora.alpha=16",

@@ -184,7 +184,7 @@ def test_two_steps_on_smollm2_score_as_reasoning_gym_does(smollm2, tmp_path, mon
     from launch.checks import check_inputs
     from rl.data.answers import final_answer
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
     from tests.conftest import compose_config
 
     monkeypatch.chdir(tmp_path)  # the rows go to ./artifacts/reasoning_gym/

@@ -19,9 +19,9 @@ from rl.algo.estimate import estimate_advantages
 from rl.config.compose import compose
 from rl.config.schema import AlgorithmConfig, ConfigError, TrainConfig
 from rl.data.types import Sample, ScoredSample
-from rl.run.faults import NotLearning
+from rl.actors.faults import NotLearning
 from rl.run.guards import StopGuards
-from rl.run.run_log import no_learning_signal, summary_line
+from rl.log.run_log import no_learning_signal, summary_line
 from rl.run.scoring import reward_metrics, reward_tensors, score_samples
 from trainer.group import reduce_metrics
 
@@ -204,7 +204,7 @@ def test_a_critic_with_some_updates_applied_or_none_at_all_does_not_count():
     assert "critic/updates_count" not in reduce_metrics([{"_updates": 1.0, "_tokens": 1.0}])
 
 
-# ---- the step line: no learning signal (rl/run/run_log.py) -------------------------------------
+# ---- the step line: no learning signal (rl/log/run_log.py) -------------------------------------
 
 
 def test_the_step_line_names_why_a_step_cannot_learn():
@@ -333,7 +333,7 @@ def test_ppo_stops_when_every_critic_update_overflows(make_config, tmp_path, cap
     the critic's squared error during its warm-up, when the policy does not update; the step line
     says so and the run stops with NotLearning after trainer.max_skipped_steps (before: rc 0)."""
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
 
     reward_file = tmp_path / "huge.py"
     reward_file.write_text(HUGE_CRITIC_REWARD)

@@ -20,9 +20,9 @@ from launch.report import reward_ends, step_reward, summary_table, write_report
 from launch.train import print_summary, reward_trend
 from reward.agents.runner import AgentRunner
 from rl.data.types import GenerationRequest, Sample, ScoredSample
-from rl.run.faults import EpisodesFailing, Failures, RewardsFailing, common_cause, episode_cause, episode_error
+from rl.actors.faults import EpisodesFailing, Failures, RewardsFailing, common_cause, episode_cause, episode_error
 from rl.run.guards import StopGuards
-from rl.run.run_log import RunLog, summary_line
+from rl.log.run_log import RunLog, summary_line
 from rl.run.step_metrics import episode_metrics
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))

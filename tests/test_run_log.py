@@ -1,4 +1,4 @@
-"""The one run-directory writer that RL, SFT and RM runs share (`rl.run.run_log.RunLog`)."""
+"""The one run-directory writer that RL, SFT and RM runs share (`rl.log.run_log.RunLog`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rl.run.run_log import RunLog, read_metrics, row_line
+from rl.log.run_log import RunLog, read_metrics, row_line
 
 
 def test_off_a_terminal_steps_are_plain_lines_without_a_bar(tmp_path, capsys) -> None:

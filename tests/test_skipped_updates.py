@@ -4,8 +4,8 @@ figures. (The run that stops on it: tests/test_faults.py, slow.)"""
 
 from __future__ import annotations
 
-from rl.run.faults import NotLearning
-from rl.run.run_log import summary_line
+from rl.actors.faults import NotLearning
+from rl.log.run_log import summary_line
 from trainer.group import reduce_metrics
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from launch.train import train
 from launch.checks import check_run_dir
-from rl.run.run_log import read_metrics
+from rl.log.run_log import read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.full]  # the real model: the full lane
 

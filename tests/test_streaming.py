@@ -318,7 +318,7 @@ def test_weights_loaded_mid_generation_date_every_token_and_faults_are_caught(sm
     from transformers import AutoModelForCausalLM
 
     from rl.config.schema import ModelConfig, RolloutConfig
-    from rl.run.faults import Deadlines
+    from rl.actors.faults import Deadlines
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from launch.cluster import Cluster
-from rl.run.faults import ActorFailure
+from rl.actors.faults import ActorFailure
 from rl.wire.weight_sync import WeightMeta
 from trainer.sync.base import Pushed, WeightSync
 

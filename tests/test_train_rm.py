@@ -182,7 +182,7 @@ def test_ppo_against_the_reward_model_raises_its_score(built_rm, make_config) ->
     import statistics
 
     from launch.train import train
-    from rl.run.run_log import read_metrics
+    from rl.log.run_log import read_metrics
 
     out, _ = built_rm
     cfg = make_config("algorithm=ppo", "reward=model", f"reward.functions.0.kwargs.path={out}/model",

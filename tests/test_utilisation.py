@@ -11,7 +11,7 @@ import torch
 
 from rl.plan.flops import (head_forward_flops, kernel_train_flops, layers_forward_flops, matmul_peak_tflops,
                            measure_matmul_tflops, train_flops, utilisation)
-from rl.run.run_log import summary_line
+from rl.log.run_log import summary_line
 from trainer.group import reduce_metrics
 from trainer.layouts import plan_layout
 from trainer.prefix_tree import layout_cost

@@ -1,7 +1,7 @@
 """`LearnerGroup`: N `LearnerWorker` Ray actors forming one DeepSpeed data-parallel job.
 
 The driver sees one object: `train_step(batch)` shards the batch over the ranks and reduces their
-metric sums. The ranks are an `ActorGroup` (rl/run/actor_group.py); the weight sync
+metric sums. The ranks are an `ActorGroup` (rl/actors/group.py); the weight sync
 (`trainer/sync/`) reaches them through that group and `metas`; the learner knows nothing of
 rollout workers.
 """
@@ -15,8 +15,8 @@ import torch
 
 from rl.wire import weight_sync
 from rl.algo.importance import effective_sample_size
-from rl.run.actor_group import ActorGroup, OverActors
-from rl.run.faults import Deadlines
+from rl.actors.group import ActorGroup, HoldsActorGroup
+from rl.actors.faults import Deadlines
 from rl.data.types import TrainBatch
 from trainer.learner import LearnerWorker
 from trainer.learner_setup import LearnerSpec
@@ -28,7 +28,7 @@ def shard_rows(n_rows: int, world_size: int) -> list[torch.Tensor]:
 
 
 
-class LearnerGroup(OverActors):
+class LearnerGroup(HoldsActorGroup):
     """A rank that dies or stops answering ends the run (`ActorFailure`, naming the rank and the
     phase): its ZeRO shards are gone, so the run resumes from its latest checkpoint."""
 

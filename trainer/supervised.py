@@ -8,7 +8,7 @@ optimizer; what it steps is a `Stepper`:
 
 So the SFT warm-up of the built-in tiny model and `python -m launch.train_sft` run the same loop
 with the same loss (`trainer.sft.completion_batch_loss`); only the optimizer wrapper differs.
-`fit` is that loop on a one-process DeepSpeed engine writing a run directory (`rl.run.run_log.RunLog`)
+`fit` is that loop on a one-process DeepSpeed engine writing a run directory (`rl.log.run_log.RunLog`)
 and the final model: what `trainer.sft.train_sft` and `trainer.reward_model.train_rm` call.
 """
 
@@ -234,7 +234,7 @@ def _fit(cfg: Any, title: str, tokenizer: Any, load_model: Callable[[], torch.nn
          rows_per_example: int):
     from omegaconf import OmegaConf
 
-    from rl.run.run_log import RunLog, row_line
+    from rl.log.run_log import RunLog, row_line
     from trainer.engine import build_engine, ds_config, full_state_dict, init_single_process, save_pretrained_atomic
 
     o = cfg.algorithm

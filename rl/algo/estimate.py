@@ -68,7 +68,7 @@ def estimate_advantages(
 def nonzero_frac(advantages: torch.Tensor, mask: torch.Tensor) -> float:
     """The share of the loss tokens whose advantage is not 0: at 0 the step has nothing to learn
     from its rewards (every group's rewards equal, under a group-relative estimator), which the
-    step line says (rl/run/run_log.py)."""
+    step line says (rl/log/run_log.py)."""
     on = mask > 0
     return float((advantages[on] != 0).sum()) / max(int(on.sum()), 1)
 

@@ -17,7 +17,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-# metric sinks of `run.loggers` (rl/run/loggers.py writes them)
+# metric sinks of `run.loggers` (rl/log/loggers.py writes them)
 LOGGERS = ("tensorboard", "jsonl", "wandb", "mlflow")
 
 
@@ -266,7 +266,7 @@ class TrainerConfig:
     # micro_batch_size rows each)
     max_tokens_per_micro_batch: int = 0
     # steps in a row whose every update the learner skipped (non-finite gradients, DeepSpeed's
-    # overflow skip) before the run stops naming the cause (rl/run/faults.py NotLearning)
+    # overflow skip) before the run stops naming the cause (rl/actors/faults.py NotLearning)
     max_skipped_steps: int = 3
     # each micro-batch's rows packed end to end into rows of its longest one (trainer/packing.py):
     # the layers see no padding; used only if the model gives packed rows their padded values
@@ -343,7 +343,7 @@ class RunConfig:
     call_timeout_s: float = 300.0  # deadline of an actor call at least; past it the actor counts as hung
     call_timeout_factor: float = 10.0  # ...or this many times the slowest earlier call of the same kind
     start_timeout_s: float = 900.0  # deadline of actor start-up (model load, engine and DeepSpeed set-up)
-    # metric sinks (rl/run/loggers.py): tensorboard, jsonl (always written), wandb (offline unless
+    # metric sinks (rl/log/loggers.py): tensorboard, jsonl (always written), wandb (offline unless
     # WANDB_MODE=online), mlflow (a file store in <run>/mlruns unless mlflow_tracking_uri is set)
     loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])
     project: str = "rlpost"  # the wandb project and MLflow experiment

@@ -84,7 +84,7 @@ class SupervisedRunConfig:
     eval_every: int = 0  # evaluate every N steps as well as after every epoch; 0 = epochs only
     save_final_model: bool = True
     progress: bool = True
-    loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # as the RL run's (rl/run/loggers.py)
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard", "jsonl"])  # as the RL run's (rl/log/loggers.py)
     project: str = "rlpost"
     mlflow_tracking_uri: str = ""
 

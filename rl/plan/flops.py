@@ -93,7 +93,7 @@ def utilisation(train_metrics: Mapping[str, float], learner_s: float, ranks: int
     ranks, from the reduced metrics `perf/model_tflop` (unshared model FLOPs), `perf/kernel_tflop`
     (FLOPs the kernels computed) and `perf/peak_tflops` (the measured peak of one rank); {} when
     they are missing. Nothing is clamped: a hardware figure over 1 is reported as it is (the step
-    line names the probe then, `rl/run/run_log.py`)."""
+    line names the probe then, `rl/log/run_log.py`)."""
     peak = train_metrics.get("perf/peak_tflops", 0.0)
     if peak <= 0 or learner_s <= 0:
         return {}

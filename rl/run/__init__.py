@@ -1,3 +1,3 @@
-"""The driver's machinery around `rl/loop.py`: checkpoints, the run directory and metric sinks,
-fault deadlines, the asynchronous rollout pipeline, evaluation, and the GPU hand-over between
-colocated roles."""
+"""The loop's stages around `rl/loop.py`: collecting and scoring samples, step metrics and
+guards, checkpoints, evaluation, the asynchronous rollout pipeline, and the GPU hand-over between
+colocated roles. (Actor plumbing is below: rl/actors; the run's log: rl/log.)"""

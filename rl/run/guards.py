@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rl.config.schema import TrainConfig
 from rl.data.types import ScoredSample
-from rl.run.faults import Failures, NotLearning, RunStopped, StopRequest
+from rl.actors.faults import Failures, NotLearning, RunStopped, StopRequest
 
 
 class StopGuards:

@@ -11,7 +11,7 @@ from rl.algo.advantages import group_success_stats
 from rl.config.schema import TrainConfig
 from rl.data.types import Sample, ScoredSample
 from rl.plan.flops import step_cost, utilisation
-from rl.run.faults import episode_cause
+from rl.actors.faults import episode_cause
 from rl.run.scoring import reward_metrics, reward_tensors
 
 

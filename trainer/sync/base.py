@@ -8,7 +8,7 @@
                     sent; a delta a worker refused is sent whole, a receive that raised in a live
                     worker is joined again and pushed once more; returns the workers that failed
 
-A strategy reaches each side through a narrow port, an `rl.run.actor_group.ActorGroup`: its
+A strategy reaches each side through a narrow port, an `rl.actors.group.ActorGroup`: its
 `handles`, `gather` (every wait has a deadline), `kill` and `name`. It never replaces a worker and
 sets nothing on the fleet: the driver's `Cluster` (launch/cluster.py) replaces the workers a sync
 reports failed, joins again and syncs again, and tells the fleet when every worker is up to date.
@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from rl.run.faults import ActorFailure, Deadlines, FanOut
+from rl.actors.faults import ActorFailure, Deadlines, FanOut
 
 
 class Port(Protocol):
-    """What a weight sync may do with one side's actors (`rl.run.actor_group.ActorGroup` is one)."""
+    """What a weight sync may do with one side's actors (`rl.actors.group.ActorGroup` is one)."""
 
     handles: list[Any]
     where: list[dict[str, Any]]

@@ -2,20 +2,19 @@
 create them with their placement, call all of them with a deadline, restart one, shut them down.
 
 The rollout fleet, the learner group, the reward service, the environment service and the sandbox
-pool each hold one (`group`) plus what is their own (how they split work, what a failure costs);
-only the fleet and the learner group wait on their actors through it alone so far: the reward
-service, the environment service and the sandbox pool still wait on some calls with `ray.get`
-themselves (start-up, restarts, `where`; issue 61).
-The weight sync reaches the fleet's and the learner's actors through the same narrow port: their
-`handles`, `gather` (a deadline on every wait) and `kill`. Ray is passed in (`ray=`), so this
-module imports no actor framework (tests/test_layers.py).
+pool each hold one (`group`) plus what is their own (how they split work, what a failure costs),
+and wait on their actors through it: `gather` is the one wait (a deadline on every call; `each`
+and `ask` read its answers as a list), `started` and `back` wait for actors to come up. The weight
+sync reaches the fleet's and the learner's actors through the same narrow port: their `handles`,
+`gather` and `kill`. Ray is passed in (`ray=`), so this module imports no actor framework
+(tests/test_layers.py).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from rl.run.faults import ActorFailure, Calls, Deadlines, FanOut, await_answers, fan_out
+from rl.actors.faults import ActorFailure, Calls, Deadlines, FanOut, await_answers, fan_out
 
 
 class ActorGroup:
@@ -60,14 +59,6 @@ class ActorGroup:
             for i, where in out.results.items():
                 self.where[i] = where
         return out
-
-    def call(self, method: str, *args: Any, kind: str, indices: list[int] | None = None,
-             args_of: Callable[[int], tuple] | None = None, **wait: Any) -> FanOut[int]:
-        """`method` on every actor (or `indices`), with `args` or each actor's `args_of(i)`,
-        waited for as `gather` waits."""
-        indices = list(range(len(self))) if indices is None else list(indices)
-        refs = {i: getattr(self.handles[i], method).remote(*(args_of(i) if args_of else args)) for i in indices}
-        return self.gather(refs, kind, **wait)
 
     def gather(self, refs: Mapping[int, Any], kind: str, deadline_s: float | None = None, *,
                kill_hung: bool = False, propagate_raised: bool = False, setting: str | None = None) -> FanOut[int]:
@@ -146,7 +137,7 @@ class ActorGroup:
         self.where = []
 
 
-class OverActors:
+class HoldsActorGroup:
     """For a class whose actors are one `ActorGroup` in `self.group` (the rollout fleet, the
     learner group): their handles, where they run and their names, as the group has them."""
 

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from rl.run.faults import Failures
+from rl.actors.faults import Failures
 
 if TYPE_CHECKING:
     from rl.data.types import ScoredSample
@@ -140,11 +140,11 @@ def _on_terminal() -> bool:
 
 class RunLog:
     """Appends to <run>/metrics.jsonl and <run>/samples.jsonl, and sends every row to the metric
-    sinks `loggers` names (`rl.run.loggers`: TensorBoard events in <run>/tb, wandb, MLflow).
+    sinks `loggers` names (`rl.log.loggers`: TensorBoard events in <run>/tb, wandb, MLflow).
 
     `config_yaml` (when given) is written to <run>/config.yaml; a new run (`resume=False`) refuses
     a directory that already holds one. `config` (the resolved config as a dict) goes to the
-    sinks, `sink_options` to `rl.run.loggers.make_sinks`. `line(step, total, values, failures)`
+    sinks, `sink_options` to `rl.log.loggers.make_sinks`. `line(step, total, values, failures)`
     formats a step's console line (`failures`: of the samples `samples` logged for that step).
 
     `rows()` is the run's metrics as this writer wrote them, the summary's source: not what
@@ -158,7 +158,7 @@ class RunLog:
                  sink_options: dict[str, Any] | None = None):
         from tqdm import tqdm
 
-        from rl.run.loggers import make_sinks
+        from rl.log.loggers import make_sinks
 
         if not resume:
             refuse_existing_run(run_dir)

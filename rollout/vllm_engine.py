@@ -3,9 +3,13 @@ its model too without tensor parallelism, else in one vLLM worker process per TP
 
 from __future__ import annotations
 
+import contextlib
+import glob
+import json
 import logging
+import math
 import os
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -146,6 +150,182 @@ class AdapterRequests:
         return stale
 
 
+# ---- adapters merged into the engine's weights, one batch at a time (rollout.max_loras=0) ----------
+
+def read_adapter(folder: str) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], float]:
+    """A peft LoRA folder (adapter_config.json, adapter_model.safetensors): its matrices by the
+    module they adapt, {module: (A [rank, in], B [out, rank])}, and its scaling (lora_alpha / r,
+    or lora_alpha / sqrt(r) with rsLoRA)."""
+    from safetensors.torch import load_file
+
+    from rl.wire.lora import split_wire_name, wire_name
+
+    try:
+        with open(os.path.join(folder, "adapter_config.json")) as f:
+            config = json.load(f)
+        tensors = load_file(os.path.join(folder, "adapter_model.safetensors"))
+    except OSError as err:  # the request's fault (a folder gone or not an adapter), not the engine's
+        raise ValueError(f"adapter {folder}: {err}") from None
+    unsupported = [k for k in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save") if config.get(k)]
+    if unsupported:
+        raise ValueError(f"adapter {folder}: {unsupported} cannot be merged into the base weights (plain LoRA only)")
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        if ".base_layer." in name:  # peft also saves an adapted embedding layer's (frozen) base weight
+            continue
+        module, part = split_wire_name(wire_name(name))
+        pairs.setdefault(module, {})[part] = tensor
+    unpaired = sorted(m for m, p in pairs.items() if len(p) != 2)
+    if unpaired:
+        raise ValueError(f"adapter {folder}: LoRA matrices without their pair: {unpaired}")
+    return {m: (p["lora_A"], p["lora_B"]) for m, p in pairs.items()}, scaling
+
+
+class _Checkpoint:
+    """The base model's weights as its safetensors files store them, read when asked (mmapped)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.files: dict[str, str] = {}
+        for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+            with safe_open(file, "pt") as f:
+                self.files.update(dict.fromkeys(f.keys(), file))
+
+    def get(self, name: str) -> torch.Tensor | None:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            return None
+        with safe_open(self.files[name], "pt") as f:
+            return f.get_tensor(name)
+
+
+class MergedAdapters:
+    """Sampling with a saved adapter at the base model's speed on vLLM's CPU build: for one batch,
+    each layer the adapter touches computes with W + scaling * B @ A (merged in fp32 from the
+    checkpoint's W, cast once to the engine's dtype, as the RL LoRA sync merges, rl/wire/lora.py)
+    instead of the base W, and afterwards with exactly the base W again.
+
+    On CPU vLLM packs each linear layer's weight for its GEMM kernel once (oneDNN, or sgl-kernel)
+    and keeps only the packed copy, called through the layer's `cpu_linear`
+    (vllm/model_executor/layers/utils.dispatch_cpu_unquantized_gemm). A merge packs the merged
+    weight the same way and swaps the layer's `cpu_linear` for that one; restoring swaps the base
+    one back: the very object the engine had, so the base is restored bit for bit and nothing of
+    the base is copied. The LM head's adapter (`train_unembed`) goes on the LM head's GEMM only:
+    with tied embeddings the input embedding table (the same tensor) is left as it was, as peft's
+    adapter leaves it. The layers of the adapter merged last are kept packed (one adapter's worth):
+    its next batch swaps them in without merging again. A folder saved again is another version
+    (`adapter_version`) and is merged afresh."""
+
+    def __init__(self, model: torch.nn.Module, model_path: str, dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+        self.checkpoint = _Checkpoint(model_path)
+        self.packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        self.stacked = {leaf: (packed, i) for packed, leaves in self.packed.items() for i, leaf in enumerate(leaves)}
+        self._kept: tuple[Any, dict[str, tuple[torch.nn.Module, Callable]]] | None = None
+        self.merges = 0  # adapters merged (not counting batches that reused the kept one)
+
+    def _target(self, module: str) -> tuple[str, int]:
+        """The engine's layer that computes the checkpoint's `module`, and which part of its
+        stacked output that module is (0 when not stacked: q/k/v are one layer in vLLM)."""
+        parent, _, leaf = module.rpartition(".")
+        if leaf in self.stacked:
+            packed, i = self.stacked[leaf]
+            return (f"{parent}.{packed}" if parent else packed), i
+        return module, 0
+
+    def _base(self, target: str, layer: torch.nn.Module) -> tuple[torch.Tensor, list[int]]:
+        """The fp32 base weight of the engine's layer `target` as it stacks its parts, and where
+        each part starts."""
+        parent, _, leaf = target.rpartition(".")
+        parts = [f"{parent}.{p}" if parent else p for p in self.packed.get(leaf, [leaf])] if leaf in self.packed \
+            else [target]
+        tensors = [self.checkpoint.get(f"{p}.weight") for p in parts]
+        if any(t is None for t in tensors):
+            own = getattr(layer, "weight", None)  # the LM head tied to the embeddings: the table itself
+            if len(parts) > 1 or own is None or own.numel() == 0:
+                missing = [p for p, t in zip(parts, tensors) if t is None]
+                raise ValueError(f"the adapter changes {missing}, whose base weights the model's checkpoint does not "
+                                 "hold")
+            tensors = [own.detach().float().clone()]  # (never changed in place: a copy)
+        starts = [0]
+        for t in tensors[:-1]:
+            starts.append(starts[-1] + t.shape[0])
+        # (read from the checkpoint: tensors of their own, changed in place below)
+        return torch.cat([t.float() for t in tensors]) if len(tensors) > 1 else tensors[0].float(), starts
+
+    def _merge(self, folder: str) -> dict[str, tuple[torch.nn.Module, Callable]]:
+        """{layer name: (the engine's layer, its GEMM with the adapter merged in)}."""
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        pairs, scaling = read_adapter(folder)
+        by_layer: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, str]]] = {}
+        for module, (a, b) in sorted(pairs.items()):
+            target, part = self._target(module)
+            by_layer.setdefault(target, []).append((part, a, b, module))
+        out: dict[str, tuple[torch.nn.Module, Callable]] = {}
+        for target, members in by_layer.items():
+            try:
+                layer = self.model.get_submodule(target)
+            except AttributeError:
+                raise ValueError(f"the adapter changes {members[0][3]}, which the served model has no layer "
+                                 f"{target!r} for") from None
+            if not callable(getattr(layer, "cpu_linear", None)):
+                raise ValueError(f"layer {target!r} has no CPU GEMM to swap (merged adapters need vLLM's CPU build and "
+                                 "unquantized weights; use vLLM's LoRA: rollout.max_loras >= 1)")
+            weight, starts = self._base(target, layer)
+            for part, a, b, module in members:
+                start = starts[part]
+                rows = (starts[part + 1] if part + 1 < len(starts) else weight.shape[0]) - start
+                if a.shape[1] != weight.shape[1] or b.shape[0] != rows or a.shape[0] != b.shape[1]:
+                    raise ValueError(f"adapter {folder}: {module}'s A {tuple(a.shape)} and B {tuple(b.shape)} do not fit "
+                                     f"its base weight [{rows}, {weight.shape[1]}]")
+                weight[start:start + rows].addmm_(b.float(), a.float(), alpha=scaling)
+            own = getattr(layer, "weight", None)
+            if own is not None and own.ndim == 2 and own.shape[0] > weight.shape[0]:  # a vocabulary padded by vLLM
+                weight = torch.cat([weight, torch.zeros(own.shape[0] - weight.shape[0], weight.shape[1])])
+            holder = torch.nn.Module()
+            holder.weight = torch.nn.Parameter(weight.to(self.dtype), requires_grad=False)
+            holder.bias = None
+            dispatch_cpu_unquantized_gemm(holder, remove_weight=True)
+            gemm = holder.cpu_linear
+            if holder.weight.numel():  # torch's plain linear: it takes the weight it is called with
+                merged = holder.weight
+
+                def gemm(x, weight, bias, _linear=holder.cpu_linear, _merged=merged):  # noqa: ANN001
+                    return _linear(x, _merged, bias)
+            out[target] = (layer, gemm)
+        return out
+
+    @contextlib.contextmanager
+    def merged(self, folder: str, key: Any) -> Iterator[None]:
+        """Inside: the engine computes with adapter `folder` (whose save `key` names) merged in."""
+        if self._kept is None or self._kept[0] != key:
+            self._kept = None  # the older adapter's packed layers go before the new ones are made
+            self._kept = (key, self._merge(folder))
+            self.merges += 1
+        saved: list[tuple[torch.nn.Module, Callable]] = []
+        try:
+            for layer, gemm in self._kept[1].values():
+                saved.append((layer, layer.cpu_linear))
+                layer.cpu_linear = gemm
+            yield
+        finally:
+            for layer, base in saved:
+                layer.cpu_linear = base
+
+    def forget(self) -> None:
+        self._kept = None
+
+
+def _served_model(worker: Any) -> torch.nn.Module:
+    """(run by `collective_rpc` in the engine's worker) the model it runs."""
+    return worker.model_runner.model
+
+
 def prompt_logprobs_of(req: GenerationRequest, out: Any) -> list[float | None] | None:
     """The prompt tokens' log-probs of vLLM's RequestOutput `out` (None for the first token), when asked."""
     if not req.prompt_logprobs or out.prompt_logprobs is None:
@@ -185,6 +365,8 @@ class VLLMEngine(BatchQueue):
 
         self.rollout = r
         self._adapters = AdapterRequests()
+        self._model_path = spec.model.path
+        self._merged: MergedAdapters | None = None  # made at the first adapter request without vLLM's LoRA
         self.llm = LLM(**engine_kwargs(spec, seed))
         self.tokenizer = self.llm.get_tokenizer()
         from vllm.v1.engine.core_client import InprocClient
@@ -213,6 +395,8 @@ class VLLMEngine(BatchQueue):
         return each_or_refused(self._generate, requests, request_errors(), self.version)
 
     def _generate(self, requests: list[GenerationRequest]) -> list[Sample]:
+        if self.rollout.max_loras == 0 and any(r.adapter for r in requests):
+            return self._generate_merged(requests)
         # vLLM 0.32's LoRA logits layer applies one adapter slot per sequence of the batch; the
         # prompt's log-probs are computed over every prompt token, which only the slot of a batch of
         # one broadcasts to (a larger batch fails its shape check). So with LoRA on, a request that
@@ -224,15 +408,60 @@ class VLLMEngine(BatchQueue):
             if rest:
                 out.update(zip(rest, self._generate([requests[i] for i in rest])))
             return [out[i] for i in range(len(requests))]
-        params = [sampling_params(self.rollout, req) for req in requests]
-        prompts = [{"prompt_token_ids": list(req.prompt_ids)} for req in requests]
         adapters = [self._adapters(req) for req in requests]
         for lora_id in self._adapters.take_stale():  # an older save of a folder these requests sample
             self.llm.llm_engine.remove_lora(lora_id)
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False,
-                                    lora_request=adapters if any(adapters) else None)
+        return self._run(requests, adapters if any(adapters) else None)
+
+    def _run(self, requests: list[GenerationRequest], lora_requests: list | None = None,
+             cache_salt: str | None = None) -> list[Sample]:
+        """One `LLM.generate` of `requests` (with vLLM's LoRA requests, if any); `cache_salt`: their
+        prompts' KV blocks are cached apart from other weights' (an adapter merged in)."""
+        params = [sampling_params(self.rollout, req) for req in requests]
+        prompts = [{"prompt_token_ids": list(req.prompt_ids), **({"cache_salt": cache_salt} if cache_salt else {})}
+                   for req in requests]
+        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False, lora_request=lora_requests)
         return [completion_sample(req, out.outputs[0], self.version, prompt_logprobs=prompt_logprobs_of(req, out))
                 for req, out in zip(requests, outputs)]
+
+    def _generate_merged(self, requests: list[GenerationRequest]) -> list[Sample]:
+        """Requests naming adapters on an engine without vLLM's LoRA (`rollout.max_loras=0`): one
+        batch per adapter, the base model's first, each run with its adapter merged into the
+        weights (`MergedAdapters`) and its prompts cached apart (a salt naming the adapter's save)."""
+        merged = self._adapter_merger()
+        groups: dict[str | None, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(req.adapter, []).append(i)
+        out: list[Sample | None] = [None] * len(requests)
+        for adapter, index in sorted(groups.items(), key=lambda item: item[0] is not None):
+            part = [requests[i] for i in index]
+            if adapter is None:
+                samples = self._run(part)
+            else:
+                save = self._adapters(part[0]).lora_int_id  # a new number for each save of the folder
+                self._adapters.take_stale()  # (nothing loaded in vLLM to remove)
+                with merged.merged(adapter, save):
+                    samples = self._run(part, cache_salt=f"rlpost-adapter-{save}")
+            for i, sample in zip(index, samples):
+                out[i] = sample
+        return out  # type: ignore[return-value]
+
+    def _adapter_merger(self) -> MergedAdapters:
+        """The engine's `MergedAdapters`, made at first use; refused (a ValueError: the request's
+        error) where merging cannot serve the adapter exactly."""
+        config = self.llm.llm_engine.vllm_config
+        if self.version != 0:
+            raise ValueError("adapters are merged into the base weights of model.path, and this engine's weights were "
+                             f"replaced by a weight sync (policy version {self.version}): use vLLM's LoRA "
+                             "(rollout.max_loras >= 1)")
+        if not self.in_process or not config.model_config.enforce_eager:
+            raise ValueError("merged adapters need the model in the engine's process, run eagerly "
+                             "(rollout.tensor_parallel_size=1, rollout.enforce_eager=true); else use vLLM's LoRA "
+                             "(rollout.max_loras >= 1)")
+        if self._merged is None:
+            model = self.llm.collective_rpc(_served_model)[0]
+            self._merged = MergedAdapters(model, self._model_path, config.model_config.dtype)
+        return self._merged
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights in place, streaming: vLLM's layer-wise `reload_weights` consumes the
@@ -261,6 +490,8 @@ class VLLMEngine(BatchQueue):
     def _loaded(self, version: int) -> None:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed by the old weights
         self.version = version
+        if self._merged is not None:  # merged from the weights before this load
+            self._merged.forget()
 
     def sleep(self, level: int | None = None) -> None:
         """Free the GPU (no-op on CPU). Level 2 drops the weights too, which is right when the

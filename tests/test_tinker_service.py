@@ -1,4 +1,4 @@
-"""Issue 49: the Tinker-protocol service (launch/serve.py, launch/tinker/).
+"""Issue 49: the Tinker-protocol service (launch/serve.py, the command line; launch/tinker/, the service).
 
 Pure parts with hand-computed values (the losses, the seq-id gate, the config); our protobuf
 messages against the SDK's own generated ones; the update of forward_backward + optim_step against
@@ -204,6 +204,117 @@ def test_a_folder_saved_again_under_its_name_gets_a_new_lora_id_and_the_old_one_
     assert adapters(GenerationRequest(prompt_ids=[1], prompt_text="", group_id=0, sample_index=0, seed=0)) is None
 
 
+# ---- a sampler's adapter merged into the engine's weights for its batch (issue 60.7) ---------------------
+
+def _peft_adapter(model_dir: str, folder: str, seed: int):
+    """A peft adapter on every linear layer, the LM head too, saved as AdapterTrainer saves one (rank 4,
+    alpha 32), its B matrices random (a trained adapter's are not zero); returns the peft model."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from trainer.adapter_trainer import LORA_ALPHA, lora_targets, swap_in
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                            target_modules=lora_targets(base, True, True, True)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    model.save_pretrained(folder + "~tmp")
+    swap_in(folder + "~tmp", folder)  # a folder saved again: new files, as the service's saves are
+    return model.eval()
+
+
+def _peft_logprobs(model, prompt: list[int], tokens: list[int]) -> list[float]:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits.float()[0, :-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logp.tolist()
+
+
+def _merged_engine_figures(model_dir: str, work: str, out) -> None:
+    """(in a process of its own: a vLLM engine) Samples of the base model and of two adapters in one
+    batch, the same after one adapter is saved again under its name, a missing adapter; each
+    adapter's log-probs against its peft model's forward."""
+    from rl.config.schema import ModelConfig, RolloutConfig
+    from rl.data.types import GenerationRequest
+    from rollout.protocol import RolloutSpec
+    from rollout.vllm_engine import VLLMEngine, vllm_env
+
+    try:
+        os.environ.update(vllm_env(1, 1))
+        a_dir, b_dir = os.path.join(work, "a"), os.path.join(work, "b")
+        a, b = _peft_adapter(model_dir, a_dir, 1), _peft_adapter(model_dir, b_dir, 2)
+        rollout = RolloutConfig(max_new_tokens=6, max_model_len=64, enforce_eager=True, kv_cache_gib=1, max_loras=0)
+        engine = VLLMEngine(RolloutSpec(ModelConfig(path=model_dir, dtype="float32"), rollout, seed=0, threads=1), 0)
+        prompt = [1, 5, 6, 11, 7, 8, 10]
+
+        def requests(adapters, prompt_logprobs=False):
+            return [GenerationRequest(prompt_ids=prompt, prompt_text="", group_id=0, sample_index=i, seed=i,
+                                      temperature=1.0, adapter=adapter, prompt_logprobs=prompt_logprobs and i == 0)
+                    for i, adapter in enumerate(adapters)]
+
+        def figures(samples, model):
+            worst = 0.0
+            for s in samples:
+                theirs = _peft_logprobs(model, prompt, s.completion_ids)[-len(s.completion_ids):]
+                worst = max(worst, float(np.max(np.abs(np.asarray(theirs) - np.asarray(s.logprobs)))))
+            return worst
+
+        base = engine.generate(requests([None] * 4))
+        mixed = engine.generate(requests([a_dir, None, b_dir, a_dir, None, b_dir]))
+        prompt_lp = engine.generate(requests([b_dir], prompt_logprobs=True))[0].prompt_logprobs  # b: kept merged
+        base_after = engine.generate(requests([None] * 4))
+        a_again = _peft_adapter(model_dir, a_dir, 3)  # the same name, other weights
+        newer = engine.generate(requests([a_dir, a_dir]))
+        gone = engine.generate(requests([os.path.join(work, "missing"), None]))
+        out.put({
+            "base_same": [(s.completion_ids, s.logprobs) for s in base] == [(s.completion_ids, s.logprobs)
+                                                                            for s in base_after],
+            "base_in_mixed": (mixed[1].completion_ids == base[1].completion_ids  # seed 1 in both
+                              and np.allclose(mixed[1].logprobs, base[1].logprobs, atol=1e-5)),
+            "a": figures([mixed[0], mixed[3]], a), "b": figures([mixed[2], mixed[5]], b),
+            "a_vs_base": figures(base[:2], a), "newer": figures(newer, a_again), "newer_vs_old": figures(newer, a),
+            "prompt_lp": float(np.max(np.abs(np.asarray(prompt_lp[1:]) - np.asarray(_peft_logprobs(b, prompt, [])))))
+            if prompt_lp else None,
+            "gone": [s.error for s in gone], "merges": engine._merged.merges,
+        })
+    except BaseException as err:  # noqa: BLE001 - the parent reports it
+        import traceback
+
+        out.put({"error": traceback.format_exc() or repr(err)})
+
+
+@pytest.mark.slow
+def test_a_merged_adapter_samples_its_own_logprobs_and_leaves_the_base_exactly(tiny_untrained, tmp_path):
+    """rollout.max_loras=0 (the service on CPU): requests of two adapters and of the base model in one
+    batch each get their own weights (log-probs = peft's forward with that adapter, within 1e-4); the
+    base model's samples are bit for bit those of a batch with no adapter, before and after; an adapter
+    saved again under its name is served fresh; a missing folder is that request's error only."""
+    pytest.importorskip("vllm")
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_merged_engine_figures, args=(f"{tiny_untrained}/model", str(tmp_path), out))
+    proc.start()
+    try:
+        got = out.get(timeout=600)
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    assert "error" not in got, got.get("error")
+    assert got["base_same"] and got["base_in_mixed"], got
+    assert got["a"] < 1e-4 and got["b"] < 1e-4 and got["a_vs_base"] > 1e-3, got
+    assert got["newer"] < 1e-4 and got["newer_vs_old"] > 1e-3, got  # the second save, not the first
+    assert got["prompt_lp"] is not None and got["prompt_lp"] < 1e-4, got
+    assert got["gone"][0] and "missing" in got["gone"][0] and got["gone"][1] is None, got
+    assert got["merges"] == 3, got  # a, b, then a's second save (b's next batch reused its merged layers)
+
+
 # ---- what a sample call may ask, named with the numbers it broke (issue 60.5) ------------------------------
 
 @pytest.fixture
@@ -225,7 +336,7 @@ def submit_only_service(tiny_untrained, tmp_path):
 
 def test_a_prompt_over_the_context_is_refused_naming_its_length_and_the_context(submit_only_service):
     service = submit_only_service
-    sid = service.create_session()
+    sid = service.registry.create_session()
     sampler = service.create_sampler(sid, 0, service.model_name, None)
 
     def refusal(tokens, **params):
@@ -255,6 +366,8 @@ def test_a_prompt_over_the_context_is_refused_naming_its_length_and_the_context(
     ("serve.port=70000", "serve.port"),
     ("rollout.backend=hf", "rollout.backend"),
     ("rollout.max_loras=0", "rollout.max_loras"),
+    ("serve.adapter_sampling=fast", "serve.adapter_sampling"),
+    ("serve.adapter_sampling=lora rollout.max_loras=0", "rollout.max_loras"),
     ("rollout.max_lora_rank=8", "rollout.max_lora_rank"),
     ("model.lora.rank=8", "model.lora.rank"),
     ("serve.max_models=0", "serve.max_models"),
@@ -264,14 +377,20 @@ def test_bad_serve_config_is_refused_naming_the_field(override, field):
     from rl.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        compose("serve", [override])
+        compose("serve", override.split())
 
 
 def test_the_default_serve_config_is_valid():
     from rl.config.compose import compose
+    from rl.config.serve import adapters_merged
 
     cfg = compose("serve")
     assert cfg.serve.host == "127.0.0.1" and cfg.rollout.max_loras >= 1
+    # adapters merged into the engine's weights on CPU (issue 60.7), vLLM's LoRA where CUDA is
+    assert cfg.serve.adapter_sampling == "auto"
+    assert adapters_merged("auto", cuda=False) and not adapters_merged("auto", cuda=True)
+    assert adapters_merged("merged", cuda=True) and not adapters_merged("lora", cuda=False)
+    assert compose("serve", ["serve.adapter_sampling=merged", "rollout.max_loras=0"]).rollout.max_loras == 0
 
 
 # ---- the binary messages against the SDK's own -----------------------------------------------------------
@@ -435,12 +554,12 @@ def test_a_full_service_evicts_the_idle_model_and_a_session_gone_drops_its_queue
     service = TinkerService(cfg, None, AutoTokenizer.from_pretrained(model), model, str(tmp_path), trainers,
                             log=lambda _: None)
     try:
-        sid = service.create_session()
+        sid = service.registry.create_session()
         result = lambda rid: service.futures.get(rid)[0].result(10)  # noqa: E731
         result(service.create_model(sid, 0, service.model_name, {"rank": 4}))
-        a = service.models[f"{sid}:train:0"]
+        a = service.registry.models[f"{sid}:train:0"]
         result(service.create_model(sid, 1, service.model_name, {"rank": 4}))  # full: the idle one is evicted
-        b = service.models[f"{sid}:train:1"]
+        b = service.registry.models[f"{sid}:train:1"]
         assert a.state == "evicted" and a.group is None and (a.id, "save_state") in trainers.calls
         assert b.state == "live"
         result(service.optim_step(a.id, 1, {"learning_rate": 1e-3}))  # a comes back from its state; b goes
@@ -450,13 +569,13 @@ def test_a_full_service_evicts_the_idle_model_and_a_session_gone_drops_its_queue
         with pytest.raises(UserError, match="alive and busy") as full:
             service.create_model(sid, 2, service.model_name, {"rank": 4})
         assert full.value.status == 429
-        service.sessions[sid].last_seen -= cfg.serve.session_timeout_s + 1  # the client stopped heartbeating
+        service.registry.sessions[sid].last_seen -= cfg.serve.session_timeout_s + 1  # the client stopped heartbeating
         started = time.monotonic()
         assert service.expire() == [sid]
         with pytest.raises(UserError, match="dropped"):
             service.futures.get(queued)[0].result(10)
         assert time.monotonic() - started < 5 and trainers.calls.count((a.id, "optim_step")) == 1  # never computed
-        assert not service.models and not os.path.exists(os.path.dirname(b.evicted_to))  # its saved state removed
+        assert not service.registry.models and not os.path.exists(os.path.dirname(b.evicted_to))  # its saved state removed
     finally:
         service.close()
 

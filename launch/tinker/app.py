@@ -37,7 +37,7 @@ def _detail(status: int, message: str) -> JSONResponse:
 
 
 def make_app(service: TinkerService) -> FastAPI:
-    s = service.s
+    s, registry = service.s, service.registry
     app = FastAPI(title="rlpost Tinker service", docs_url=None, redoc_url=None, openapi_url=None)
     limit = s.max_request_mib * 2**20
 
@@ -120,11 +120,11 @@ def make_app(service: TinkerService) -> FastAPI:
     @app.post("/api/v1/create_session")
     async def create_session(request: Request):
         await body_of(request)
-        return {"type": "create_session", "session_id": service.create_session()}
+        return {"type": "create_session", "session_id": registry.create_session()}
 
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
-        service.heartbeat(need(await body_of(request), "session_id"))
+        registry.heartbeat(need(await body_of(request), "session_id"))
         return {"type": "session_heartbeat"}
 
     @app.post("/api/v1/sessions/{session_id}/finish")
@@ -220,7 +220,7 @@ def make_app(service: TinkerService) -> FastAPI:
         from trainer.adapter_trainer import saved_spec
 
         path = need(await body_of(request), "tinker_path")
-        folder, model_id = service.resolve(path)
+        folder, model_id = registry.resolve(path)
         if "/weights/" in path:
             spec = saved_spec(folder)
             rank, flags = spec.rank, {k: getattr(spec, k) for k in ("train_unembed", "train_mlp", "train_attn")}
@@ -244,23 +244,23 @@ def make_app(service: TinkerService) -> FastAPI:
     @app.get("/api/v1/training_runs")
     def training_runs(request: Request):
         limit, offset = page(request, 20)
-        runs = service.training_runs()
+        runs = registry.training_runs()
         return {"training_runs": runs[offset:offset + limit],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)}}
 
     @app.get("/api/v1/training_runs/{model_id}")
     def training_run(model_id: str):
-        return service.training_run(model_id)
+        return registry.training_run(model_id)
 
     @app.get("/api/v1/training_runs/{model_id}/checkpoints")
     def checkpoints(model_id: str):
-        service.training_run(model_id)  # 404 for a run this service never had
-        return {"checkpoints": service.checkpoints(model_id), "cursor": None}
+        registry.training_run(model_id)  # 404 for a run this service never had
+        return {"checkpoints": registry.checkpoints(model_id), "cursor": None}
 
     @app.get("/api/v1/checkpoints")
     def user_checkpoints(request: Request):
         limit, offset = page(request, 100)
-        every = sorted((c for r in service.training_runs() for c in service.checkpoints(r["training_run_id"])),
+        every = sorted((c for r in registry.training_runs() for c in registry.checkpoints(r["training_run_id"])),
                        key=lambda c: c["time"], reverse=True)
         return {"checkpoints": every[offset:offset + limit],
                 "cursor": {"offset": offset, "limit": limit, "total_count": len(every)}}
@@ -272,7 +272,7 @@ def make_app(service: TinkerService) -> FastAPI:
         (as the hosted service's signed URLs are)."""
         import email.utils
 
-        token, expires = service.archive_token(f"tinker://{model_id}/{kind}/{name}")
+        token, expires = registry.archive_token(f"tinker://{model_id}/{kind}/{name}")
         url = f"{str(request.base_url).rstrip('/')}/api/v1/archives/{token}/{name}.tar"
         return Response(status_code=302, headers={"Location": url,
                                                   "Expires": email.utils.formatdate(expires, usegmt=True)})
@@ -287,7 +287,7 @@ def make_app(service: TinkerService) -> FastAPI:
         from fastapi.responses import FileResponse
         from starlette.background import BackgroundTask
 
-        folder, _ = service.archive(token)
+        folder, _ = registry.archive(token)
         fd, tmp = tempfile.mkstemp(suffix=".tar")
         with os.fdopen(fd, "wb") as f, tarfile.open(fileobj=f, mode="w") as tar:
             for entry in sorted(os.listdir(folder)):
@@ -306,7 +306,7 @@ def make_app(service: TinkerService) -> FastAPI:
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
-        sampler = service.sampler(sampler_id)
+        sampler = registry.sampler(sampler_id)
         return {"sampler_id": sampler.id, "base_model": service.model_name, "model_path": sampler.model_path}
 
     @app.post("/api/v1/asample")

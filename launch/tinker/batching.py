@@ -37,9 +37,9 @@ class SampleBatcher:
         return future.result(timeout_s)
 
     def _take(self) -> list[tuple[list[GenerationRequest], Future]]:
-        with self._cond:
-            self._cond.wait_for(lambda: self._waiting or self._closed)
-            if self._closed:
+        with self._cond:  # (woken by a call or by close; the timeout only re-checks)
+            self._cond.wait_for(lambda: self._waiting or self._closed, timeout=1.0)
+            if self._closed or not self._waiting:
                 return []
         time.sleep(self.window_s)  # the rest of a burst
         with self._cond:

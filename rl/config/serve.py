@@ -32,6 +32,10 @@ class ServeSection:
     max_request_mib: int = 64  # a request body over this is refused
     max_tokens_per_request: int = 1_000_000  # tokens of one forward_backward or sample call
     max_samples: int = 128  # num_samples of one sample call
+    # how a sampler's adapter is applied: "merged" (into the engine's weights for each batch: base
+    # speed on vLLM's CPU build, rollout/vllm_engine.MergedAdapters), "lora" (vLLM's LoRA, up to
+    # rollout.max_loras adapters in one batch: fused kernels on GPUs), "auto" (merged on CPU)
+    adapter_sampling: str = "auto"
 
 
 @dataclass
@@ -44,6 +48,13 @@ class ServeConfig:
 
 
 ConfigStore.instance().store(name="serve_schema", node=ServeConfig)
+ADAPTER_SAMPLING = ("auto", "merged", "lora")
+
+
+def adapters_merged(adapter_sampling: str, cuda: bool) -> bool:
+    """Whether samplers' adapters are merged into the engine's weights (else vLLM's LoRA runs them):
+    `serve.adapter_sampling`, where "auto" merges unless the machine has CUDA."""
+    return adapter_sampling == "merged" or (adapter_sampling == "auto" and not cuda)
 
 
 def validate_serve(cfg: Any) -> None:
@@ -78,9 +89,14 @@ def validate_serve(cfg: Any) -> None:
     if r.backend != "vllm":
         errors.append(f"rollout.backend={r.backend}: the service samples with saved adapters through vLLM's LoRA; "
                       "use rollout.backend=vllm")
-    if r.max_loras < 1:
-        errors.append(f"rollout.max_loras={r.max_loras}: samplers use saved adapters; set rollout.max_loras >= 1")
-    if r.max_lora_rank < s.max_lora_rank:
+    if s.adapter_sampling not in ADAPTER_SAMPLING:
+        errors.append(f"serve.adapter_sampling={s.adapter_sampling!r}: choose one of {', '.join(ADAPTER_SAMPLING)}, "
+                      "e.g. serve.adapter_sampling=auto")
+    if s.adapter_sampling != "merged" and r.max_loras < 1:
+        errors.append(f"rollout.max_loras={r.max_loras}: samplers use saved adapters through vLLM's LoRA "
+                      f"(serve.adapter_sampling={s.adapter_sampling}); set rollout.max_loras >= 1, or "
+                      "serve.adapter_sampling=merged")
+    if s.adapter_sampling != "merged" and r.max_lora_rank < s.max_lora_rank:
         errors.append(f"rollout.max_lora_rank={r.max_lora_rank} is below serve.max_lora_rank={s.max_lora_rank}: "
                       f"the samplers must take every rank a client may train; set rollout.max_lora_rank="
                       f"{s.max_lora_rank}")

@@ -164,3 +164,34 @@ def test_two_training_steps_on_the_sum_environment(openenv_python, sum_server, t
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         answers = [t["text"].strip() for t in r["turns"] if t["role"] == "model"]
         assert r["reward"] == float(str(a + b) in answers[:2]), r
+
+
+def test_an_episode_that_max_turns_ends_before_done_is_truncated_with_its_reward(openenv_python, sum_server):
+    """max_turns=1 and a wrong first answer: the environment is not done (it offers a retry) when the
+    turns run out, so the sample is truncated (its note tells the runner), not an error, keeping the
+    environment's reward so far (0.0); with max_turns=2 the same episode is done and not truncated."""
+    from reward.agents.runner import AgentRunner
+
+    class NoRepairs:
+        def repair(self) -> None:
+            pass
+
+    tok = calculator_tokenizer()
+    samples = {}
+    with AgentServer(tok, _policy(tok, True), max_new_tokens=8, max_model_len=256) as server:
+        for max_turns in (1, 2):
+            kwargs = {"client": CLIENT, "server_url": sum_server, "max_turns": max_turns}
+            pool = AgentPool("reward.agents.openenv:episode", ROOT, 1, AgentLimits(30.0), kwargs, python=openenv_python,
+                             endpoints=endpoints(server.url, sum_server))
+            runner = AgentRunner(server, pool, NoRepairs(), name="reward.agents.openenv:episode", prompt_key="prompt",
+                                 timeout_s=30.0, workers=1, max_len=256, decode=tok.decode)
+            try:
+                [samples[max_turns]] = runner.run([GenerationRequest(prompt_ids=tok("x").input_ids, prompt_text="",
+                                                                     group_id=0, sample_index=0, seed=1,
+                                                                     metadata={"seed": 3})])
+            finally:
+                runner.close()
+    cut, done = samples[1], samples[2]
+    assert cut.error is None and cut.truncated and cut.turns[-1].reward == 0.0, cut.error
+    assert sum(t.role == "model" for t in cut.turns) == 1
+    assert done.error is None and not done.truncated and done.turns[-1].reward == 1.0, done.error

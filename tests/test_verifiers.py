@@ -2,9 +2,9 @@
 (examples/verifiers_sum, packaged as its authors package one) installed beside verifiers in the
 virtual environment `launch/agent_env.sh verifiers` makes, played through verifiers' own
 `run_episode` with our agent server as its model endpoint, token for token; the reward is the
-trace's, as verifiers computed it; a taskset whose reward raises, hangs or is not a number, an
-environment that is not installed and a task index out of range each cost only their episode,
-and bad agent kwargs are refused before any episode.
+trace's, as verifiers computed it; a taskset whose reward raises, hangs or is not a number (the
+error names the function), an environment that is not installed and a task index out of range
+each cost only their episode, and bad agent kwargs are refused before any episode.
 
 Full lane: making the verifiers environment downloads verifiers and its dependencies (~2 min)."""
 
@@ -158,8 +158,8 @@ def test_a_broken_taskset_or_row_costs_only_its_episode(verifiers_python, tmp_pa
     assert outcomes[0].value == 1.0 and outcomes[7].value == 1.0, (outcomes[0], outcomes[7])
     assert "the reward function broke" in outcomes[1].error, outcomes[1]
     assert "did not return within task.agent_timeout_s=15 s" in outcomes[2].error, outcomes[2]
-    nan = outcomes[3]  # verifiers passes NaN on; the episode's value is then no reward
-    assert nan.error is not None or nan.value != nan.value, nan
+    nan = outcomes[3]  # verifiers passes NaN on; the episode names the reward function that scored it
+    assert "verifiers reward function 'judged' of task 1 scored nan" in nan.error, nan
     assert "not_an_installed_env" in outcomes[4].error and "not found" in outcomes[4].error, outcomes[4]
     assert "has fewer tasks than that" in outcomes[5].error, outcomes[5]
     assert "expected a task index" in outcomes[6].error, outcomes[6]
@@ -183,8 +183,9 @@ def test_bad_agent_kwargs_are_refused_before_any_episode(verifiers_python, kwarg
 
 def test_two_training_steps_on_the_verifiers_environment(verifiers_python, tiny_calc, tmp_path):
     """task=verifiers_sum for 2 steps on the tiny chat model: learner and engine agree on every
-    model token's log-prob at step 0 (the episodes are token-exact), no episode fails, and each
-    logged reward is verifiers' verdict on that completion (1 when it is the task's sum)."""
+    model token's log-prob at step 0 (the episodes are token-exact), no episode fails, each logged
+    reward is verifiers' verdict on that completion (1 when it is the task's sum), and each logged
+    prompt is the one the model saw."""
     from examples.verifiers_sum import write_data
     from tests.conftest import two_agent_steps
 
@@ -196,3 +197,6 @@ def test_two_training_steps_on_the_verifiers_environment(verifiers_python, tiny_
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         replies = [t["text"].strip() for t in r["turns"] if t["role"] == "model"]
         assert len(replies) == 1 and r["reward"] == float(replies[0] == str(a + b)), r
+        # the prompt the model saw (the task's, rendered), not the row's column that names the task
+        assert r["prompt_text"].startswith("<bos><|user|>")
+        assert r["prompt_text"].endswith(f"{a}+{b}<|end|><|assistant|>")

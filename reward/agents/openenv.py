@@ -11,8 +11,10 @@ records token for token) becomes the action (`action_field`), and each observati
 the next user turn, until the environment says done or `max_turns`. The episode's reward is the
 sum of the environment's rewards. An episode whose conversation fills the model's context (the
 agent server answers 400 `context_length_exceeded`) ends there, truncated, with the rewards it had
-(the runner marks it truncated). A server that hangs or dies costs its episode only: its calls
-raise or overrun `task.agent_timeout_s`, and the episode is an error sample.
+(the runner marks it truncated); so does one that reaches `max_turns` before the environment says
+done (its note, reward/agents/runner.py `EPISODE_NOTE`, tells the runner). A server that hangs or
+dies costs its episode only: its calls raise or overrun `task.agent_timeout_s`, and the episode is
+an error sample.
 
 Runs where only the standard library part of ours is importable (reward.loader here).
 openenv-core and openai are imported at the top, so the agent pool's zygote imports them once (its
@@ -22,6 +24,7 @@ import pulls in FastAPI and gradio: ~10 s) and every episode's fresh fork has th
 from __future__ import annotations
 
 import json
+import sys
 import typing
 from typing import Any
 
@@ -31,6 +34,7 @@ from openai import AsyncOpenAI, BadRequestError
 from reward.loader import load_object  # standard library only, as the zygote's own loader
 
 _SKIPPED = ("done", "reward", "metadata")
+EPISODE_NOTE = "rlpost-episode-note: "  # reward/agents/runner.py EPISODE_NOTE (not importable here)
 
 
 def action_class(client: type) -> type:
@@ -77,7 +81,7 @@ async def episode(base_url: str, row: dict, *, client: str, server_url: str, act
                 reply = await llm.chat.completions.create(model="policy", messages=messages)
             except BadRequestError as err:
                 if err.code == "context_length_exceeded":  # the context is full: truncated, keeping its rewards
-                    break
+                    return total  # (the runner reads the refusal)
                 raise
             text = reply.choices[0].message.content or ""
             messages.append({"role": "assistant", "content": text})
@@ -85,4 +89,8 @@ async def episode(base_url: str, row: dict, *, client: str, server_url: str, act
             total += float(result.reward or 0.0)
             if not result.done:
                 messages.append({"role": "user", "content": observation_text(result.observation, observation_field)})
+    if not result.done:  # max_turns ended it: truncated, keeping its rewards (the runner reads the note)
+        sys.stdout.flush()
+        print(EPISODE_NOTE + json.dumps({"truncated": f"max_turns={max_turns} reached before the environment was "
+                                                       "done"}), file=sys.stderr, flush=True)
     return total

@@ -14,6 +14,7 @@ without a deadline, and closing never waits on an agent.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import threading
@@ -23,7 +24,7 @@ from typing import Any, Callable, Hashable, Protocol
 
 from rl.data.agent_calls import RecordedCall, episode_sample
 from rl.data.types import GenerationRequest, Sample
-from rl.run.faults import episode_error
+from rl.actors.faults import episode_error
 
 
 class EpisodeServer(Protocol):
@@ -77,6 +78,27 @@ def episode_reward(value: Any, bound: float = 1e6) -> tuple[float | None, str | 
                       "+-bound, or raise the bound")
     return None, (f"returned {shown} ({type(value).__name__}): an agent returns the episode's reward, a finite "
                   "number (not a bool), or None to leave it to reward.functions")
+
+
+EPISODE_NOTE = "rlpost-episode-note: "
+
+
+def episode_note(log_tail: str) -> dict[str, Any]:
+    """What an episode says besides its reward (its result crosses as one float): the JSON object
+    on the last line of its output that starts with `EPISODE_NOTE` (the framework episodes print
+    one as they return: reward/agents/verifiers.py, openenv.py). Its keys, each optional:
+    `truncated` (why: a limit of the agent's own environment ended it before it was done; the
+    reward is kept), `prompt` ("rendered": the sample's prompt text is the model's first prompt
+    as rendered, where the row's column only names the task), `reward_parts` ({name: value}, named
+    when the reward is refused). Anything else in it, or a line that does not parse, is ignored."""
+    for line in reversed(log_tail.splitlines()):
+        if line.startswith(EPISODE_NOTE):
+            try:
+                note = json.loads(line[len(EPISODE_NOTE):])
+            except ValueError:
+                return {}
+            return note if isinstance(note, dict) else {}
+    return {}
 
 
 @dataclass
@@ -182,7 +204,11 @@ class AgentRunner:
         req = running.request
         refused = self.server.refusal(key)
         calls = self.server.close_episode(key)
-        sample = episode_sample(calls, prompt_ids=req.prompt_ids, prompt_text=req.prompt_text,
+        note = episode_note(outcome.log_tail) if outcome is not None else {}
+        prompt_text = req.prompt_text
+        if note.get("prompt") == "rendered" and calls and self.decode is not None:
+            prompt_text = self.decode(calls[0].prompt_ids)  # what the model saw (issue 59)
+        sample = episode_sample(calls, prompt_ids=req.prompt_ids, prompt_text=prompt_text,
                                 group_id=req.group_id, sample_index=req.sample_index, metadata=req.metadata,
                                 max_len=self.max_len, decode=self.decode)
         cause = lost or (outcome.error if outcome is not None else "no outcome")
@@ -199,6 +225,11 @@ class AgentRunner:
         reward = None
         if cause is None:
             reward, cause = episode_reward(outcome.value, self.reward_bound)
+            # a limit of its own environment (max_turns) ended it before it was done: kept, truncated
+            sample.truncated = sample.truncated or (cause is None and isinstance(note.get("truncated"), str))
+        parts = note.get("reward_parts")
+        if cause is not None and "task.agent_reward_bound" in cause and isinstance(parts, dict) and parts:
+            cause += "; its parts: " + ", ".join(f"{k}={v!r}" for k, v in list(parts.items())[:8])
         model_turns = [t for t in sample.turns or () if t.role == "model"]
         if cause is None and sample.error is None and not model_turns:
             cause = "the episode sampled no token (every call returned an empty completion)"

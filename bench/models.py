@@ -234,13 +234,13 @@ def _locked(root: Path) -> Iterator[None]:
 
 
 # Real pretrained models the benchmarks also run on, each a `model=` config group that builds its
-# folder on first use (`examples.ensure_builtin`), as `launch.train` does.
+# folder on first use (`rl.data.builtins.ensure_builtin`), as `launch.train` does.
 REAL_MODELS = ("smollm2",)  # SmolLM2-135M-Instruct: 30 layers, 49k vocabulary, tied embeddings
 
 
 def real_model(name: str) -> Path:
     """The folder of the real model `name` (see `REAL_MODELS`), built from its package when missing."""
-    from examples import ensure_builtin
+    from rl.data.builtins import ensure_builtin
     from rl.config.compose import compose
 
     path = compose("train", [f"model={name}"]).model.path

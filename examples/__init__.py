@@ -24,6 +24,3 @@ package unless a missing task is to be built); or by hand with
 """
 
 from __future__ import annotations
-
-# The old place of these names, for callers not yet moved (launch/serve.py, bench/models.py).
-from rl.data.builtins import BUILTIN_DIRS, builtin_dir, ensure_builtin  # noqa: F401

@@ -3,8 +3,9 @@ fleet, the learner group, the reward service and the environment service, and th
 between the learner and the fleet. It starts them in order with their placement
 (launch/components.py knows how each is built), keeps them whole and shuts them down.
 
-In a training run it is the one caller of the fleet's `repair` (the Tinker service repairs a fleet
-of its own, launch/tinker/service.py): a repair returns the workers it replaced, and the Cluster
+It is the one caller of the fleet's `repair` (in a training run, and in the Tinker service, whose
+command line holds a Cluster with a weight sync that moves nothing: launch/serve.py,
+launch/tinker/server.FixedWeights): a repair returns the workers it replaced, and the Cluster
 then has the weight sync join them and bring them up to date, and tells the fleet when every
 worker holds the current weights (`fleet.synced()`). A sync that loses workers is handled
 the same way. No component calls another back or reads another's attributes: they meet here.

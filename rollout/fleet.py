@@ -4,10 +4,10 @@
 One fault regime for every call: a worker that dies, stops answering or raises is noted broken
 (`_fail`) and gets no more requests; `repair` replaces it with a new one and returns which, and
 its unfinished requests are sent again (each request carries its own seed, so a retried request
-samples the same tokens). The fleet never repairs itself: its owner calls `repair` and brings the
-replaced workers up to date before it calls `synced()`: a training run's `Cluster`
-(launch/cluster.py), through the weight sync; the Tinker service (launch/tinker/service.py), whose
-workers load the base weights and take adapters per request. Until then a replaced worker takes no
+samples the same tokens). The fleet never repairs itself: the driver's `Cluster` (launch/cluster.py)
+calls `repair` and brings the replaced workers up to date through the weight sync before it calls
+`synced()` (the Tinker service's Cluster has a sync that moves nothing: its workers load the base
+weights and take adapters per request). Until then a replaced worker takes no
 requests, and a call that lost its worker waits (with a deadline) for its replacement.
 Replacements are bounded by `rollout.max_restarts` per run, retries of a call by `max_retries`.
 A request the engine refuses is not a fault: it comes back as a sample with its `error`."""

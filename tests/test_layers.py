@@ -306,11 +306,10 @@ def test_named_modules_count_as_imports_for_cycles_and_layers() -> None:
 def test_reward_takes_only_model_code_from_trainer_and_launch_nothing_from_examples() -> None:
     """reward/ imports of trainer/ only `trainer.reward_model` (not the SFT trainer's helpers: the pad
     id is rl/data/padding.py); the launcher imports nothing of examples/ (the built-in tasks' table
-    and builder: rl/data/builtins.py). launch/serve.py still imports `examples.ensure_builtin` (the
-    old name kept in examples/__init__.py) until its owner moves it."""
+    and builder: rl/data/builtins.py)."""
     ours = _graph_with_names()
     assert reward_imports_of_trainer(ours) == []
-    assert launch_imports_of_examples(ours) in ([], ["launch.serve imports examples"])
+    assert launch_imports_of_examples(ours) == []
 
 
 def loop_stage_imports(ours: dict[str, set[str]]) -> list[str]:

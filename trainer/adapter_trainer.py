@@ -228,7 +228,7 @@ class AdapterTrainer:
 
 def _fresh(path: str) -> str:
     """An empty folder beside `path` to write a save into (removed first if a failed save left it)."""
-    tmp = f"{path}~tmp"  # (~: never in a checkpoint name, launch/tinker/service._NAME)
+    tmp = f"{path}~tmp"  # (~: never in a checkpoint name, launch/tinker/registry._NAME)
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     return tmp

@@ -152,6 +152,18 @@ class _Worker:
         msg, self.inbox = bytes(self.inbox[8:8 + size]), bytearray()
         return msg
 
+    def admit(self, limits: AgentLimits | None) -> str | None:
+        """Into its cgroups (with `limits`; None: no cgroups), then told to go on: it makes its
+        episode's sandbox and process, ready for a job. Why it could not be, else None."""
+        if limits is not None:
+            try:
+                self.join_cgroups(limits)
+            except (OSError, SandboxError) as exc:
+                return f"could not put a worker in its cgroups: {exc}"
+        with suppress(OSError):  # it died meanwhile: its exit report says so
+            self.sock.sendall(b"G")
+        return None
+
     def join_cgroups(self, limits: AgentLimits) -> None:
         """Its own memory and pids cgroups, by its host pid, before it gets a job."""
         self.cg = _cgroup.RunCgroups(f"{os.getpid()}-agent-{next(_names)}", pids_max=limits.max_processes,
@@ -478,22 +490,11 @@ class AgentPool:
             self._sel.register(self._zygote.ctrl, selectors.EVENT_READ, self._on_zygote)
 
     def _spawn(self) -> None:
-        """Ask the zygote for a worker, handing it the worker's end of a socket and of a pipe for
-        its output; the zygote answers with its pid, the worker with a hello."""
-        ours, theirs = socket.socketpair()
-        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the hello's credentials: its host pid
-        log_r, log_w = os.pipe()
-        try:
-            socket.send_fds(self._zygote.ctrl, [b"F"], [theirs.fileno(), log_w])
-        finally:
-            theirs.close()
-            os.close(log_w)
-        os.set_blocking(log_r, False)
-        ours.settimeout(_IO_TIMEOUT_S)
-        w = _Worker(ours, log_r)
+        """A new worker, pending: the zygote answers with its pid, the worker with a hello."""
+        w = self._zygote.spawn()
         self._workers.append(w)
-        self._sel.register(ours, selectors.EVENT_READ, functools.partial(self._on_result, w))
-        self._sel.register(log_r, selectors.EVENT_READ, functools.partial(self._read_output, w))
+        self._sel.register(w.sock, selectors.EVENT_READ, functools.partial(self._on_result, w))
+        self._sel.register(w.log_fd, selectors.EVENT_READ, functools.partial(self._read_output, w))
 
     def _hello(self, w: _Worker) -> None:
         """A new worker's first byte: its host pid from the credentials the kernel attached; then it
@@ -501,18 +502,9 @@ class AgentPool:
         counted there from its first page), and is idle."""
         if not w.hello():
             w.kill()
-            return
-        if self._cgroups:
-            try:
-                w.join_cgroups(self.limits)
-            except (OSError, SandboxError) as exc:
-                w.kill()
-                self._fail_queued(f"could not put a worker in its cgroups: {exc}")
-                return
-        try:  # it may now make its episode's sandbox and process, ready for a job
-            w.sock.sendall(b"G")
-        except OSError:  # it died meanwhile: its exit report says so
-            pass
+        elif (why := w.admit(self.limits if self._cgroups else None)) is not None:
+            w.kill()
+            self._fail_queued(why)
 
     def _dispatch(self) -> None:
         """Hand queued jobs to idle workers, `workers` episodes at most at once; keep enough workers
@@ -724,6 +716,21 @@ class _Zygote:
     @classmethod
     def start(cls, config: dict, python: str) -> _Zygote:
         return cls(*_start_zygote(config, python))
+
+    def spawn(self) -> _Worker:
+        """Ask for a worker, handing the zygote the worker's end of a socket and of a pipe for its
+        output; the worker as the driver sees it, pending."""
+        ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)  # the hello's credentials: its host pid
+        log_r, log_w = os.pipe()
+        try:
+            socket.send_fds(self.ctrl, [b"F"], [theirs.fileno(), log_w])
+        finally:
+            theirs.close()
+            os.close(log_w)
+        os.set_blocking(log_r, False)
+        ours.settimeout(_IO_TIMEOUT_S)
+        return _Worker(ours, log_r)
 
     def stop(self) -> None:
         """EOF on its socket (the zygote kills what is left and exits; its pid namespace ends), then

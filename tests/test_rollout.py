@@ -124,6 +124,7 @@ def test_weight_transfer_rounds_cut_short_by_the_trainer_or_by_vllm_both_resume(
 
     engine = object.__new__(VLLMEngine)  # the round bookkeeping only: no model loaded
     engine.llm, engine._transfer_open, engine._needs_fixup, engine.version = _TransferRounds(), False, False, 0
+    engine._merged = None  # no adapter merged (the Tinker service's merged sampling)
     rounds = engine.llm
     engine.weight_transfer("start_weight_update")
     engine.weight_transfer("update_weights", {"chunk": 0})  # ...then the trainer's side is lost

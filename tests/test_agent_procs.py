@@ -766,7 +766,7 @@ def test_close_kills_hanging_agents(agents_dir, regime, capsys):
         while pool.running() < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert pool.running() == 2 and pool.queued() == 1
-        # the two running, and the spare started ahead (pool.spare): 3 controllers each
+        # each started worker: 3 controllers
         in_cgroups = [w for w in pool._workers if w.cg]
         cgroup_dirs = [d for w in in_cgroups for d in w.cg.paths.values()]
         assert len(cgroup_dirs) == 3 * len(in_cgroups)

@@ -257,8 +257,8 @@ def _worker_main(sock_fd: int, log_fd: int, fn: Callable[..., Any], cfg: dict) -
 
 
 def _run_episode(fn: Callable[..., Any], cfg: dict, sock: socket.socket) -> bytes | None:
-    """The episode's namespaces and its process, sandboxed, made before its job comes (a worker
-    started ahead of need has them ready: pool.AgentPool.spare); then the job from the driver,
+    """The episode's namespaces and its process, sandboxed, made while the driver sends its job
+    (the worker is told to go on once in its cgroups); then the job from the driver,
     passed on; its connections relayed while it runs. Its JSON result, {"died": wait status} when
     it ended without one, or None when the driver closed before sending a job."""
     jail.episode_namespaces()

@@ -303,7 +303,6 @@ class AgentPool:
         reach (names resolved here, once); `hidden`: folders kept out of sight among the agent's
         code (run.dir); `reward_bound`: task.agent_reward_bound."""
         self.size, self.limits, self.name = workers, limits, name
-        self.spare = max(1, workers // 4)  # workers started ahead, ready for the next episodes
         self.zygote_restarts, self.restarts = zygote_restarts, 0
         self._python = python or sys.executable
         self._cgroups = _cgroups_usable()
@@ -507,26 +506,16 @@ class AgentPool:
             self._fail_queued(why)
 
     def _dispatch(self) -> None:
-        """Hand queued jobs to idle workers, `workers` episodes at most at once; keep enough workers
-        started (idle, or on their way) for the queued jobs that may start now, plus `spare` ready
-        for the next ones: a worker is a fresh fork per episode, and starting one (the zygote's
-        fork, its hello, its cgroups, its namespaces and its episode's sandboxed process) then stays
-        off the next episode's path."""
-        running = sum(1 for w in self._workers if w.job is not None)
+        """Hand queued jobs to idle workers; ask for more workers (up to `workers`) for the rest."""
         idle = [w for w in self._workers if w.pid is not None and w.job is None and not w.doomed]
-        while self._queue and idle and running < self.size:
+        while self._queue and idle:
             w, job = idle.pop(), self._queue.popleft()
             job.started, w.job, w.tail = time.monotonic(), job, b""
-            running += 1
             with suppress(OSError):  # it died meanwhile: its exit report ends the job
                 w.sock.sendall(struct.pack("!Q", len(job.payload)) + job.payload)
-        if not self._jobs:  # nothing to run: no worker is kept waiting (the next ones start with the next jobs)
-            for w in self._workers:
-                if w.job is None and w.pid is not None and not w.doomed:
-                    w.kill()
-            return
-        waiting = sum(1 for w in self._workers if w.job is None and not w.doomed)  # idle or starting
-        for _ in range(min(len(self._queue), self.size - running) + self.spare - waiting):
+        live = [w for w in self._workers if not w.doomed]
+        pending = sum(1 for w in live if w.pid is None)
+        for _ in range(min(len(self._queue) - pending, self.size - len(live))):
             self._spawn()
 
     def _on_result(self, w: _Worker) -> None:

@@ -170,13 +170,16 @@ def run_vllm_lora(model_dir: str, work: str, args: argparse.Namespace, out) -> N
         out.put({"error": traceback.format_exc()})
 
 
-def _in_process(target, *args_) -> dict[str, Any]:
+def in_spawned_process(target, *args_, timeout_s: float = 3600) -> dict[str, Any]:
+    """`target(*args_, queue)` in a fresh (spawned) process: the dict it puts on the queue, or a
+    RuntimeError with the traceback it put there as {"error": ...}. The engine's threads and vLLM's
+    state die with the process, so cases do not share an engine."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args_, out))
     proc.start()
     try:
-        got = out.get(timeout=3600)
+        got = out.get(timeout=timeout_s)
     finally:
         proc.join(60)
         if proc.is_alive():
@@ -203,9 +206,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     model_dir = str(build(args.shape).resolve())
     with tempfile.TemporaryDirectory(prefix="tinker-bench-") as work:
-        got = _in_process(run_merged, model_dir, work, args)
+        got = in_spawned_process(run_merged, model_dir, work, args)
         if args.vllm_lora:
-            got["cases"].update(_in_process(run_vllm_lora, model_dir, work, args)["cases"])
+            got["cases"].update(in_spawned_process(run_vllm_lora, model_dir, work, args)["cases"])
     base = statistics.median(got["cases"]["base"])
     rows = {name: {"tokens_per_s": round(statistics.median(rates), 2), "runs": [round(r, 2) for r in rates],
                    "vs_base": round(statistics.median(rates) / base, 3)} for name, rates in got["cases"].items()}

@@ -24,6 +24,7 @@ from rl.actors.faults import EpisodesFailing, Failures, RewardsFailing, common_c
 from rl.run.guards import StopGuards
 from rl.log.run_log import RunLog, summary_line
 from rl.run.step_metrics import episode_metrics
+from tests.episode_fakes import FakeEpisodeServer
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 ZYGOTE = "could not run: its zygote process (pid 4242) exited"
@@ -144,24 +145,6 @@ def test_a_run_whose_last_steps_had_no_reward_ends_with_the_error_not_exit_0():
 
 # ---- the runner: the pool's reason -----------------------------------------------------------
 
-class _Server:
-    def __init__(self):
-        self.opened = 0
-
-    def open_episode(self, seed_base, metadata=None, temperature=None):
-        self.opened += 1
-        return f"key{self.opened}", f"http://127.0.0.1:1/{self.opened}/v1"
-
-    def end_episode(self, key):
-        pass
-
-    def refusal(self, key):
-        return None
-
-    def close_episode(self, key):
-        return []
-
-
 class _Outcome:
     def __init__(self, error):
         self.value, self.error, self.log_tail = None, error, ""
@@ -191,7 +174,7 @@ class _BrokenPool:
 
 def test_a_broken_pool_s_reason_names_the_episodes_it_lost_without_waiting_for_deadlines():
     pool = _BrokenPool(outcomes=1)
-    runner = AgentRunner(_Server(), pool, SimpleNamespace(repair=lambda: None), name="my_agent.py:solve",
+    runner = AgentRunner(FakeEpisodeServer(), pool, SimpleNamespace(repair=lambda: None), name="my_agent.py:solve",
                          prompt_key="prompt", timeout_s=30.0, workers=2, max_len=64)
     requests = [GenerationRequest([1, 2], "2+2=", 0, i, seed=i) for i in range(3)]
     started = time.monotonic()

@@ -294,19 +294,9 @@ def test_a_merged_adapter_samples_its_own_logprobs_and_leaves_the_base_exactly(t
     base model's samples are bit for bit those of a batch with no adapter, before and after; an adapter
     saved again under its name is served fresh; a missing folder is that request's error only."""
     pytest.importorskip("vllm")
-    import multiprocessing as mp
+    from bench.tinker_adapter_sampling import in_spawned_process
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_merged_engine_figures, args=(f"{tiny_untrained}/model", str(tmp_path), out))
-    proc.start()
-    try:
-        got = out.get(timeout=600)
-    finally:
-        proc.join(60)
-        if proc.is_alive():
-            proc.kill()
-    assert "error" not in got, got.get("error")
+    got = in_spawned_process(_merged_engine_figures, f"{tiny_untrained}/model", str(tmp_path), timeout_s=600)
     assert got["base_same"] and got["base_in_mixed"], got
     assert got["a"] < 1e-4 and got["b"] < 1e-4 and got["a_vs_base"] > 1e-3, got
     assert got["newer"] < 1e-4 and got["newer_vs_old"] > 1e-3, got  # the second save, not the first

@@ -14,27 +14,10 @@ from types import SimpleNamespace
 from reward.agents.runner import EPISODE_NOTE, AgentRunner, episode_note
 from rl.data.agent_calls import RecordedCall
 from rl.data.types import GenerationRequest
+from tests.episode_fakes import FakeEpisodeServer
 
 CALLS = [RecordedCall([1, 5, 6], [7, 2], [-0.1, -0.2], [0, 0], "stop", "7"),
          RecordedCall([1, 5, 6, 7, 2, 8, 9], [3, 2], [-0.3, -0.4], [0, 0], "stop", "3")]
-
-
-class _Server:
-    def __init__(self):
-        self.opened = 0
-
-    def open_episode(self, seed_base, metadata=None, temperature=None):
-        self.opened += 1
-        return f"key{self.opened}", f"http://127.0.0.1:1/{self.opened}/v1"
-
-    def end_episode(self, key, at=None):
-        pass
-
-    def refusal(self, key):
-        return None
-
-    def close_episode(self, key):
-        return list(CALLS)
 
 
 class _Pool:
@@ -64,7 +47,7 @@ def _note(**fields) -> str:
 
 
 def _play(*rows: dict):
-    runner = AgentRunner(_Server(), _Pool(), SimpleNamespace(repair=lambda: None), name="agent.py:solve",
+    runner = AgentRunner(FakeEpisodeServer(CALLS), _Pool(), SimpleNamespace(repair=lambda: None), name="agent.py:solve",
                          prompt_key="prompt", timeout_s=30.0, workers=4, max_len=64,
                          decode=lambda ids: " ".join(f"<{i}>" for i in ids))
     return runner.run([GenerationRequest([1, 5], "row's column", i, 0, seed=i, metadata=row)

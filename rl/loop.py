@@ -9,6 +9,9 @@ imports neither Ray nor DeepSpeed). What the config turns on lives in the stages
   (`algorithm.off_policy_steps`) or streamed (`rollout.mode=streaming`), through DAPO's dynamic
   sampling and the curriculum, from a `Source`: completions, environment or agent episodes;
 - `score_samples` (rl/run/scoring.py): every kind of sample scored one way;
+- `learner.update` (trainer/group.py): the learner ranks score the batch (old, reference
+  log-probs, values), estimate its advantages from the rewards (rl/algo/estimate.py) and train,
+  where the batch is: its tensors cross once, only metrics come back;
 - `Evaluation` (rl/run/evaluate.py): held-out rows before the first update, every N steps, after;
 - `StopGuards` (rl/run/guards.py): a signal, failing rewards or skipped updates stop the run at a
   step boundary, after `checkpoint.save_step` (rl/run/checkpoint.py: the run's lifecycle);
@@ -21,14 +24,11 @@ import time
 from functools import partial
 from typing import Protocol
 
-import torch
-
-from rl.algo.estimate import estimate_advantages
 from rl.algo.kl_control import KL_CONTROLLERS, kl_controller_from_dict
 from rl.config.schema import AlgorithmConfig, TrainConfig
 from rl.data.batch import build_train_batch
 from rl.data.dataset import PromptDataset
-from rl.data.types import Sample, ScoredSample, TrainBatch
+from rl.data.types import Outcomes, Sample, ScoredSample, TrainBatch
 from rl.run import checkpoint
 from rl.run.collect import make_rollouts
 from rl.run.colocation import GpuHandover
@@ -55,8 +55,7 @@ class Rewards(Protocol):
 
 
 class Learner(Protocol):
-    def score(self, batch: TrainBatch) -> TrainBatch: ...
-    def train_step(self, batch: TrainBatch, step: int, kl_coef: float) -> dict[str, float]: ...
+    def update(self, batch: TrainBatch, outcomes: Outcomes, step: int, kl_coef: float) -> dict[str, float]: ...
     def save_checkpoint(self, path: str) -> None: ...
     def offload(self, keep_weights: bool = False) -> None: ...
     def onload(self) -> None: ...
@@ -65,12 +64,6 @@ class Learner(Protocol):
 def make_kl_controller(a: AlgorithmConfig):
     """The controller algorithm.kl_ctrl names, built from the settings its registration declares."""
     return KL_CONTROLLERS.get(a.kl_ctrl)(**KL_CONTROLLERS.settings(a.kl_ctrl, a))
-
-
-def student_logprobs(batch: TrainBatch) -> torch.Tensor:
-    """The policy's log-probs of the sampled tokens before this update: the learner's where it
-    scored them (trainer.recompute_old_logprobs), else the rollout engine's."""
-    return batch.old_logprobs if batch.old_logprobs is not None else batch.rollout_logprobs
 
 
 def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, source: Source, rewards: Rewards | None,
@@ -130,20 +123,15 @@ def _step(cfg: TrainConfig, pad_id: int, learner: Learner, policy_sync: PolicySy
         raise err.at_step(step) from None
     t_batch = time.perf_counter()
 
-    reward, valid, groups = reward_tensors(scored)
     batch = build_train_batch(scored, pad_id, step, mask_truncated=a.mask_truncated, max_staleness=a.off_policy_steps,
                               segment_rows=True)
     try:
         handover.to_learner()  # engines free the GPU for the learner (rl/run/colocation.py)
-        batch = learner.score(batch)
-        t_scored = time.perf_counter()
         kl_coef = kl_ctrl.value  # this step's, in the reward or the loss: the controller adapts it after the update
-        est = estimate_advantages(a, reward, valid, groups, batch.loss_mask, kl_coef,
-                                  batch.old_logprobs, batch.ref_logprobs, batch.values, batch.turn_rewards,
-                                  batch.teacher_logprobs, student_logprobs(batch), batch.episode_index)
-        batch.advantages, batch.returns = est.advantages, est.returns
-        trained = learner.train_step(batch, step, kl_coef)
+        # the learners score the batch, estimate its advantages from the rewards and train, where it is
+        trained = learner.update(batch, Outcomes(*reward_tensors(scored)), step, kl_coef)
         t_trained = time.perf_counter()
+        t_scored = t_batch + trained.pop("time/score_s")
         handover.to_sync()  # both sides hold just their weights
         with rollouts.between_batches():
             t_held = time.perf_counter()
@@ -152,12 +140,12 @@ def _step(cfg: TrainConfig, pad_id: int, learner: Learner, policy_sync: PolicySy
         handover.to_rollout()
     except ActorFailure as err:
         raise err.at_step(step) from None
-    measured_kl = est.metrics.get("actor/kl_in_reward_nats", trained.get("actor/kl_nats"))
+    measured_kl = trained.get("actor/kl_in_reward_nats", trained.get("actor/kl_nats"))
     if measured_kl is not None:
         kl_ctrl.update(measured_kl, len(scored))
 
     times = StepTimes(t0, t_batch, t_scored, t_trained, t_held, t_synced, time.perf_counter())
-    metrics = step_metrics(cfg, step, scored, samples, collected, est.metrics, trained, kl_coef, sent,
+    metrics = step_metrics(cfg, step, scored, samples, collected, trained, kl_coef, sent,
                            policy_sync.bytes_per_sync, times, evaluated)
     warning = logprob_mismatch_warning(step, metrics.get("sync/logprob_abs_diff", 0.0),
                                        cfg.trainer.logprob_warn_threshold)

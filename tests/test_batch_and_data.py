@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from rl.data.batch import build_train_batch
+from rl.data.batch import build_train_batch, shard_rows
 from rl.data.dataset import DataError, PromptDataset, derive_seed
 from rl.data.types import Sample, ScoredSample
-from trainer.group import reduce_metrics, shard_rows
+from trainer.group import reduce_metrics
 from rl.wire.weight_sync import WeightMeta, buckets
 
 

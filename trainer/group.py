@@ -1,7 +1,8 @@
 """`LearnerGroup`: N `LearnerWorker` Ray actors forming one DeepSpeed data-parallel job.
 
-The driver sees one object: `train_step(batch)` shards the batch over the ranks and reduces their
-metric sums. The ranks are an `ActorGroup` (rl/actors/group.py); the weight sync
+The driver sees one object: `update(batch, outcomes, ...)` shards the batch over the ranks, which
+score it, estimate the advantages and train where it is (the batch's tensors cross once), and
+reduces their metric sums. The ranks are an `ActorGroup` (rl/actors/group.py); the weight sync
 (`trainer/sync/`) reaches them through that group and `metas`; the learner knows nothing of
 rollout workers.
 """
@@ -17,15 +18,10 @@ from rl.wire import weight_sync
 from rl.algo.importance import effective_sample_size
 from rl.actors.group import ActorGroup, HoldsActorGroup
 from rl.actors.faults import Deadlines
-from rl.data.types import TrainBatch
+from rl.data.batch import shard_rows
+from rl.data.types import Outcomes, TrainBatch
 from trainer.learner import LearnerWorker
 from trainer.learner_setup import LearnerSpec
-
-
-def shard_rows(n_rows: int, world_size: int) -> list[torch.Tensor]:
-    """Interleaved row indices per rank, so every rank sees a mix of groups and lengths."""
-    return [torch.arange(rank, n_rows, world_size) for rank in range(world_size)]
-
 
 
 class LearnerGroup(HoldsActorGroup):
@@ -64,10 +60,25 @@ class LearnerGroup(HoldsActorGroup):
         peer in a collective failed, which the caller handles)."""
         return self.group.each(refs, kind, deadline, tolerate_errors)
 
-    def score(self, batch: TrainBatch) -> TrainBatch:
-        """Every rank scores its shard (old/reference/teacher log-probs, values); reassembled in row order."""
+    def _check_rows(self, batch: TrainBatch) -> None:
         if len(batch) < self.spec.samples_per_step:  # more: an episode's segments, rows of their own
             raise ValueError(f"expected at least {self.spec.samples_per_step} rows per step, got {len(batch)}")
+
+    def update(self, batch: TrainBatch, outcomes: Outcomes, step: int, kl_coef: float) -> dict[str, float]:
+        """The step on the ranks: each scores its shard, they estimate the advantages together and
+        each trains on its rows (`LearnerWorker.update`). The batch's tensors cross once; back come
+        the reduced metrics, the estimate's (`adv/...`, KL in the reward) and `time/score_s`."""
+        self._check_rows(batch)
+        shards = [batch.select(rows) for rows in shard_rows(len(batch), self.world_size)]
+        width = batch.input_ids.shape[1] - 1
+        results = self.call([w.update.remote(s, outcomes, step, kl_coef, width) for w, s in zip(self.workers, shards)],
+                            "update")
+        return {**results[0][1], **reduce_metrics([sums for sums, _ in results])}
+
+    def score(self, batch: TrainBatch) -> TrainBatch:
+        """Every rank scores its shard (old/reference/teacher log-probs, values); reassembled in row
+        order. For tools and tests: a step scores where it trains (`update`)."""
+        self._check_rows(batch)
         index = shard_rows(len(batch), self.world_size)
         scored = self.call([w.score.remote(batch.select(rows)) for w, rows in zip(self.workers, index)], "score")
         width = batch.input_ids.shape[1] - 1
@@ -83,8 +94,8 @@ class LearnerGroup(HoldsActorGroup):
         return batch
 
     def train_step(self, batch: TrainBatch, step: int, kl_coef: float | None = None) -> dict[str, float]:
-        if len(batch) < self.spec.samples_per_step:  # more: an episode's segments, rows of their own
-            raise ValueError(f"expected at least {self.spec.samples_per_step} rows per step, got {len(batch)}")
+        """An update on a batch whose advantages are set (tools and tests; a step `update`s)."""
+        self._check_rows(batch)
         shards = [batch.select(rows) for rows in shard_rows(len(batch), self.world_size)]
         results = self.call([w.train_step.remote(s, step, kl_coef) for w, s in zip(self.workers, shards)],
                             "train_step")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import defaultdict
 
 import torch
@@ -22,8 +23,9 @@ from rl.plan.flops import (head_forward_flops, kernel_train_flops, layers_forwar
 from rl.plan.step_time import LEARNER_EFFICIENCY
 from rl.algo.losses import LossNormalizer
 from rl.algo.objective import policy_objective, value_objective
-from rl.data.types import TrainBatch
+from rl.data.types import Outcomes, TrainBatch
 from rl.wire import lora, weight_sync
+from trainer.advantages import estimate_on_ranks
 from trainer.learner_setup import LearnerSpec, assigned_gpus, batch_geometry, build_models, join_data_parallel
 from trainer.layouts import Layout, plan_layout
 from trainer.logprobs import token_logprobs
@@ -153,7 +155,7 @@ class LearnerWorker:
         """What the update needs from before it: reference log-probs (KL), the teacher's log-probs
         (on-policy distillation), critic values (GAE) and, when `spec.recompute_old_logprobs`, the
         old policy's log-probs (else the training forward supplies them). Kept on CPU, full width;
-        the driver estimates advantages from them."""
+        the step's advantages are estimated from them (`update`)."""
         self.onload()  # hybrid placement: the engine on this GPU sleeps now
         width = batch.input_ids.shape[1] - 1
         old = torch.zeros((len(batch), width))
@@ -245,6 +247,20 @@ class LearnerWorker:
         return LossNormalizer(tokens=float(counts[0]), sequences=float(counts[1]),
                               max_response_len=float(self.spec.max_response_len))
 
+    def update(self, shard: TrainBatch, outcomes: Outcomes, step: int, kl_coef: float,
+               width: int) -> tuple[dict[str, float], dict[str, float]]:
+        """The step on this rank, where its `shard` of the batch (`width` tokens wide, less the
+        first) stays: score it, estimate the step's advantages with the other ranks
+        (trainer/advantages.py), train. Returns the update's metric sums, with the scoring's
+        seconds, and the estimate's metrics (the same on every rank)."""
+        started = time.perf_counter()
+        batch = self.score(shard)
+        sums = {"_max/time/score_s": time.perf_counter() - started}
+        est = estimate_on_ranks(self.spec.algorithm, batch, outcomes, kl_coef, self.rank, self.world_size, width,
+                                self.device)
+        batch.advantages, batch.returns = est.advantages, est.returns
+        return {**sums, **self.train_step(batch, step, kl_coef)}, est.metrics
+
     def train_step(self, batch: TrainBatch, step: int, kl_coef: float | None = None) -> dict[str, float]:
         """PPO-style update on this rank's shard; returns metric *sums* (the group reduces them).
 
@@ -260,7 +276,7 @@ class LearnerWorker:
         kl_coef = spec.algorithm.kl_coef if kl_coef is None else kl_coef
         needs_score = (spec.recompute_old_logprobs and batch.old_logprobs is None) or \
             (self.uses_ref and batch.ref_logprobs is None) or (self.critic is not None and batch.values is None)
-        if needs_score:  # called without the driver's score phase (tests, tools)
+        if needs_score:  # called without `update`'s score phase (tests, tools)
             batch = self.score(batch)
         mask = batch.loss_mask
         sums: dict[str, float] = defaultdict(float, self._scored_sums)

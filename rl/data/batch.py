@@ -115,6 +115,11 @@ def plan_micro_batches(lengths: list[int], max_rows: int, max_tokens: int,
     return plan
 
 
+def shard_rows(n_rows: int, world_size: int) -> list[torch.Tensor]:
+    """Interleaved row indices per learner rank, so every rank sees a mix of groups and lengths."""
+    return [torch.arange(rank, n_rows, world_size) for rank in range(world_size)]
+
+
 def group_order(group_ids: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Row indices with each group's rows together (shared-prefix micro-batches compute a group's
     prompt once only where its rows meet): groups in a random order (`generator`; None: as they

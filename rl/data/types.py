@@ -1,7 +1,7 @@
 """Typed data passed between the stages of one RL step (generate, reward, score, train: `rl/loop.py`).
 
 Plain dataclasses of Python lists and floats so they cross Ray process boundaries cheaply and
-can be written to the run's sample log as JSON. Tensors appear only in `TrainBatch`.
+can be written to the run's sample log as JSON. Tensors appear only in `TrainBatch` and `Outcomes`.
 """
 
 from __future__ import annotations
@@ -155,6 +155,17 @@ class ScoredSample:
         row = {"prompt_text": rest.pop("prompt_text"), "completion_text": rest.pop("completion_text"),
                "data": rest.pop("metadata"), "reward": self.reward, "components": self.components, "error": self.error}
         return {**row, **rest}
+
+
+@dataclass
+class Outcomes:
+    """A step's rewards, one per sample (an episode in several rows: one per episode): what the
+    learners need from the driver, besides the batch, to estimate the advantages where the batch
+    is (trainer/advantages.py). Small: the batch's tensors cross to the learners once."""
+
+    reward: torch.Tensor  # [S] float64, 0 where not valid
+    valid: torch.Tensor  # [S] bool: the reward could be computed
+    group_ids: torch.Tensor  # [S] long: the sample's group (prompt)
 
 
 @dataclass

@@ -28,7 +28,7 @@ class StepTimes:
 
 
 def step_metrics(cfg: TrainConfig, version: int, scored: list[ScoredSample], samples: list[Sample],
-                 collected: dict[str, float], advantages: dict[str, float], trained: dict[str, float],
+                 collected: dict[str, float], trained: dict[str, float],
                  kl_coef: float, sent_bytes: float, bytes_per_sync: float, t: StepTimes,
                  evaluated: dict[str, float]) -> dict[str, float]:
     a = cfg.algorithm
@@ -42,7 +42,6 @@ def step_metrics(cfg: TrainConfig, version: int, scored: list[ScoredSample], sam
         **group_success_stats(reward, groups, valid),
         **{k: v for k, v in collected.items() if k != "time/wait_rollout_s"},
         **({"actor/kl_coef": kl_coef} if a.kl_coef > 0 else {}),
-        **advantages,
         **trained,
         "rollout/tokens_per_s": gen_tokens / max(collected["time/rollout_s"], 1e-9),
         "rollout/completion_len_tokens": gen_tokens / len(samples),

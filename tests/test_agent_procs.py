@@ -812,14 +812,14 @@ def test_zygote_death_fails_its_jobs_restarts_then_breaks(agents_dir):
             if n == 0:
                 outcome, _ = run_one(pool, {"case": "value"})  # waits for the new zygote
                 assert outcome.error is None and outcome.value == 1.5, outcome
-                assert pool.restarts == 1 and pool._zygote.pid != launcher and pool.broken is None
+                assert pool.restarts == 1 and pool._zygote.pid != launcher and pool.out_of_service is None
         t0 = time.monotonic()
-        while pool.broken is None and time.monotonic() - t0 < 10:
+        while pool.out_of_service is None and time.monotonic() - t0 < 10:
             time.sleep(0.02)
-        assert re.match(rf"^could not run: its zygote process exited \(launcher pid {launcher}\)", pool.broken or ""), \
-            pool.broken
+        assert re.match(rf"^could not run: its zygote process exited \(launcher pid {launcher}\)", pool.out_of_service or ""), \
+            pool.out_of_service
         outcome, wall = run_one(pool, {"case": "value"})
-        assert outcome.value is None and outcome.error == f"task.agent {pool.broken}" and wall < 0.1, outcome
+        assert outcome.value is None and outcome.error == f"task.agent {pool.out_of_service}" and wall < 0.1, outcome
     finally:
         pool.close()
 

@@ -231,7 +231,7 @@ def test_hostile_agents_cost_their_own_episode_only(served, tmp_path, notes):
     assert_escapes_failed(seen, run_dir, marker)
     in_flight = samples[order.index("call_in_flight")]
     assert len([t for t in in_flight.turns if t.role == "model"]) == 1  # the call left in flight: not recorded
-    assert pool.restarts == 0 and pool.broken is None  # nothing an episode did took the zygote down
+    assert pool.restarts == 0 and pool.out_of_service is None  # nothing an episode did took the zygote down
     notes = {case: seen[case] for case, (_, r) in CASES.items() if r}
     # a wrong key and a closed one are told apart by nothing
     assert notes["wrong_key"]["body"] == notes["closed_key"]["body"] == notes["neighbour_key"]["body"]

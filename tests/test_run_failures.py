@@ -151,11 +151,11 @@ class _Outcome:
 
 
 class _BrokenPool:
-    """A pool whose monitor is gone: it says why in `broken` and hands back only the outcomes it had."""
+    """A pool whose monitor is gone: it says why in `out_of_service` and hands back only the outcomes it had."""
 
     def __init__(self, outcomes: int):
         self.on_end, self.started, self.cancelled, self.outcomes = None, [], [], outcomes
-        self.broken = "could not run episodes: its monitor thread died (RuntimeError: boom)"
+        self.out_of_service = "could not run episodes: its monitor thread died (RuntimeError: boom)"
 
     def start(self, job_id, base_url, row):
         self.started.append(job_id)
@@ -183,7 +183,7 @@ def test_a_broken_pool_s_reason_names_the_episodes_it_lost_without_waiting_for_d
     assert [s.sample_index for s in samples] == [0, 1, 2] and len(pool.cancelled) == 2
     assert [episode_cause(s.error) for s in samples] == [  # the pool's outcome keeps its own error
         f"task.agent=my_agent.py:solve: {ZYGOTE}",
-        *[f"task.agent=my_agent.py:solve: no outcome: the agent pool is broken ({pool.broken})"] * 2]
+        *[f"task.agent=my_agent.py:solve: no outcome: the agent pool is out of service ({pool.out_of_service})"] * 2]
 
 
 # ---- the summary ---------------------------------------------------------------------------

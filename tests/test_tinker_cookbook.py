@@ -68,6 +68,25 @@ def test_the_cookbook_rl_recipe_trains_against_the_service(cookbook_python, serv
     assert checkpoints[-1]["sampler_path"].startswith("tinker://")  # its final save_state + sampler weights
 
 
+def test_the_cookbook_rl_recipe_with_its_default_loss_stops_at_once_saying_why(cookbook_python, served, tmp_path):
+    """math_rl unchanged, its default loss (stable_reinforce) included: the hosted service's
+    stability information never crosses the protocol (docs/tinker-service.md), so the recipe's
+    first sample call is refused naming what is missing and the losses served, before any
+    rollout batch is spent; the recipe exits non-zero, nothing trained."""
+    url, env = served
+    out = subprocess.run(
+        [cookbook_python, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", f"model_name={NAME}",
+         "renderer_name=role_colon", f"base_url={url}", "group_size=4", "groups_per_batch=4", "max_tokens=4",
+         "max_steps=3", "eval_every=0", "save_every=0", "lora_rank=4", f"log_path={tmp_path / 'rl'}",
+         "behavior_if_log_dir_exists=delete"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
+    assert out.returncode != 0
+    said = out.stdout + out.stderr
+    assert "record_stability_info is not served" in said and "loss_fn=importance_sampling" in said, said[-4000:]
+    metrics = tmp_path / "rl" / "metrics.jsonl"
+    assert not metrics.exists() or not [m for m in _metrics(metrics) if "env/all/reward/total" in m]
+
+
 def test_the_cookbook_sl_recipe_lowers_its_loss_against_the_service(cookbook_python, served, tmp_path):
     url, env = served
     conv = subprocess.run([cookbook_python, "-c", "import tinker_cookbook, os; print(os.path.join(os.path.dirname("

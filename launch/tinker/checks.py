@@ -25,7 +25,7 @@ class RequestChecks:
         """`serve`: the config's serve section (its limits); `vocab`: the tokenizer's size; `max_len`:
         the served context (rollout.max_model_len); `max_new_tokens`: a sample call's budget when it
         names none; `model_name`, `base_path`: the one base model served."""
-        self.s, self.vocab, self.max_len, self.max_new_tokens = serve, vocab, max_len, max_new_tokens
+        self.serve, self.vocab, self.max_len, self.max_new_tokens = serve, vocab, max_len, max_new_tokens
         self.model_name, self.base_path = model_name, base_path
 
     def tokens(self, tokens: list[int], where: str) -> None:
@@ -42,8 +42,8 @@ class RequestChecks:
     def lora(self, lora: dict[str, Any]) -> tuple[int, dict[str, bool], int]:
         """A new training model's LoRA settings: (rank, the train_* flags, seed)."""
         rank = lora.get("rank")
-        if not isinstance(rank, int) or not 1 <= rank <= self.s.max_lora_rank:
-            raise UserError(f"lora_config.rank={rank!r}: must be an integer in [1, {self.s.max_lora_rank}] "
+        if not isinstance(rank, int) or not 1 <= rank <= self.serve.max_lora_rank:
+            raise UserError(f"lora_config.rank={rank!r}: must be an integer in [1, {self.serve.max_lora_rank}] "
                             "(serve.max_lora_rank)")
         flags = {k: bool(lora.get(k, True)) for k in ("train_attn", "train_mlp", "train_unembed")}
         if not any(flags.values()):
@@ -74,9 +74,9 @@ class RequestChecks:
             raise UserError(str(err)) from None
         if not data:
             raise UserError("forward_backward with no data: send at least one Datum")
-        if total > self.s.max_tokens_per_request:
+        if total > self.serve.max_tokens_per_request:
             raise UserError(f"{total} tokens in one forward_backward: over serve.max_tokens_per_request="
-                            f"{self.s.max_tokens_per_request}; send fewer data per call", status=413)
+                            f"{self.serve.max_tokens_per_request}; send fewer data per call", status=413)
         for i, d in enumerate(data):
             if len(d.tokens) + 1 > self.max_len:
                 raise UserError(f"data[{i}] is {len(d.tokens)} input tokens + its last target = {len(d.tokens) + 1} "
@@ -112,8 +112,8 @@ class RequestChecks:
             raise UserError("prompt: give at least one integer token id")
         self.tokens(tokens, "prompt")
         n = body.get("num_samples", 1)
-        if not isinstance(n, int) or not 1 <= n <= self.s.max_samples:
-            raise UserError(f"num_samples={n!r}: must be an integer in [1, {self.s.max_samples}] (serve.max_samples)")
+        if not isinstance(n, int) or not 1 <= n <= self.serve.max_samples:
+            raise UserError(f"num_samples={n!r}: must be an integer in [1, {self.serve.max_samples}] (serve.max_samples)")
         if body.get("record_stability_info"):
             raise UserError("record_stability_info is not served: " + NOT_SERVED["stable_reinforce"])
         params = body.get("sampling_params") or {}
@@ -131,10 +131,10 @@ class RequestChecks:
             raise UserError(f"sampling_params.max_tokens={max_tokens} after the prompt's {len(tokens)} tokens is over "
                             f"the served context of {self.max_len} tokens (rollout.max_model_len): at most {room} "
                             "tokens can be sampled after this prompt")
-        if (n * (len(tokens) + max_tokens)) > self.s.max_tokens_per_request:
+        if (n * (len(tokens) + max_tokens)) > self.serve.max_tokens_per_request:
             raise UserError(f"num_samples={n} x (the prompt's {len(tokens)} tokens + max_tokens={max_tokens}) = "
                             f"{n * (len(tokens) + max_tokens)} tokens is over serve.max_tokens_per_request="
-                            f"{self.s.max_tokens_per_request}", status=413)
+                            f"{self.serve.max_tokens_per_request}", status=413)
         temperature, top_p = float(params.get("temperature", 1.0)), float(params.get("top_p", 1.0))
         top_k = int(params.get("top_k", -1))
         if not 0 <= temperature <= 10 or not 0 < top_p <= 1 or top_k == 0 or top_k < -1:

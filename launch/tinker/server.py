@@ -138,7 +138,7 @@ class Served:
 
     def _expire(self) -> None:
         # a client gone (no heartbeat for serve.session_timeout_s) is noticed within a quarter of it
-        while not self._stopping.wait(min(10.0, self.service.s.session_timeout_s / 4)):
+        while not self._stopping.wait(min(10.0, self.service.serve.session_timeout_s / 4)):
             self.service.expire()
 
     def stop(self) -> None:

@@ -47,15 +47,15 @@ class TinkerService:
         `first_step`: a resumed run.dir's rows come first). Weights saved under `run_dir` before
         (a resumed service) are served as they were: their tinker:// paths, runs and checkpoints."""
         self.run_log, self._steps = run_log, itertools.count(first_step)
-        self.cfg, self.s = cfg, cfg.serve
+        self.cfg, self.serve = cfg, cfg.serve
         self.fleet, self.tokenizer, self.base_path, self.log = fleet, tokenizer, base_path, log
-        self.model_name = self.s.model_name or cfg.model.path
+        self.model_name = self.serve.model_name or cfg.model.path
         self.max_len = cfg.rollout.max_model_len
         self.registry = Registry(os.path.join(run_dir, "tinker"), self.model_name, log)
-        self.checks = RequestChecks(self.s, len(tokenizer), self.max_len, cfg.rollout.max_new_tokens,
+        self.checks = RequestChecks(self.serve, len(tokenizer), self.max_len, cfg.rollout.max_new_tokens,
                                     self.model_name, base_path)
         self._lock = self.registry.lock
-        self.futures = Futures(self.s.op_timeout_s)
+        self.futures = Futures(self.serve.op_timeout_s)
         self._start_trainer = start_trainer
         self._seeds = itertools.count(1)
         self._batcher = SampleBatcher(self._on_fleet)  # sample calls that arrive together: one batch
@@ -98,9 +98,9 @@ class TinkerService:
 
     def expire(self) -> list[str]:
         """End the sessions whose client stopped heartbeating (`serve.session_timeout_s`)."""
-        stale = self.registry.stale_sessions(self.s.session_timeout_s)
+        stale = self.registry.stale_sessions(self.serve.session_timeout_s)
         for sid in stale:
-            self.log(f"session {sid}: no heartbeat for {self.s.session_timeout_s:.0f} s (serve.session_timeout_s)")
+            self.log(f"session {sid}: no heartbeat for {self.serve.session_timeout_s:.0f} s (serve.session_timeout_s)")
             self.finish(sid)
         return stale
 
@@ -115,7 +115,7 @@ class TinkerService:
         rank, flags, seed = self.checks.lora(lora)
         spec = AdapterSpec(base_path=self.base_path, base_model=self.model_name, rank=rank, **flags,
                            seed=seed, dtype=self.cfg.model.dtype,
-                           threads=self.s.lora_threads)
+                           threads=self.serve.lora_threads)
         return self._start_model(sid, model_seq_id, spec, restore=None)
 
     def load_model(self, sid: str, model_seq_id: int, path: str, optimizer: bool) -> str:
@@ -126,7 +126,7 @@ class TinkerService:
         folder, _ = self.registry.resolve(path, "weights")
         # (the base as this service serves it: a resumed run.dir may have found it at another path)
         spec = dataclasses.replace(saved_spec(folder), base_path=self.base_path, base_model=self.model_name,
-                                   threads=self.s.lora_threads, dtype=self.cfg.model.dtype)
+                                   threads=self.serve.lora_threads, dtype=self.cfg.model.dtype)
         return self._start_model(sid, model_seq_id, spec, restore=(folder, optimizer))
 
     def _start_model(self, sid: str, model_seq_id: int, spec: Any, restore: tuple[str, bool] | None) -> str:
@@ -135,7 +135,7 @@ class TinkerService:
             if model_id in self.registry.models:
                 raise UserError(f"model_seq_id={model_seq_id} is already a model of this session", status=409)
             victim = self._make_room(None)
-            placeholder = TrainingModel(model_id, sid, spec.rank, spec, None, SeqGate(self.s.seq_wait_s),
+            placeholder = TrainingModel(model_id, sid, spec.rank, spec, None, SeqGate(self.serve.seq_wait_s),
                                         index=len(self.registry.models))
             self.registry.models[model_id] = placeholder
             self.registry.sessions[sid].models.append(model_id)
@@ -146,7 +146,7 @@ class TinkerService:
                     self._evict(victim)
                 placeholder.group = self._start_trainer(spec, model_id)
                 if restore is not None:
-                    placeholder.call("load_state", *restore, kind="load_state", timeout_s=self.s.op_timeout_s)
+                    placeholder.call("load_state", *restore, kind="load_state", timeout_s=self.serve.op_timeout_s)
                 with self._lock:
                     if model_id not in self.registry.models:  # its session ended while it started
                         raise UserError(f"session {sid} ended while {model_id} started", status=410)
@@ -172,11 +172,11 @@ class TinkerService:
         actors are alive or starting; else the idle model unused the longest (not `keep`), marked
         "evicting" (`_evict` saves and stops it); none idle: refused (429)."""
         alive = [m for m in self.registry.models.values() if m.state in ("starting", "live")]
-        if len(alive) < self.s.max_models:
+        if len(alive) < self.serve.max_models:
             return None
         idle = [m for m in alive if m.state == "live" and m.busy == 0 and m is not keep]
         if not idle:
-            raise UserError(f"{len(alive)} training models are alive and busy (serve.max_models={self.s.max_models}): "
+            raise UserError(f"{len(alive)} training models are alive and busy (serve.max_models={self.serve.max_models}): "
                             "retry when a call ends, close a ServiceClient or start the service with a higher "
                             "serve.max_models", status=429)
         victim = min(idle, key=lambda m: m.last_used)
@@ -190,13 +190,13 @@ class TinkerService:
         with model.slot:
             try:
                 os.makedirs(os.path.dirname(folder), exist_ok=True)
-                model.call("save_state", folder, kind="save", timeout_s=self.s.op_timeout_s)
+                model.call("save_state", folder, kind="save", timeout_s=self.serve.op_timeout_s)
             except BaseException:
                 model.state = "live"
                 raise
             group, model.group, model.evicted_to, model.state = model.group, None, folder, "evicted"
         group.shutdown()
-        self.log(f"training model {model.id}: evicted to make room (serve.max_models={self.s.max_models}); "
+        self.log(f"training model {model.id}: evicted to make room (serve.max_models={self.serve.max_models}); "
                  f"its state is saved under {folder} and its next call restores it")
 
     def _revive(self, model: TrainingModel) -> None:
@@ -208,7 +208,7 @@ class TinkerService:
             if victim is not None:
                 self._evict(victim)
             model.group = self._start_trainer(model.spec, model.id)
-            model.call("load_state", model.evicted_to, True, kind="load_state", timeout_s=self.s.op_timeout_s)
+            model.call("load_state", model.evicted_to, True, kind="load_state", timeout_s=self.serve.op_timeout_s)
         except BaseException:
             group, model.group, model.state = model.group, None, "evicted"
             if group is not None:
@@ -242,13 +242,13 @@ class TinkerService:
             try:
                 model.gate.turn(seq_id)
                 try:
-                    started_by = time.monotonic() + self.s.op_timeout_s
+                    started_by = time.monotonic() + self.serve.op_timeout_s
                     while model.group is None and model.state == "starting":  # the create future's thread
                         if model.id not in self.registry.models:
                             raise UserError(f"model_id={model.id!r}: its start failed")
                         if time.monotonic() > started_by:
                             raise TimeoutError(f"model_id={model.id!r}: not started within serve.op_timeout_s="
-                                               f"{self.s.op_timeout_s:g} s")
+                                               f"{self.serve.op_timeout_s:g} s")
                         time.sleep(0.05)
                     with model.slot:  # (an eviction of this model ends first)
                         if self.registry.models.get(model.id) is not model:  # its session ended: dropped, not computed
@@ -294,7 +294,7 @@ class TinkerService:
         def run() -> dict[str, Any]:
             started = time.perf_counter()
             out = model.call("forward_backward", data, loss.name, dict(loss.config), bool(message.forward_only),
-                             kind="forward_backward", timeout_s=self.s.op_timeout_s)
+                             kind="forward_backward", timeout_s=self.serve.op_timeout_s)
             took, loss_sum = time.perf_counter() - started, out["metrics"]["loss:sum"]
             self.stats["forward_backward_tokens"] += total
             self.stats["forward_backward_s"] += took
@@ -317,7 +317,7 @@ class TinkerService:
 
         def run() -> dict[str, Any]:
             started = time.perf_counter()
-            metrics = model.call("optim_step", kind="optim_step", timeout_s=self.s.op_timeout_s, **params)
+            metrics = model.call("optim_step", kind="optim_step", timeout_s=self.serve.op_timeout_s, **params)
             self._record("optim_step", model.id, time.perf_counter() - started, **{**params, **metrics})
             self._step_row(model, metrics)
             return {"type": "optim_step", "metrics": {f"optim/{k}:mean": v for k, v in metrics.items()}}
@@ -354,7 +354,7 @@ class TinkerService:
             # the same name saved again: the trainer swaps the newer weights in whole (a sampler on
             # this path samples them from then on: rollout/vllm_engine.AdapterRequests)
             os.makedirs(os.path.dirname(folder), exist_ok=True)
-            model.call("save_adapter" if for_sampler else "save_state", folder, kind="save", timeout_s=self.s.op_timeout_s)
+            model.call("save_adapter" if for_sampler else "save_state", folder, kind="save", timeout_s=self.serve.op_timeout_s)
             if for_sampler and sampler_seq_id is not None:
                 sampler_id = self.registry.add_sampler(model.session, sampler_seq_id, folder, path)
                 return {"type": "save_weights_for_sampler", "path": None, "sampling_session_id": sampler_id}
@@ -386,7 +386,7 @@ class TinkerService:
                 raise UserError(f"sampling_session_id={sampler.id!r}: its session ended; the call was dropped",
                                 status=410)
             started = time.perf_counter()
-            samples = self._batcher(requests, self.s.op_timeout_s)
+            samples = self._batcher(requests, self.serve.op_timeout_s)
             errors = [s.error for s in samples if s.error]
             if errors:
                 raise UserError(errors[0])

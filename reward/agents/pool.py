@@ -313,7 +313,7 @@ class AgentPool:
         self._jobs: dict[Hashable, _Job] = {}
         self._workers: list[_Worker] = []
         self._done: list[tuple[Hashable, AgentOutcome]] = []
-        self._broken: str | None = None
+        self._out_of_service: str | None = None
         self._closed = False
         self._restart_why: str | None = None
         # on_end(job id, when its agent returned or None) as a job finishes, before `results` has it: the
@@ -339,8 +339,8 @@ class AgentPool:
         with self._cond:
             if self._closed:
                 raise RuntimeError(f"{self.name}: AgentPool.start after close")
-            if self._broken:
-                self._finish(job, error=self._broken)
+            if self._out_of_service:
+                self._finish(job, error=self._out_of_service)
                 return
             self._jobs[job_id] = job
             self._queue.append(job)
@@ -373,9 +373,9 @@ class AgentPool:
             return len(self._queue)
 
     @property
-    def broken(self) -> str | None:
+    def out_of_service(self) -> str | None:
         """Why no episode can run any more (None while they can)."""
-        return self._broken
+        return self._out_of_service
 
     def close(self) -> None:
         """Kill every worker's tree and the zygote. Never waits on an agent: killing takes
@@ -465,7 +465,7 @@ class AgentPool:
     def _restart_zygote(self) -> None:
         """The zygote died (its workers with it: they were in its pid namespace): their episodes fail
         naming it, and a new zygote starts (without the pool's lock: loading takes seconds), up to
-        `zygote_restarts` times; after that the pool is broken and every episode fails saying so."""
+        `zygote_restarts` times; after that the pool is out of service and every episode fails saying so."""
         why = self._restart_why
         with self._cond:
             self._end_workers(f"could not finish: {why}")
@@ -595,7 +595,7 @@ class AgentPool:
 
     def _break(self, reason: str) -> None:
         """No worker can be started any more: every job fails naming `reason`, and so will later ones."""
-        self._broken = reason
+        self._out_of_service = reason
         log.error("%s: %s; every episode from now on fails", self.name, reason)
         self._unregister(self._zygote.ctrl)
         self._end_workers(reason)

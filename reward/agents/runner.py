@@ -44,7 +44,7 @@ class Outcome(Protocol):
 class AgentProcesses(Protocol):
     """`reward.agents.pool.AgentPool`: agents in killable processes; `on_end(job_id)` is called as
     each agent returns, dies or is killed, before its outcome is in `results`. A pool that can run
-    no episode any more (its zygote or monitor gone) may say why in `broken` (None while it can)."""
+    no episode any more (its zygote or monitor gone) may say why in `out_of_service` (None while it can)."""
 
     on_end: Callable[[Hashable, float | None], None] | None
 
@@ -54,12 +54,12 @@ class AgentProcesses(Protocol):
     def close(self) -> None: ...
 
 
-def pool_broken(pool: Any) -> str | None:
-    """Why `pool` can run no episode any more, where it says so (its `broken`: e.g. "could not run:
+def pool_out_of_service(pool: Any) -> str | None:
+    """Why `pool` can run no episode any more, where it says so (its `out_of_service`: e.g. "could not run:
     its zygote process (pid 7) exited"), else None: an outcome missing from such a pool is named by
     that reason, not by a deadline (issue 58)."""
-    broken = getattr(pool, "broken", None)
-    return broken if isinstance(broken, str) and broken else None
+    why = getattr(pool, "out_of_service", None)
+    return why if isinstance(why, str) and why else None
 
 
 def episode_reward(value: Any, bound: float = 1e6) -> tuple[float | None, str | None]:
@@ -162,17 +162,17 @@ class AgentRunner:
                 break
             self.repair()  # a rollout worker lost under an agent's call: replaced (launch/cluster.py)
             self._pump(0.2)
-            broken = pool_broken(self.pool)
-            if broken is not None:  # no outcome will come any more: the episodes left are lost now
+            why = pool_out_of_service(self.pool)
+            if why is not None:  # no outcome will come any more: the episodes left are lost now
                 self._pump(0.0)
                 break
         with self._cond:
             done = {(s.group_id, s.sample_index): s for s in self._done.pop(owner, [])}
             late = [k for k, r in self._running.items() if r.owner == owner]
-        broken = pool_broken(self.pool)
+        why = pool_out_of_service(self.pool)
         for key in late:
             self.pool.cancel(key)
-            self._finish(key, None, f"no outcome: the agent pool is broken ({broken})" if broken is not None
+            self._finish(key, None, f"no outcome: the agent pool is out of service ({why})" if why is not None
                          else f"no outcome within {rounds} x (task.agent_timeout_s + 30 s)")
         with self._cond:
             done.update({(s.group_id, s.sample_index): s for s in self._done.pop(owner, [])})

@@ -72,9 +72,22 @@ def require_tensor_parallel(path: str, config: dict[str, Any], tp: int) -> None:
 
 def supervised_inputs(cfg: Any) -> None:
     """A supervised run's inputs: the built-in policy and data its default paths name are built
-    when missing (`rl.data.builtins.ensure_builtin`); the model folder (or Hub id) must exist."""
+    when missing (`rl.data.builtins.ensure_builtin`), after the user's own model folder and rows
+    are checked (a build takes minutes); the model folder (or Hub id) must exist."""
+    from rl.config.supervised import data_columns
+    from rl.data.dataset import load_columns
+
     resolve_hub_ids(cfg)
-    ensure_builtin([cfg.model.path, *cfg.data.train_files, *cfg.data.test_files], cfg.run.seed)
+    named = [cfg.model.path, *cfg.data.train_files, *cfg.data.test_files]
+    if builtin_dir(cfg.model.path) is None:  # the user's own model: refused before a built-in task is built
+        require_model(cfg.model.path)
+    if any(builtin_dir(path) is not None and not os.path.exists(path) for path in named):
+        columns, optional = data_columns(cfg.data)  # a build takes minutes: the user's own rows are read first
+        for field, files in (("data.train_files", cfg.data.train_files), ("data.test_files", cfg.data.test_files)):
+            own = [f for f in files if builtin_dir(f) is None]
+            if own:
+                load_columns(own, columns, field, optional=optional)
+    ensure_builtin(named, cfg.run.seed)
     require_model(cfg.model.path)
     require_no_stale_build_lock()
 

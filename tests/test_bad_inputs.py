@@ -423,3 +423,24 @@ def test_bad_user_inputs_are_refused_before_a_built_in_model_is_built(bad, error
     with pytest.raises(ValueError, match=re.escape(says)) as err:
         launch.checks.check_inputs(compose("train", overrides), overrides)
     assert type(err.value).__name__ == error and built == []
+
+
+@pytest.mark.parametrize("app, data, says", [
+    ("train_sft", '{"prompt": "1+2=", "completion": "3"}\n', "data.completion_key"),  # its column is "answer"
+    ("train_rm", '{"prompt": "1+2=", "chosen": "3"}\n', "data.rejected_key"),
+])
+def test_supervised_bad_rows_are_refused_before_a_built_in_model_is_built(app, data, says, tmp_path, monkeypatch):
+    """launch.train_sft / train_rm on the built-in tiny model, not built yet in this launch
+    directory, with the user's own rows missing a column: refused naming the column's field
+    before anything is built (a build takes minutes)."""
+    import launch.checks
+    from rl.config.compose import compose
+
+    built = []
+    monkeypatch.setattr(launch.checks, "ensure_builtin", lambda paths, seed=0: built.append(list(paths)) or [])
+    (tmp_path / "rows.jsonl").write_text(data)
+    monkeypatch.chdir(tmp_path)  # a fresh launch directory: no built-in task there
+    cfg = compose(app, [f"data.train_files=[{tmp_path}/rows.jsonl]", "data.test_files=[]", "data.test_fraction=0.5"])
+    with pytest.raises(ValueError, match=re.escape(says)):
+        launch.checks.supervised_inputs(cfg)
+    assert built == []

@@ -20,7 +20,7 @@ import torch
 
 from rl.data.dataset import load_encoded
 from rl.algo.preference import bradley_terry_loss, pairwise_accuracy
-from rl.config.supervised import PAIR_ROWS
+from rl.config.supervised import PAIR_ROWS, data_columns
 from rl.plan.geometry import BatchGeometry
 from rl.data.padding import pad_id_of
 from trainer.sft import collate_right_padded, tokenize_pair
@@ -91,8 +91,7 @@ def load_pairs(cfg: Any, tokenizer: Any) -> tuple[list[dict[str, Any]], list[dic
     """Tokenised train and test pairs (test None when there is no test set) and how many were
     dropped for exceeding data.max_length. A missing column is a DataError naming it."""
     d = cfg.data
-    columns = {"data.prompt_key": d.prompt_key, "data.chosen_key": d.chosen_key, "data.rejected_key": d.rejected_key,
-               "data.margin_key": d.margin_key, "data.group_key": d.group_key}
+    columns, optional = data_columns(d)
 
     def encode(row: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -103,7 +102,7 @@ def load_pairs(cfg: Any, tokenizer: Any) -> tuple[list[dict[str, Any]], list[dic
         }
 
     return load_encoded(d, cfg.run.seed, columns, encode, lambda p: max(len(p["chosen"]), len(p["rejected"])),
-                        optional=("data.margin_key", "data.group_key"), noun="pair")
+                        optional=optional, noun="pair")
 
 
 def pair_scores(model: Any, pairs: list[dict[str, Any]], pad_id: int) -> tuple[Any, Any]:

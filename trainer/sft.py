@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from rl.config.supervised import data_columns
 from rl.data.dataset import load_encoded
 from rl.data.padding import pad_id_of
 from rl.plan.geometry import BatchGeometry
@@ -275,10 +276,7 @@ def train_examples(
 def load_examples(cfg: Any, tokenizer: Any):
     """(train, test or None, dropped): (input_ids, labels) rows with the prompt masked (-100)."""
     d = cfg.data
-    if d.format == "chat":
-        columns = {"data.messages_key": d.messages_key}
-    else:
-        columns = {"data.prompt_key": d.prompt_key, "data.completion_key": d.completion_key}
+    columns, _ = data_columns(d)
 
     def encode(row: dict[str, Any]) -> tuple[list[int], list[int]]:
         if d.format == "chat":

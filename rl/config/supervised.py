@@ -235,3 +235,17 @@ def validate_sft(cfg: Any) -> None:
     if cfg.data.format not in ("completion", "chat"):
         errors.append(f"data.format={cfg.data.format!r}: choose one of completion, chat")
     raise_errors(errors)
+
+
+def data_columns(data: Any) -> tuple[dict[str, str | None], tuple[str, ...]]:
+    """The columns a supervised run's rows must have (the config field naming each -> its column)
+    and which of those fields are optional: a preference pair's (`launch.train_rm`) or an SFT
+    row's, completion or chat. The trainers read their rows by these; the launcher checks the
+    user's own files by them before any built-in task is built."""
+    if getattr(data, "chosen_key", None) is not None:
+        return ({"data.prompt_key": data.prompt_key, "data.chosen_key": data.chosen_key,
+                 "data.rejected_key": data.rejected_key, "data.margin_key": data.margin_key,
+                 "data.group_key": data.group_key}, ("data.margin_key", "data.group_key"))
+    if data.format == "chat":
+        return {"data.messages_key": data.messages_key}, ()
+    return {"data.prompt_key": data.prompt_key, "data.completion_key": data.completion_key}, ()

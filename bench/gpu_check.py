@@ -19,9 +19,9 @@
    30-layer toy in bf16, packed against shared, at a math_chat shape and a long-completion one.
 4. peak: the in-process matmul probe the planner uses (`rl.plan.flops.measure_matmul_tflops`)
    beside the card's datasheet peak, bf16 and fp32.
-5. weight_wire: `rl.wire.weight_sync` over a gloo group between two spawned processes: the sender
+5. weight_wire: `rl.wire.collective` over a gloo group between two spawned processes: the sender
    holds the toy model's parameters on the device and sends `trainer.weights.WeightExport`
-   (ZeRO-0) buckets as host copies, as trainer/sync/collective.py's CollectiveSender does when
+   (ZeRO-0) buckets as host copies, as rl/wire/collective.py's CollectiveSender does when
    `on_host`; the CPU receiver checks every tensor is equal; MB/s (1e6 bytes) in fp32 and bf16.
 
 Figures print as PASS/FAIL lines and go to $OUT/gpu_check.json (OUT default /tmp); exit status 1
@@ -55,7 +55,7 @@ from rl.algo.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, LossNormalizer  # n
 from rl.algo.objective import policy_objective  # noqa: E402
 from rl.config.schema import AlgorithmConfig  # noqa: E402
 from rl.plan.memory_plan import LOGPROB_CHUNK_TOKENS  # noqa: E402
-from rl.wire import weight_sync  # noqa: E402
+from rl.wire import collective  # noqa: E402
 from rl.plan.flops import datasheet_tflops, measure_matmul_tflops  # noqa: E402
 from trainer.layouts import plan_layout  # noqa: E402
 from trainer.logprobs import packing_matches, prefix_sharing_matches, token_logprobs  # noqa: E402
@@ -396,7 +396,7 @@ def check_peak(device: torch.device) -> dict:
 def _wire_process(rank: int, port: int, device: str, reps: int, threads: int, results) -> None:
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one machine: loopback (the box may have no network)
-    group = weight_sync.init_group("127.0.0.1", port, rank, 2, "gloo", timeout_s=120)
+    group = collective.init_group("127.0.0.1", port, rank, 2, "gloo", timeout_s=120)
     try:
         for dtype in (torch.float32, torch.bfloat16):
             model = toy_model().to(dtype)
@@ -409,7 +409,7 @@ def _wire_process(rank: int, port: int, device: str, reps: int, threads: int, re
                     started, sent = time.perf_counter(), 0
                     with export.resident():
                         for bucket in export.buckets():
-                            weight_sync.send(group, [[t.cpu() if on_host else t for _, t in bucket]])
+                            collective.send(group, [[t.cpu() if on_host else t for _, t in bucket]])
                             sent += sum(t.numel() * t.element_size() for _, t in bucket)
                     times.append(time.perf_counter() - started)
                 results.put(("send", str(dtype), sent, times))
@@ -420,7 +420,7 @@ def _wire_process(rank: int, port: int, device: str, reps: int, threads: int, re
                 for _ in range(reps):
                     stats: dict[str, float] = {}
                     names = []
-                    for name, tensor in weight_sync.receive(group, metas, "cpu", stats=stats):
+                    for name, tensor in collective.receive(group, metas, "cpu", stats=stats):
                         names.append(name)
                         if not torch.equal(tensor, expected[name].detach()):
                             bad.add(name)
@@ -428,7 +428,7 @@ def _wire_process(rank: int, port: int, device: str, reps: int, threads: int, re
                     receive_s.append(stats.get("receive_s", 0.0))
                 results.put(("receive", str(dtype), sorted(bad), all(seen), receive_s))
     finally:
-        weight_sync.close_group(group)
+        collective.close_group(group)
 
 
 def check_weight_wire(device: torch.device, reps: int = 4, threads: int = 1) -> dict:
@@ -436,7 +436,7 @@ def check_weight_wire(device: torch.device, reps: int = 4, threads: int = 1) -> 
 
     out: dict = {}
     results = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_wire_process, args=(weight_sync.free_port(), str(device), reps, threads, results), nprocs=2, join=True)
+    mp.spawn(_wire_process, args=(collective.free_port(), str(device), reps, threads, results), nprocs=2, join=True)
     got: dict = {}
     while not results.empty():
         msg = results.get()

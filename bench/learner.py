@@ -143,7 +143,7 @@ class Ours:
                  peak: float, device: str = "cpu", padding_free: bool = True):
         from rl.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
         from rl.plan.devices import actor_device
-        from rl.wire.weight_sync import free_port
+        from rl.wire.collective import free_port
         from trainer.learner import LearnerWorker
         from trainer.learner_setup import LearnerSpec
 

@@ -134,7 +134,7 @@ def layouts_agree(worker, batch: TrainBatch) -> dict[str, float]:
 def run(dtype: str, workload: str, batch: TrainBatch, path: str, steps: int, warmup: int, threads: int,
         peak: float) -> dict:
     from rl.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
-    from rl.wire.weight_sync import free_port
+    from rl.wire.collective import free_port
     from trainer.learner import LearnerWorker
     from trainer.learner_setup import LearnerSpec
 

@@ -6,9 +6,9 @@ process to another:
 
 - raw: a torch.distributed gloo broadcast (`ProcessGroupGloo`, CPU) between two plain processes
   (at the CPU priority Ray gives its workers, nice 15, like the actors of `ours`),
-  bucket by bucket (`rl.wire.weight_sync.buckets`, 16 MiB) into buffers allocated once: the transport
+  bucket by bucket (`rl.wire.format.buckets`, 16 MiB) into buffers allocated once: the transport
   alone, the ceiling.
-- wire: our protocol alone, in the same two processes: `rl.wire.weight_sync.send` of the model's
+- wire: our protocol alone, in the same two processes: `rl.wire.collective.send` of the model's
   tensors and `receive` on the other side, its tensors dropped (nothing loaded). The sender's
   tensors lie as DeepSpeed ZeRO-1/2 keeps a learner's parameters (views of one flat buffer: whole
   buckets go as one view); `wire (separate)`: as separate tensors (ZeRO-0/3, a plain module: each
@@ -17,7 +17,7 @@ process to another:
   hosts a `vllm.LLM` with the rollout worker's engine arguments and environment and calls its
   `reload_weights` on all of them (and resets the prefix cache). The reference for the full path;
   it holds a second copy of the weights, which ours does not (it loads bucket by bucket).
-- ours: a sync as a training run does it: `WeightSync.sync(version)` (trainer/sync/) from a
+- ours: a sync as a training run does it: `WeightSync.sync(version)` (rl/wire/) from a
   DeepSpeed learner (1 rank, ZeRO-2) to a `RolloutFleet` worker (vLLM), both Ray actors built as
   `launch.components.build_components` builds them, timed in the driver. Its time is split with the
   worker's own figures (`RolloutWorker.receive_weights`): receive (in the broadcasts) and load
@@ -38,7 +38,7 @@ of a group on one GPU) the same comparison runs as a GPU run syncs: the config i
 are the model's in bf16, and every side moves them GPU to GPU over NCCL: raw is an NCCL broadcast
 between the two plain processes (one GPU each, as Ray gives its actors: `CUDA_VISIBLE_DEVICES`) of
 buffers on the GPUs, then one `torch.cuda.synchronize()` on each; wire and ours use the weight-sync
-group on NCCL (`rl.wire.weight_sync` synchronizes the stream after each bucket); raw+load reloads vLLM
+group on NCCL (`rl.wire.collective` synchronizes the stream after each bucket); raw+load reloads vLLM
 from the GPU buffers. Ours also reports the rollout worker's peak extra GPU memory during a sync
 (`torch.cuda.max_memory_allocated` in its process).
 
@@ -127,7 +127,8 @@ def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup:
     import torch
     import torch.distributed as dist
 
-    from rl.wire.weight_sync import WeightMeta, buckets, init_group, receive, send
+    from rl.wire.collective import init_group, receive, send
+    from rl.wire.format import WeightMeta, buckets
 
     # raw: a plain gloo group of torch.distributed. Not the default group (`init_process_group`):
     # the vLLM engine in this process makes a default group of its own.
@@ -200,7 +201,7 @@ def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup:
 
 def plain_pair(path: str, repeats: int, warmup: int, engine, gpus: list[str] | None = None,
                dtype: str = "float32") -> dict[str, Any]:
-    from rl.wire.weight_sync import free_port
+    from rl.wire.collective import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -299,7 +300,7 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
     from rl.actors.faults import Deadlines
     from rollout.fleet import RolloutFleet
     from trainer.group import LearnerGroup
-    from trainer.sync import make_weight_sync
+    from rl.wire.transports import make_weight_sync
     from trainer.learner_setup import LearnerSpec
 
     launch.components.start_ray(cfg)
@@ -420,7 +421,7 @@ def table(rows: list[dict], header: bool = True) -> str:
 def main(argv: list[str] | None = None) -> None:
     from bench.machine import add_device_arg, machine_info, resolve_device, write_result
     from launch.console import quiet_driver
-    from rl.wire.weight_sync import BUCKET_BYTES
+    from rl.wire.format import BUCKET_BYTES
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="27m only, 3 repeats")

@@ -1,5 +1,5 @@
 """The actors of a run and how they are wired: Ray, the sandbox pool, the rollout fleet, the
-learner group, the weight sync between them (trainer/sync/), the reward service, environments
+learner group, the weight sync between them (rl/wire/), the reward service, environments
 and agents. `launch/train.py` composes these and owns the command line; this module knows how
 each part is built from the typed config and what must start before what.
 """
@@ -111,12 +111,13 @@ def build_components(cfg: TrainConfig, log=print, started: dict[str, Any] | None
     from launch.console import actor_env, rollout_env
     from launch.placement import make_placement
     from reward.service import RewardService
+    from rl.wire.transports import make_weight_sync
     from rollout.fleet import RolloutFleet
     from rollout.protocol import RolloutSpec
     from rollout.vllm_engine import vllm_env
     from trainer.group import LearnerGroup
     from trainer.learner_setup import LearnerSpec
-    from trainer.sync import make_weight_sync
+    from trainer.vllm_ipc import ipc_runtime
 
     threads, c = worker_threads(cfg, "rollout"), cfg.cluster
     learner_threads = worker_threads(cfg, "learner")
@@ -142,7 +143,8 @@ def build_components(cfg: TrainConfig, log=print, started: dict[str, Any] | None
     fleet.wait_started()  # the engines took longest to start: the learner and rewards started meanwhile
     weights = make_weight_sync(cfg.trainer.weight_sync, learner.group, learner.metas, fleet.group,
                                cfg.rollout.tensor_parallel_size, deadlines,
-                               cfg.trainer.delta_sync_max_fraction if cfg.trainer.delta_sync else None)
+                               cfg.trainer.delta_sync_max_fraction if cfg.trainer.delta_sync else None,
+                               ipc=ipc_runtime() if cfg.trainer.weight_sync == "ipc" else None)
     if cfg.model.lora.rank > 0:
         counts, lora = learner.parameter_counts(), cfg.model.lora
         log(f"LoRA rank {lora.rank} on {','.join(lora.target_modules)}: {counts['trainable']:,.0f} trainable "

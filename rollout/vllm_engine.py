@@ -15,6 +15,7 @@ import torch
 
 from rl.config.schema import RolloutConfig
 from rl.data.types import GenerationRequest, Sample
+from rl.wire.ipc import IpcReceiver
 from rollout.protocol import BatchQueue, RolloutSpec, each_or_refused
 
 
@@ -65,7 +66,7 @@ def engine_kwargs(spec: RolloutSpec, seed: int) -> dict[str, Any]:
         enable_prefix_caching=True,
         use_tqdm_on_load=False,  # a progress bar for loading a few files is noise
         enable_sleep_mode=r.sleep_between_steps and spec.gpu,  # sleep is a no-op on CPU
-        # hybrid placement: the learner on the same GPU sends by CUDA IPC (trainer/sync/ipc.py)
+        # hybrid placement: the learner on the same GPU sends by CUDA IPC (rl/wire/ipc.py)
         **({"weight_transfer_config": {"backend": "ipc"}} if spec.weight_sync == "ipc" else {}),
         tensor_parallel_size=tp,
         # TP workers are subprocesses of this actor. Set explicitly: in a Ray placement group vLLM
@@ -383,7 +384,7 @@ class VLLMEngine(BatchQueue):
         self._sleep_mode = r.sleep_between_steps and spec.gpu and torch.cuda.is_available()
         self._sleep_level = 1 if spec.model.lora.rank > 0 else 2
         self._asleep: set[str] = set()
-        self._transfer_open = False  # a weight_transfer round started and not finished
+        self._ipc = IpcReceiver()  # CUDA IPC: vLLM's weight-transfer rounds (`weight_transfer`)
         if torch.cuda.is_available() and not self.llm.llm_engine.vllm_config.use_v2_model_runner:
             # every request carries its own seed (reproducible samples whatever the batching); vLLM's
             # V2 model runner (the CUDA default) samples them batched, the V1 sampler loops per sequence
@@ -466,7 +467,7 @@ class VLLMEngine(BatchQueue):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Load new weights in place, streaming: vLLM's layer-wise `reload_weights` consumes the
         iterator once, inside this call, loading each layer as soon as its tensors have arrived,
-        so with `weight_sync.receive` as the source no second full copy of the model exists."""
+        so with `rl.wire.collective.receive` as the source no second full copy of the model exists."""
         # workers in subprocesses (tensor parallelism): the tensors cross whole, pickled to each
         weights = iter(named_tensors) if self.in_process else list(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -515,22 +516,9 @@ class VLLMEngine(BatchQueue):
     def weight_transfer(self, method: str, payload: dict | None = None, version: int | None = None) -> None:
         """One call of vLLM's weight-transfer API (`init_weight_transfer_engine`,
         `start_weight_update`, `update_weights`, `finish_weight_update`), driven by the learner's
-        trainer-side engine (trainer/sync/ipc.py); after `finish_weight_update` the loaded
-        weights are the policy `version`."""
-        if method == "start_weight_update" and self._transfer_open:
-            # the last round was cut short (a peer failed mid-sync): vLLM refuses a new one until
-            # it is finished; this round resends every weight
-            self.llm.finish_weight_update()
-        call = getattr(self.llm, method)
-        try:
-            call(payload) if payload is not None else call()
-        except BaseException:
-            if method == "update_weights":  # vLLM ends the round itself when a chunk fails to load
-                self._transfer_open = False
-            raise
-        if method in ("start_weight_update", "finish_weight_update"):
-            self._transfer_open = method == "start_weight_update"
-        if method == "finish_weight_update":
+        trainer-side engine (rl/wire/ipc.py, `IpcReceiver` keeps the rounds); after
+        `finish_weight_update` the loaded weights are the policy `version`."""
+        if self._ipc.call(self.llm, method, payload):
             if self._needs_fixup:
                 self.llm.collective_rpc("rlpost_after_reload")
             self._loaded(version if version is not None else self.version)

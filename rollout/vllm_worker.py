@@ -19,8 +19,8 @@ import signal
 import threading
 import time
 
-from rl.wire import weight_sync
 from rl.wire.collective import CollectiveReceiver
+from rl.wire.format import WeightMeta
 
 
 class SyncExtension:
@@ -29,7 +29,7 @@ class SyncExtension:
     _rlpost_merger = None
 
     def rlpost_join(self, host: str, port: int, first_rank: int, world_size: int, backend: str,
-                    metas: list[weight_sync.WeightMeta], lora_spec=None, delta: bool = False) -> None:
+                    metas: list[WeightMeta], lora_spec=None, delta: bool = False) -> None:
         """Join the weight-sync group at rank `first_rank + self.rank` (a group of the fleet before
         a replacement is closed first). `lora_spec` (a RolloutSpec with `model.lora`): syncs carry
         adapters, merged here into base weights this worker keeps (read once, at its first join).

@@ -1,5 +1,6 @@
 """`RolloutWorker`: a Ray actor owning one generation engine and its ends of the weight sync
-(`rl/wire/collective.py`, `rl/wire/object_store.py`; vLLM's own for CUDA IPC)."""
+(`rl/wire/collective.py`, `rl/wire/object_store.py`; CUDA IPC's is in the vLLM engine,
+`rl/wire/ipc.py`'s `IpcReceiver`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import time
 
 import torch
 
-from rl.wire import weight_sync
 from rl.plan.devices import actor_device
 from rl.wire.collective import CollectiveReceiver
+from rl.wire.format import WeightMeta
 from rl.wire.object_store import StateReceiver
 from rl.data.types import GenerationRequest, Sample
 from rollout.adapters import adapter_merger
@@ -85,7 +86,7 @@ class RolloutWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def join_weight_sync(self, host: str, port: int, rank: int, world_size: int, backend: str,
-                         metas: list[weight_sync.WeightMeta], delta: bool = False) -> None:
+                         metas: list[WeightMeta], delta: bool = False) -> None:
         """Join the weight-sync group at ranks `rank` .. `rank + rollout.tensor_parallel_size - 1`:
         this process alone without tensor parallelism, else each vLLM worker at `rank` + its rank
         (each with its own `rl.wire.collective.CollectiveReceiver`). `delta`: syncs send changes
@@ -142,5 +143,5 @@ class RolloutWorker:
 
     def weight_transfer(self, method: str, payload: dict | None = None, version: int | None = None) -> None:
         """vLLM's weight-transfer API on this worker's engine (CUDA IPC from the learner rank on
-        this GPU in hybrid placement, `trainer/sync/ipc.py`)."""
+        this GPU in hybrid placement, `rl/wire/ipc.py`)."""
         self.engine.weight_transfer(method, payload, version)

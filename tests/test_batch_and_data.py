@@ -9,7 +9,7 @@ from rl.data.batch import build_train_batch, shard_rows
 from rl.data.dataset import DataError, PromptDataset, derive_seed
 from rl.data.types import Sample, ScoredSample
 from trainer.group import reduce_metrics
-from rl.wire.weight_sync import WeightMeta, buckets
+from rl.wire.format import WeightMeta, buckets
 
 
 def _scored(prompt, completion, logprobs, reward=1.0, error=None, group=0, version=0):

@@ -1,4 +1,4 @@
-"""Delta weight syncs (`trainer.delta_sync`, rl/wire/weight_sync.py): the codec with hand-computed
+"""Delta weight syncs (`trainer.delta_sync`, rl/wire/delta.py): the codec with hand-computed
 values, and a sender and two receivers in real processes over gloo: the first sync whole, then
 only the changed values, a receiver whose copy went wrong caught by its checksum and mended by a
 whole sync, and a large change sent whole."""
@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from tests.members import run_members
-from rl.wire.weight_sync import (DELTA_FULL, DELTA_SPARSE, DELTA_UNCHANGED, DeltaReceiver, DeltaSender, WeightMeta,
-                                 apply_delta, checksum, encode_delta, free_port, init_group)
+from rl.wire.collective import free_port, init_group
+from rl.wire.delta import (DELTA_FULL, DELTA_SPARSE, DELTA_UNCHANGED, DeltaReceiver, DeltaSender, apply_delta,
+                           encode_delta)
+from rl.wire.format import WeightMeta, checksum
 
 
 def test_encode_sends_the_changed_values_while_they_take_at_most_the_fraction() -> None:
@@ -114,7 +116,7 @@ class _Recorder:
 
 
 def test_a_bucket_that_changed_everywhere_goes_whole_uncompared_for_a_while() -> None:
-    from rl.wire.weight_sync import DENSE_SYNCS
+    from rl.wire.delta import DENSE_SYNCS
 
     sender, group = DeltaSender(max_fraction=0.5), _Recorder()
     w = torch.zeros(8)

@@ -11,7 +11,7 @@ import pytest
 
 from rl.plan.devices import GPU_VISIBILITY_ENV, NoCudaError, actor_device, collective_backend, local_device_index
 from tests.conftest import own_ray
-from trainer.sync.collective import sync_backend
+from rl.wire.collective import sync_backend
 
 
 def test_device_and_backend_come_from_the_gpus_an_actor_was_given():

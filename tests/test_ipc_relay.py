@@ -1,4 +1,4 @@
-"""The CUDA IPC sync's relay (trainer/sync/ipc.py), on CPU with real Ray actors: learner rank 0's
+"""The CUDA IPC sync's relay (rl/wire/ipc.py), on CPU with real Ray actors: learner rank 0's
 client (`RelayClient`, what vLLM's trainer-side IPC engine calls) reaches the rollout workers only
 through the driver's sync component (two queues; the learner holds no rollout handle), every call
 in order with its payload; a worker that hangs mid-transfer is killed and reported, and the
@@ -13,14 +13,16 @@ import pytest
 
 from rl.actors.group import ActorGroup
 from rl.actors.faults import Deadlines
-from trainer.sync.ipc import IpcSync, RelayClient
+from rl.wire.base import SendOrder
+from rl.wire.ipc import IpcLink, IpcRuntime, IpcSync, RelayClient
 
 pytestmark = pytest.mark.slow  # over a second: real actors
 
 
 class FakeTrainerSide:
     """What vLLM's `IPCTrainerWeightTransferEngine` does with its client, in a learner rank: the
-    wire format at build (`connect`), then start, one update per chunk, finish (`send`)."""
+    wire format at build (`sync_join`), then start, one update per chunk, finish (`sync_send`): the
+    learner actor's methods the sync calls (`rl.wire.base.SenderHost`)."""
 
     def __init__(self, rank: int) -> None:
         self.rank, self.client = rank, None
@@ -28,17 +30,15 @@ class FakeTrainerSide:
     def where(self) -> dict:
         return {"pid": 0, "rank": self.rank}
 
-    def sender_call(self, method: str, *args):
-        if method == "connect":
-            relay, timeout_s = args
-            self.client = RelayClient(*relay, timeout_s) if relay is not None else None
-            if self.client is not None:
-                self.client.init_weight_transfer_engine({"packed": True})
-            return None
-        version = args[0]
+    def sync_join(self, link: IpcLink) -> None:
+        self.client = RelayClient(*link.queues, link.timeout_s) if link.queues is not None else None
+        if self.client is not None:
+            self.client.init_weight_transfer_engine({"packed": True})
+
+    def sync_send(self, order: SendOrder) -> float:
         if self.client is None:  # not the sender
             return 0.0
-        self.client.version = version
+        self.client.version = order.version
         self.client.start_weight_update()
         for chunk in range(2):
             self.client.update_weights({"names": [f"chunk{chunk}"], "ipc_handles": {"gpu": ("handle", chunk)}})
@@ -75,6 +75,7 @@ class FakeEngine:
 def _sync(hang_at: str | None = None):
     import ray
     from ray import cloudpickle
+    from ray.util.queue import Queue
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actors' classes live in this test file
 
@@ -86,7 +87,7 @@ def _sync(hang_at: str | None = None):
     learner.started()
     rollout.started()
     deadlines.start_s = 8.0  # started: a first call of a kind (a join, a sync) now waits 8 s at most
-    sync = IpcSync(learner, [], rollout, 1, deadlines)
+    sync = IpcSync(learner, [], rollout, 1, deadlines, runtime=IpcRuntime(ray, Queue))  # no vLLM engine: the fakes
     sync._senders_placed = True
     return ray, learner, rollout, sync
 

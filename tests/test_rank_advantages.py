@@ -67,7 +67,7 @@ def _rank(rank: int, port: int, out: dict) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_estimate_what_one_place_estimates_for_the_whole_batch():
-    from rl.wire.weight_sync import free_port
+    from rl.wire.collective import free_port
 
     with mp.Manager() as manager:
         out = manager.dict()

@@ -120,10 +120,11 @@ class _TransferRounds:
 def test_weight_transfer_rounds_cut_short_by_the_trainer_or_by_vllm_both_resume():
     """A round the trainer left open (a peer died mid-sync) is finished before the next; a round
     vLLM closed itself (a chunk failed to load) is not finished twice."""
+    from rl.wire.ipc import IpcReceiver
     from rollout.vllm_engine import VLLMEngine
 
     engine = object.__new__(VLLMEngine)  # the round bookkeeping only: no model loaded
-    engine.llm, engine._transfer_open, engine._needs_fixup, engine.version = _TransferRounds(), False, False, 0
+    engine.llm, engine._ipc, engine._needs_fixup, engine.version = _TransferRounds(), IpcReceiver(), False, 0
     engine._merged = None  # no adapter merged (the Tinker service's merged sampling)
     rounds = engine.llm
     engine.weight_transfer("start_weight_update")
@@ -136,4 +137,4 @@ def test_weight_transfer_rounds_cut_short_by_the_trainer_or_by_vllm_both_resume(
     engine.weight_transfer("update_weights", {"chunk": 0})
     engine.weight_transfer("finish_weight_update", version=3)
     assert rounds.calls == ["start", "chunk", "finish", "start", "start", "chunk", "finish", "reset"]
-    assert engine.version == 3 and not engine._transfer_open
+    assert engine.version == 3 and not engine._ipc.open

@@ -14,7 +14,8 @@ import torch
 
 from rl.config.schema import ModelConfig, RolloutConfig
 from rl.data.types import GenerationRequest
-from rl.wire.weight_sync import WeightMeta, buckets, free_port, init_group, send
+from rl.wire.collective import free_port, init_group, send
+from rl.wire.format import WeightMeta, buckets
 from rollout.protocol import RolloutSpec
 from rollout.vllm_engine import vllm_env
 from rollout.worker import RolloutWorker

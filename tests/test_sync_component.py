@@ -1,4 +1,4 @@
-"""The weight sync as one component (trainer/sync/) and the `Cluster` that owns it
+"""The weight sync as one component (rl/wire/: base.py, one module per transport) and the `Cluster` that owns it
 (launch/cluster.py): each strategy joins, pushes and verifies what every worker holds, and
 reports the workers it lost; the Cluster replaces them (a training run's one caller of the fleet's repair),
 joins again and syncs the current version. The learner only exports tensors, the fleet only
@@ -18,8 +18,8 @@ import torch
 
 from launch.cluster import Cluster
 from rl.actors.faults import ActorFailure
-from rl.wire.weight_sync import WeightMeta
-from trainer.sync.base import Pushed, WeightSync
+from rl.wire.base import Pushed, WeightSync
+from rl.wire.format import WeightMeta
 
 
 class _Port:
@@ -158,7 +158,7 @@ def test_no_component_calls_another_back() -> None:
     import inspect
 
     from rollout.fleet import RolloutFleet
-    from trainer.sync import base, collective, ipc, object_store
+    from rl.wire import base, collective, ipc, object_store
 
     assert not hasattr(RolloutFleet, "after_replace") and not hasattr(RolloutFleet, "version")
     for module in (base, collective, ipc, object_store):
@@ -211,7 +211,7 @@ def test_collective_and_object_store_sync_a_real_learner_into_a_real_fleet_acros
     from rollout.protocol import RolloutSpec
     from trainer.group import LearnerGroup
     from trainer.learner_setup import LearnerSpec
-    from trainer.sync import make_weight_sync
+    from rl.wire.transports import make_weight_sync
 
     cfg = OmegaConf.to_object(make_config("rollout.backend=hf", "rollout.num_workers=2", "trainer.num_workers=1",
                                           "rollout.max_restarts=3"))

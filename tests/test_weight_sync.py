@@ -1,4 +1,4 @@
-"""The weight-sync wire protocol (`rl.wire.weight_sync`) between real processes: buckets arrive whole
+"""The weight-sync wire protocol (`rl.wire.collective`, `rl.wire.format`) between real processes: buckets arrive whole
 and in order at every receiver (sent without a copy where the sender's tensors lie end to end), a
 group whose peer never comes fails instead of hanging, and a receiver streams: two bucket buffers
 in memory, not a second copy of the model, also when it loads into a live vLLM engine."""
@@ -13,7 +13,8 @@ import time
 import pytest
 import torch
 
-from rl.wire.weight_sync import WeightMeta, buckets, free_port, init_group, receive, send
+from rl.wire.collective import free_port, init_group, receive, send
+from rl.wire.format import WeightMeta, buckets
 from tests.members import run_members
 
 METAS = [WeightMeta("a", (2, 3), "float32"), WeightMeta("b", (4,), "float32"), WeightMeta("c", (2,), "bfloat16")]
@@ -81,7 +82,7 @@ def _stalled_member(rank: int, ports: tuple[int, int], out) -> None:
     if rank == 2:
         time.sleep(120)  # killed by the test before that
         return
-    group.wait_timeout = timedelta(seconds=2)  # what CollectiveSender.send (trainer/sync/collective.py) sets per sync
+    group.wait_timeout = timedelta(seconds=2)  # what CollectiveSender.send (rl/wire/collective.py) sets per sync
     if rank == 0:
         started = time.perf_counter()
         try:
@@ -184,10 +185,10 @@ def _rss(field: str = "VmRSS") -> int:
 
 def _sync_sender(port: int, model_dir: str, new_dir: str, limit: int, to_receiver) -> None:
     """Learner side: new weights (the model's, perturbed; saved to `new_dir` for checking),
-    broadcast twice in `limit`-byte buckets as `CollectiveSender.send (trainer/sync/collective.py)` does."""
+    broadcast twice in `limit`-byte buckets as `CollectiveSender.send` (rl/wire/collective.py) does."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rl.wire.weight_sync import WeightMeta, buckets
+    from rl.wire.format import WeightMeta, buckets
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     g = torch.Generator().manual_seed(1)
@@ -272,7 +273,7 @@ def test_sync_into_vllm_holds_two_buckets_not_a_second_model(tmp_path, monkeypat
     layer being loaded, below the model's size; fed a materialised list (the old code) it grows
     by most of the model. The engine then samples from the new weights, tied embeddings included.
     Measured: 64 MiB streamed vs 109 MiB materialised (untied), 49 vs 93 MiB (tied)."""
-    from rl.wire.weight_sync import BUCKET_BYTES
+    from rl.wire.format import BUCKET_BYTES
 
     model_dir = _model_27m(tied, tmp_path)
     new_dir = str(tmp_path / "new")

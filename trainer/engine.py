@@ -116,7 +116,7 @@ def init_single_process() -> None:
             f"WORLD_SIZE={world}: the supervised trainers run as a single process (one DeepSpeed "
             "rank); unset WORLD_SIZE and launch with python"
         )
-    from rl.wire.weight_sync import free_port
+    from rl.wire.collective import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))

@@ -3,7 +3,7 @@
 The driver sees one object: `update(batch, outcomes, ...)` shards the batch over the ranks, which
 score it, estimate the advantages and train where it is (the batch's tensors cross once), and
 reduces their metric sums. The ranks are an `ActorGroup` (rl/actors/group.py); the weight sync
-(`trainer/sync/`) reaches them through that group and `metas`; the learner knows nothing of
+(`rl/wire/`) reaches them through that group and `metas`; the learner knows nothing of
 rollout workers.
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 import ray
 import torch
 
-from rl.wire import weight_sync
+from rl.wire.format import WeightMeta
 from rl.algo.importance import effective_sample_size
 from rl.actors.group import ActorGroup, HoldsActorGroup
 from rl.actors.faults import Deadlines
@@ -52,7 +52,7 @@ class LearnerGroup(HoldsActorGroup):
         self.group.started()
         master_addr, master_port = self.call([self.workers[0].node_address.remote()], "start-up")[0]
         self.call([w.setup.remote(master_addr, master_port) for w in self.workers], "set-up", self.deadlines.start_s)
-        self.metas: list[weight_sync.WeightMeta] = self.call([self.workers[0].weight_metas.remote()], "set-up")[0]  # (what a sync sends)
+        self.metas: list[WeightMeta] = self.call([self.workers[0].weight_metas.remote()], "set-up")[0]  # (what a sync sends)
 
     def call(self, refs: list, kind: str, deadline: float | None = None, tolerate_errors: bool = False) -> list:
         """One result per rank within the deadline of `kind`; a dead or silent rank is an

@@ -24,7 +24,10 @@ from rl.plan.step_time import LEARNER_EFFICIENCY
 from rl.algo.losses import LossNormalizer
 from rl.algo.objective import policy_objective, value_objective
 from rl.data.types import Outcomes, TrainBatch
-from rl.wire import lora, weight_sync
+from rl.wire import lora
+from rl.wire.base import SendOrder, WeightSender
+from rl.wire.collective import free_port
+from rl.wire.format import WeightMeta
 from trainer.advantages import estimate_on_ranks
 from trainer.learner_setup import LearnerSpec, assigned_gpus, batch_geometry, build_models, join_data_parallel
 from trainer.layouts import Layout, plan_layout
@@ -82,10 +85,11 @@ class LearnerWorker:
                 "gpus": [str(g) for g in ray.get_gpu_ids()], "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def node_address(self) -> tuple[str, int]:
-        """An address on this actor's node with a free port (rank 0 hosts the data-parallel rendezvous)."""
+        """An address on this actor's node with a free port (rank 0 hosts the data-parallel rendezvous,
+        and the collective weight sync's group: rl/wire/collective.py)."""
         import ray
 
-        return ray.util.get_node_ip_address(), weight_sync.free_port()
+        return ray.util.get_node_ip_address(), free_port()
 
     def setup(self, master_addr: str, master_port: int) -> None:
         """Join the data-parallel group and build the engines (all ranks at once: trainer/learner_setup.py)."""
@@ -379,20 +383,28 @@ class LearnerWorker:
                 "total": float(sum(numel)),
                 "total_bytes": float(sum(n * p.element_size() for n, p in zip(numel, params)))}
 
-    def weight_metas(self) -> list[weight_sync.WeightMeta]:
+    def weight_metas(self) -> list[WeightMeta]:
         return self.weights.metas()
 
-    def attach_sender(self, sender) -> None:
-        """Hold the learner side of the weight sync (`trainer/sync/`): it reads the weights
-        through `self.weights` and nothing else of this rank."""
+    # The weight sync's calls on this rank (`rl.wire.base.SenderHost`): its driver side places a
+    # sender of its transport here (rl/wire/collective.py, object_store.py, ipc.py), then joins
+    # and sends through it.
+
+    def attach_sender(self, sender: WeightSender) -> None:
+        """Hold the learner side of the weight sync: it reads the weights through `self.weights`
+        and nothing else of this rank (the sender before is closed)."""
         if self._sender is not None:
             self._sender.close()
         sender.bind(self.weights, self.rank, self.device)
         self._sender = sender
 
-    def sender_call(self, method: str, *args):
-        """A call of the weight sync on its learner side (join, send...)."""
-        return getattr(self._sender, method)(*args)
+    def sync_join(self, link) -> None:
+        """Join the transport (`link`: the collective's group address, the IPC relay, per sender)."""
+        self._sender.join(link)
+
+    def sync_send(self, order: SendOrder):
+        """Send the weights (every rank: ZeRO-3 gathers are collective); what the sender returns."""
+        return self._sender.send(order)
 
     # ---- hybrid placement: handing the GPU to the rollout engine on it (trainer/residency.py) --
 

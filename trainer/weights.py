@@ -2,7 +2,7 @@
 
 The learner's only part in a weight sync is to export tensors; how they travel (a collective,
 Ray's object store, CUDA IPC) and who receives them is the weight sync's business
-(`trainer/sync/`). Under ZeRO-3 a parameter is whole only while gathered, and gathering is
+(`rl/wire/`). Under ZeRO-3 a parameter is whole only while gathered, and gathering is
 collective, so every rank iterates `buckets()` in step (the others get the same buckets and
 ignore them). With LoRA only the adapters travel, under their wire names (`rl/wire/lora.py`).
 
@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 
 import torch
 
-from rl.wire import weight_sync
-from rl.wire.weight_sync import WeightMeta
+from rl.wire import format as wire
+from rl.wire.format import WeightMeta
 
 
 Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -89,9 +89,9 @@ class WeightExport:
         return deepspeed.zero.GatheredParameters([self.named[i][1] for i in indices], modifier_rank=None)
 
     def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """Whole tensors bucket by bucket (`rl.wire.weight_sync.buckets` of `metas()`); every rank
+        """Whole tensors bucket by bucket (`rl.wire.format.buckets` of `metas()`); every rank
         iterates. A parameter that converts to several tensors may span buckets (gathered in each)."""
-        for bucket in weight_sync.buckets(self.metas()):
+        for bucket in wire.buckets(self.metas()):
             sources = sorted({self._wire[j][1] for j in bucket})
             with self._gathered(sources):
                 tensors: dict[str, torch.Tensor] = {}

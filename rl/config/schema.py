@@ -285,7 +285,7 @@ class TrainerConfig:
     # with their positions and a CRC-32 of the whole bucket, checked by the receiver; a bucket whose
     # change exceeds delta_sync_max_fraction of its bytes goes whole, and a refused checksum makes
     # the sync whole. Saves bytes on the wire (bf16 weights change by a few % a step); both ends keep
-    # a host copy of the weights (rl/wire/weight_sync.py)
+    # a host copy of the weights (rl/wire/delta.py)
     delta_sync: bool = False
     delta_sync_max_fraction: float = 0.5
     logprob_warn_threshold: float = 0.05  # warn when learner and rollout log-probs differ more

@@ -536,7 +536,7 @@ def _hybrid_checks(shape: ModelShape, s: Settings, learner: Role, rollout: Role,
     must fit the card. The learner trains beside the engine's CUDA context (asleep, its weights
     and KV cache dropped); the engine takes its share beside the learner's context (offloaded);
     during the sync both hold their weights, plus the CUDA IPC staging buffer."""
-    from rl.wire.weight_sync import IPC_BUFFER_BYTES
+    from rl.wire.ipc import IPC_BUFFER_BYTES
 
     context = RUNTIME_GIB["gpu"] * GIB
     weights = shape.params() * s.dtype_bytes

@@ -1,4 +1,7 @@
-"""The weight sync's contract: one strategy per transport, each owning its moves.
+"""The weight sync's contract, shared by its transports (rl/wire/collective.py, object_store.py,
+ipc.py; `rl.wire.transports.make_weight_sync` picks one). Each transport module holds its three
+sides: the learner's sender (a `WeightSender`, one in every learner rank), the rollout side's
+receiver and the driver's strategy (a `WeightSync`), which owns its moves:
 
     join()          make whatever the transport needs with the current rollout workers; returns
                     the workers that failed meanwhile (gone or silent)
@@ -9,19 +12,76 @@
                     worker is joined again and pushed once more; returns the workers that failed
 
 A strategy reaches each side through a narrow port, an `rl.actors.group.ActorGroup`: its
-`handles`, `gather` (every wait has a deadline), `kill` and `name`. It never replaces a worker and
-sets nothing on the fleet: the driver's `Cluster` (launch/cluster.py) replaces the workers a sync
-reports failed, joins again and syncs again, and tells the fleet when every worker is up to date.
-Each transport's two ends (the learner's sender, the rollout side's receiver) live side by side in
-rl/wire/ (collective.py, object_store.py); CUDA IPC's receiver is vLLM's own (trainer/sync/ipc.py).
+`handles`, `gather` (every wait has a deadline), `kill` and `name`. On the learner's actors it
+calls the methods of `SenderHost` by name (`attach_sender`, `sync_join`, `sync_send`), which
+hand over to the sender placed there. It never replaces a worker and sets nothing on the fleet:
+the driver's `Cluster` (launch/cluster.py) replaces the workers a sync reports failed, joins again
+and syncs again, and tells the fleet when every worker is up to date.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol, TypeVar
+
+import torch
 
 from rl.actors.faults import ActorFailure, Deadlines, FanOut
+from rl.wire.format import WeightMeta
+
+
+class Exported(Protocol):
+    """What a sender reads of its learner rank (`trainer.weights.WeightExport`): the tensors a
+    sync sends, whole, in the order of `metas()`."""
+
+    def metas(self) -> list[WeightMeta]: ...
+    def buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]: ...
+    def state_dict(self) -> dict[str, torch.Tensor] | None: ...
+    def nbytes(self) -> float: ...
+    def resident(self) -> AbstractContextManager: ...
+
+
+@dataclass(frozen=True)
+class SendOrder:
+    """What the driver asks of every learner rank's sender for one push: the policy `version`
+    being sent, how long rank 0 may wait for each bucket to arrive (`wait_s`, None: the
+    transport's own), and `full`: whole weights even where the transport sends deltas."""
+
+    version: int
+    wait_s: float | None = None
+    full: bool = False
+
+
+Link = TypeVar("Link", contravariant=True)
+Sent = TypeVar("Sent", covariant=True)
+
+
+class WeightSender(Protocol[Link, Sent]):
+    """The learner side of a transport, one in every learner rank (placed by the driver through
+    `SenderHost.attach_sender`). `Link`: what `join` takes (the collective's group address, the
+    IPC relay's queues; None where nothing is joined); `Sent`: what `send` returns (the bytes
+    sent, or the object store's state dict)."""
+
+    def bind(self, export: Exported, rank: int, device: Any) -> None:
+        """Read the weights through `export` (this rank's, on `device`) and nothing else."""
+        ...
+
+    def join(self, link: Link) -> None: ...
+    def send(self, order: SendOrder) -> Sent: ...
+    def close(self) -> None: ...
+
+
+class SenderHost(Protocol):
+    """The learner actor's methods a strategy calls (`trainer.learner.LearnerWorker`), each on
+    every rank unless it says: `attach_sender` holds the sender (closing the one before),
+    `sync_join` and `sync_send` call its `join` and `send`; `node_address` (rank 0) is an address
+    with a free port on its node, where the collective's group meets."""
+
+    def attach_sender(self, sender: WeightSender) -> None: ...
+    def sync_join(self, link: Any) -> None: ...
+    def sync_send(self, order: SendOrder) -> Any: ...
+    def node_address(self) -> tuple[str, int]: ...
 
 
 class Port(Protocol):
@@ -58,14 +118,12 @@ class Synced:
 
 
 class WeightSync:
-    """Base of the strategies. `learner`: the learner ranks' port; `metas`: the exported weights'
-    metadata, in the order every sync sends them; `rollout`: the rollout workers' port;
-    `ranks_per_engine`: processes that hold weights per rollout worker (its tensor-parallel size).
-    `sender`: the class of the learner side, one placed in every learner rank at `join`."""
+    """Base of the strategies. `learner`: the learner ranks' port (actors with `SenderHost`'s
+    methods); `metas`: the exported weights' metadata, in the order every sync sends them;
+    `rollout`: the rollout workers' port; `ranks_per_engine`: processes that hold weights per
+    rollout worker (its tensor-parallel size)."""
 
-    sender: type
-
-    def __init__(self, learner: Port, metas: list, rollout: Port, ranks_per_engine: int = 1,
+    def __init__(self, learner: Port, metas: list[WeightMeta], rollout: Port, ranks_per_engine: int = 1,
                  deadlines: Deadlines | None = None):
         self.learner, self.metas, self.rollout = learner, metas, rollout
         self.ranks_per_engine = ranks_per_engine
@@ -74,6 +132,10 @@ class WeightSync:
         self._senders_placed = False
 
     # --- what each strategy provides -------------------------------------------------------
+
+    def make_sender(self) -> WeightSender:
+        """The learner side placed in every learner rank at the first `join`."""
+        raise NotImplementedError
 
     def _join(self) -> dict[int, str]:
         """Make the transport with the current workers (a no-op where there is nothing to make);
@@ -90,10 +152,6 @@ class WeightSync:
     def bytes_per_sync(self) -> float:
         """Bytes one sync sends to each worker: the whole model, or with LoRA the adapters."""
         return float(sum(m.nbytes for m in self.metas))
-
-    def make_sender(self):
-        """The learner side placed in every learner rank at the first `join`."""
-        return self.sender()
 
     def on_learner(self, refs: list, kind: str, tolerate_errors: bool = False) -> list:
         """One result per learner rank within the deadline of `kind`; a dead or silent rank is an

@@ -59,8 +59,10 @@ def _finite(value: Any) -> bool:
 def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = False) -> dict[str, Any]:
     """Run one experiment from a validated, path-resolved config; returns the run summary.
 
-    `restarted`: a new attempt of a run that failed (its run directory is continued). A run that
-    stops early (a signal, a lost actor, failing rewards) still writes summary.json, then raises."""
+    `resume_from`: the checkpoint to resume (`find_resume`'s or `latest`'s), or None for a fresh
+    run; `rl/run/checkpoint.py:loop_start` alone reads it. `restarted`: a new attempt of a run
+    that failed (its run directory is continued). A run that stops early (a signal, a lost actor,
+    failing rewards) still writes summary.json, then raises."""
     import ray
 
     from launch.placement import report_placement
@@ -73,9 +75,9 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
 
     tokenizer, data, eval_data = inputs or load_inputs(cfg)
     config: TrainConfig = OmegaConf.to_object(cfg)  # typed, plain data: what the actors are built from
-    start_step, kl_state = (resume_from[1].next_step, resume_from[1].kl_ctrl) if resume_from else (0, None)
+    start = checkpoint.loop_start(config, resume_from, data.curriculum)  # step, KL, curriculum, in flight
     log = RunLog(cfg.run.dir, cfg.run.steps, title=cfg.algorithm.name.upper(), progress=cfg.run.progress,
-                 start_step=start_step, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+                 start_step=start.step, config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
                  resume=resume_from is not None or restarted, loggers=list(cfg.run.loggers),
                  config=OmegaConf.to_container(cfg, resolve=True),
                  sink_options={"project": cfg.run.project, "mlflow_tracking_uri": cfg.run.mlflow_tracking_uri})
@@ -90,16 +92,12 @@ def train(cfg: DictConfig, inputs=None, resume_from=None, restarted: bool = Fals
             agents = start_agents(config, tokenizer, fleet, cluster)
             report_placement(cfg.run.dir, fleet, learner, rewards, cluster.sandboxes, log.write, cluster.placement,
                              cluster.envs)
-            in_flight = None
             handover = GpuHandover.of(config, cluster, learner)  # who holds the GPUs (rl/run/colocation.py)
-            if resume_from is not None:
-                in_flight, resumed = checkpoint.restore(*resume_from, config, learner, cluster, handover,
-                                                        data.curriculum)
-                log.write(resumed)
+            start.restore_actors(learner, cluster, handover, log.write)  # a resumed run's learner and weights
             handover.to_rollout()
             source = make_source(fleet, cluster, episodes, agents)
-            run_loop(config, pad_id_of(tokenizer), data, source, rewards, learner, cluster, log, handover,
-                     start_step=start_step, kl_state=kl_state, stop=stop, in_flight=in_flight, eval_data=eval_data)
+            run_loop(config, pad_id_of(tokenizer), data, source, rewards, learner, cluster, log, handover, start,
+                     stop=stop, eval_data=eval_data)
             summary = reward_trend(log.rows())  # the rows the run wrote, not whatever else metrics.jsonl holds
             if cfg.run.save_final_model:
                 final = os.path.join(cfg.run.dir, "final_model")

@@ -1,13 +1,15 @@
 """The driver loop, one step top to bottom: sample -> score -> advantages -> train -> sync -> log.
 
 It owns the step counter (the policy version is the number of updates so far, the step index,
-also on resume) and talks to the rollout fleet, reward service and learner only through the small
+also on resume; where a run starts, fresh or from a checkpoint, is `checkpoint.loop_start`'s
+`LoopStart`) and talks to the rollout fleet, reward service and learner only through the small
 protocols below, so the same loop runs colocated on a laptop or spread over a Ray cluster (and
 imports neither Ray nor DeepSpeed). What the config turns on lives in the stages it calls:
 
 - `make_rollouts` (rl/run/collect.py): each step's scored groups, lock-step, made ahead
   (`algorithm.off_policy_steps`) or streamed (`rollout.mode=streaming`), through DAPO's dynamic
-  sampling and the curriculum, from a `Source`: completions, environment or agent episodes;
+  sampling (rl/run/dynamic_sampling.py) and the curriculum, from a `Source`: completions,
+  environment or agent episodes;
 - `score_samples` (rl/run/scoring.py): every kind of sample scored one way;
 - `learner.update` (trainer/group.py): the learner ranks score the batch (old, reference
   log-probs, values), estimate its advantages from the rewards (rl/algo/estimate.py) and train,
@@ -24,12 +26,12 @@ import time
 from functools import partial
 from typing import Protocol
 
-from rl.algo.kl_control import KL_CONTROLLERS, kl_controller_from_dict
-from rl.config.schema import AlgorithmConfig, TrainConfig
+from rl.config.schema import TrainConfig
 from rl.data.batch import build_train_batch
 from rl.data.dataset import PromptDataset
 from rl.data.types import Outcomes, Sample, ScoredSample, TrainBatch
 from rl.run import checkpoint
+from rl.run.checkpoint import LoopStart
 from rl.run.collect import make_rollouts
 from rl.run.colocation import GpuHandover
 from rl.run.evaluate import Evaluation
@@ -43,7 +45,7 @@ from rl.run.step_metrics import StepTimes, logprob_mismatch_warning, step_metric
 
 class PolicySync(Protocol):
     """What brings a new policy version from the learner to every rollout worker, replacing the
-    workers lost on the way: the driver's `Cluster` (launch/cluster.py), over trainer/sync/."""
+    workers lost on the way: the driver's `Cluster` (launch/cluster.py), over rl/wire/."""
 
     bytes_per_sync: float  # the whole weights (a delta sync sends less)
 
@@ -61,37 +63,31 @@ class Learner(Protocol):
     def onload(self) -> None: ...
 
 
-def make_kl_controller(a: AlgorithmConfig):
-    """The controller algorithm.kl_ctrl names, built from the settings its registration declares."""
-    return KL_CONTROLLERS.get(a.kl_ctrl)(**KL_CONTROLLERS.settings(a.kl_ctrl, a))
-
-
 def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, source: Source, rewards: Rewards | None,
-             learner: Learner, policy_sync: PolicySync, log: RunLog, handover: GpuHandover, start_step: int = 0,
-             kl_state: dict | None = None, stop: StopRequest | None = None, in_flight: dict | None = None,
-             eval_data: PromptDataset | None = None) -> list[dict[str, float]]:
-    """Run steps [start_step, run.steps) of the run `cfg` describes; returns each step's metrics.
+             learner: Learner, policy_sync: PolicySync, log: RunLog, handover: GpuHandover, start: LoopStart,
+             stop: StopRequest | None = None, eval_data: PromptDataset | None = None) -> list[dict[str, float]]:
+    """Run steps [start.step, run.steps) of the run `cfg` describes; returns each step's metrics.
 
     `source`: where samples come from (rl/run/rollouts.py); `policy_sync`: what syncs each new
     policy version to the engines (the driver's `Cluster`); `handover`: who holds the GPUs when
     they are shared (rl/run/colocation.py). `rewards`: None when only the episodes reward (an environment's or an
-    agent's); `in_flight`: what a checkpoint recorded of the rollouts made ahead; `eval_data`:
-    `eval.files`. A run ends early at a step boundary, with a checkpoint there, as `StopGuards`
-    says; an actor lost for good ends it with an ActorFailure naming the step."""
-    run = cfg.run
-    kl_ctrl = kl_controller_from_dict(kl_state) if kl_state else make_kl_controller(cfg.algorithm)
+    agent's); `start`: where the run starts (`checkpoint.loop_start`: step 0 or a checkpoint's,
+    the KL controller, the rollouts in flight); `eval_data`: `eval.files`. A run ends early at a
+    step boundary, with a checkpoint there, as `StopGuards` says; an actor lost for good ends it
+    with an ActorFailure naming the step."""
+    run, kl_ctrl = cfg.run, start.kl_ctrl
     score = partial(score_samples, cfg, rewards)
-    rollouts = make_rollouts(cfg, data, source, score, start_step, in_flight)
+    rollouts = make_rollouts(cfg, data, source, score, start.step, start.in_flight)
     evaluation = Evaluation(cfg.eval, eval_data, source.run, score)
     guards = StopGuards(cfg, stop)
     history: list[dict[str, float]] = []
 
     def save(next_step: int, with_in_flight: bool = True) -> None:
-        checkpoint.save_step(log.run_dir, next_step, kl_ctrl.to_dict(), data.curriculum, learner, rollouts,
+        checkpoint.save_step(log.run_dir, next_step, kl_ctrl, data.curriculum, learner, rollouts,
                              handover, run.keep_checkpoints, with_in_flight)
 
     try:
-        for step in range(start_step, run.steps):
+        for step in range(start.step, run.steps):
             evaluated = evaluation.before(step)
             metrics, scored = _step(cfg, pad_id, learner, policy_sync, log, step, kl_ctrl, rollouts, save,
                                     evaluated, handover)
@@ -102,7 +98,7 @@ def run_loop(cfg: TrainConfig, pad_id: int, data: PromptDataset, source: Source,
                 save(step + 1)
             if stopping is not None:
                 raise stopping
-        evaluation.after(log, start_step, run.steps)
+        evaluation.after(log, start.step, run.steps)
     finally:
         rollouts.close()
     return history

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from rl.data.types import GenerationRequest, Sample, ScoredSample
+from rl.run.dynamic_sampling import DynamicSampling
 from rl.run.streaming import StreamingRollouts, staleness_metrics
 
 
@@ -156,9 +157,8 @@ def test_dynamic_sampling_keeps_informative_groups_and_fills_only_past_its_budge
     flat = {1, 3, 4, 5, 6, 7, 8, 9}  # every group from 4 on is uninformative too
     score = lambda samples: [ScoredSample(s, 1.0 if s.group_id in flat or s.group_id >= 10 else float(s.sample_index))  # noqa: E731
                              for s in samples]
-    informative = lambda group: len({s.reward for s in group}) > 1  # noqa: E731
     stream = StreamingRollouts(fleet, _draw(2, 2), score, groups_per_step=2, max_staleness=1, start_step=0,
-                               steps=20, informative=informative, max_rounds=2, poll_s=0.01)
+                               steps=20, sampling=DynamicSampling(2, max_rounds=2), poll_s=0.01)
     try:
         _until(lambda: len(fleet.started_groups()) == 4)
         fleet.finish()  # groups 0, 2 informative; 1, 3 all equal: set aside, 2 places freed
@@ -178,6 +178,7 @@ def test_dynamic_sampling_keeps_informative_groups_and_fills_only_past_its_budge
         _, samples, m = got["out"]
         assert m["dapo/filled_groups"] == 2 and m["dapo/informative_groups"] == 0
         assert m["dapo/looked_groups"] == 4 and len({s.group_id for s in samples}) == 2
+        assert m["dapo/sampling_rounds"] == 2.0  # max_rounds steps' worth looked at
     finally:
         stream.close()
 
@@ -209,12 +210,9 @@ def test_dynamic_sampling_every_step_finishes_and_a_resume_keeps_the_budget(k, r
         return [ScoredSample(s, 1.0 if _uninformative(s.group_id, percent) else float(s.sample_index))
                 for s in samples]
 
-    def informative(group):
-        return len({s.reward for s in group}) > 1
-
     def stream_of(fleet, start, state=None):
         return StreamingRollouts(fleet, _draw(P, n), score, groups_per_step=P, max_staleness=k, start_step=start,
-                                 steps=steps, informative=informative, max_rounds=rounds, state=state,
+                                 steps=steps, sampling=DynamicSampling(P, rounds), state=state,
                                  poll_s=0.01, stall_s=5.0)
 
     def take(stream, step):

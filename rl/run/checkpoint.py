@@ -1,14 +1,17 @@
 """A run's lifecycle in one place: its checkpoints found (`find_resume`: the newest, and the config
-checked against the saved one), restored (`restore`: learner, weights, curriculum, rollouts in
-flight, their mode checked), and saved (`save_step` at a step boundary; `save`, `latest` on disk).
+checked against the saved one), the state the loop starts from (`loop_start`, the only reader of a
+checkpoint: step, KL controller, curriculum, rollouts in flight, for a fresh run too; then
+`LoopStart.restore_actors`: learner state and engine weights), and saved (`save_step` at a step
+boundary; `save`, `latest` on disk).
 
 Run-directory checkpoints are atomic on disk, found again by `latest`, pruned to the newest k.
 
 A checkpoint is `<run>/checkpoints/step_<N>/` holding the learner's own state (written by the
-learner into `learner/`), `loop.json` (the next step to run and the policy version) and, with
-asynchronous rollouts, `in_flight.pkl` (the batches already generated for later steps). It is
-written under a `.tmp` name and renamed only when complete, and `latest` is replaced atomically
-after that, so a crash at any moment leaves the previous checkpoint usable.
+learner into `learner/`), `loop.json` (the next step to run, which is also the policy version,
+and the KL controller's and curriculum's states) and, with asynchronous rollouts,
+`in_flight.pkl` (the batches already generated for later steps). It is written under a `.tmp`
+name and renamed only when complete, and `latest` is replaced atomically after that, so a crash
+at any moment leaves the previous checkpoint usable.
 """
 
 from __future__ import annotations
@@ -23,15 +26,72 @@ from typing import Any, Callable
 
 from omegaconf import OmegaConf
 
-from rl.config.schema import ConfigError
+from rl.algo.kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, kl_controller_from_dict
+from rl.config.schema import AlgorithmConfig, ConfigError, TrainConfig
+from rl.data.curriculum import Curriculum
+
+KLController = FixedKLController | AdaptiveKLController
 
 
 @dataclass(frozen=True)
 class LoopState:
+    """`loop.json`: the next step to run (also the policy version: the updates so far)."""
+
     next_step: int
-    policy_version: int
     kl_ctrl: dict | None = None  # the KL controller's state (its coefficient may adapt)
     curriculum: dict | None = None  # the prompt curriculum's state (rl/data/curriculum.py), if any
+
+    @classmethod
+    def from_json(cls, saved: dict[str, Any]) -> LoopState:
+        """A `loop.json`; one written before the policy version was dropped (it always equalled
+        `next_step`) still loads."""
+        return cls(**{k: v for k, v in saved.items() if k != "policy_version"})
+
+
+@dataclass(frozen=True)
+class LoopStart:
+    """Where `run_loop` starts, a fresh run's (step 0) or a resumed one's: made by `loop_start`
+    alone, so nothing else unpacks a checkpoint."""
+
+    step: int  # the next step to train; also the policy version (updates so far) the engines need
+    kl_ctrl: KLController  # with the coefficient the checkpoint left (fresh: algorithm.kl_ctrl's)
+    in_flight: dict[Any, Any]  # rollouts a checkpoint recorded as made ahead or streamed (fresh: none)
+    checkpoint: str | None = None  # the checkpoint it came from (fresh: None)
+
+    def restore_actors(self, learner: Any, policy_sync: Any, handover: Any, say: Callable[[str], None]) -> None:
+        """A resumed run's actors put back (a fresh run's have nothing to restore): the learner's
+        state, and the engines' weights (they started from model.path) synced to this version."""
+        if self.checkpoint is None:
+            return
+        learner.load_checkpoint(os.path.join(self.checkpoint, "learner"))
+        handover.to_sync()
+        policy_sync.sync(self.step)
+        stream = self.in_flight.get("streaming")
+        ahead = (f" ({len(stream['ready'])} finished group(s) kept, {len(stream['pending'])} request(s) "
+                 "in flight sent again)" if stream else
+                 f" ({len(self.in_flight)} batch(es) generated ahead kept)" if self.in_flight else "")
+        say(f"Resumed from {self.checkpoint}: next step {self.step + 1}{ahead}")
+
+
+def loop_start(cfg: TrainConfig, found: tuple[str, LoopState] | None, curriculum: Curriculum | None) -> LoopStart:
+    """The loop's state to start from: `found` (`find_resume`'s or `latest`'s checkpoint) put
+    back, or a fresh run's (None). The curriculum (`data.curriculum`) gets its saved state, so the
+    resumed run draws the prompts the uninterrupted one would; rollouts in flight resume only in
+    the mode that recorded them."""
+    if found is None:
+        return LoopStart(0, _new_kl_controller(cfg.algorithm), {})
+    path, state = found
+    in_flight = load_in_flight(path)
+    check_in_flight_mode(in_flight, cfg.rollout.mode == "streaming")
+    if curriculum is not None and state.curriculum is not None:
+        curriculum.load(state.curriculum)
+    kl_ctrl = kl_controller_from_dict(state.kl_ctrl) if state.kl_ctrl else _new_kl_controller(cfg.algorithm)
+    return LoopStart(state.next_step, kl_ctrl, in_flight, path)
+
+
+def _new_kl_controller(a: AlgorithmConfig) -> KLController:
+    """The controller algorithm.kl_ctrl names, built from the settings its registration declares."""
+    return KL_CONTROLLERS.get(a.kl_ctrl)(**KL_CONTROLLERS.settings(a.kl_ctrl, a))
 
 
 def checkpoint_root(run_dir: str) -> str:
@@ -77,7 +137,7 @@ def latest(run_dir: str) -> tuple[str, LoopState] | None:
         return None
     path = os.path.join(checkpoint_root(run_dir), open(pointer).read().strip())
     with open(os.path.join(path, "loop.json")) as f:
-        return path, LoopState(**json.load(f))
+        return path, LoopState.from_json(json.load(f))
 
 
 def load_in_flight(path: str) -> dict[int, Any]:
@@ -155,37 +215,18 @@ def check_in_flight_mode(in_flight: dict | None, streaming: bool) -> None:
                          f"rollout.mode={was}")
 
 
-def restore(path: str, state: LoopState, cfg: Any, learner: Any, policy_sync: Any, handover: Any,
-            curriculum: Any = None) -> tuple[dict, str]:
-    """Put a checkpoint back: the curriculum's state (the same prompts as the run that stopped),
-    the learner's, the engines' weights (they started from model.path), and the rollouts it
-    recorded in flight (their mode checked). Returns (in flight, what to tell the user)."""
-    in_flight = load_in_flight(path)
-    check_in_flight_mode(in_flight, cfg.rollout.mode == "streaming")
-    if curriculum is not None and state.curriculum is not None:
-        curriculum.load(state.curriculum)
-    learner.load_checkpoint(os.path.join(path, "learner"))
-    handover.to_sync()
-    policy_sync.sync(state.policy_version)
-    stream = (in_flight or {}).get("streaming")
-    ahead = (f" ({len(stream['ready'])} finished group(s) kept, {len(stream['pending'])} request(s) "
-             "in flight sent again)" if stream else
-             f" ({len(in_flight)} batch(es) generated ahead kept)" if in_flight else "")
-    return in_flight, f"Resumed {cfg.run.dir} from {path}: next step {state.next_step + 1}{ahead}"
-
-
 def due(run: Any, done: int) -> bool:
     """A checkpoint after `done` steps: every `run.save_every` steps and after the last (0: none)."""
     return bool(run.save_every) and (done % run.save_every == 0 or done == run.steps)
 
 
-def save_step(run_dir: str, next_step: int, kl_ctrl: dict, curriculum: Any, learner: Any, rollouts: Any,
-              handover: Any, keep: int, with_in_flight: bool = True) -> str:
+def save_step(run_dir: str, next_step: int, kl_ctrl: KLController, curriculum: Curriculum | None, learner: Any,
+              rollouts: Any, handover: Any, keep: int, with_in_flight: bool = True) -> str:
     """The checkpoint at a step boundary (the policy version is the step): the learner's state
     (resident for it, when the GPU is shared), the KL controller's and the curriculum's, and the
     rollouts in flight (`with_in_flight=False`: the fleet is broken, so batches made ahead are
     made again on resume)."""
-    state = LoopState(next_step, next_step, kl_ctrl, curriculum.to_dict() if curriculum is not None else None)
+    state = LoopState(next_step, kl_ctrl.to_dict(), curriculum.to_dict() if curriculum is not None else None)
     ahead = rollouts.in_flight(whole=with_in_flight)
     with handover.learner_resident() if with_in_flight else nullcontext():
         return save(run_dir, state, learner.save_checkpoint, keep, in_flight=ahead)

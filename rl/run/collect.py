@@ -1,8 +1,8 @@
 """Where each step's scored groups come from: the schedule (`make_rollouts`: lock-step, batches
 made ahead, or a stream) over a `Source` (completions, environment or agent episodes:
 rl/run/rollouts.py), and the sampling stages a batch goes through on the way (`collect`): DAPO's
-dynamic sampling and the prompt curriculum's record. The loop asks for a step's groups and gets
-them, whichever of these the config turned on."""
+dynamic sampling (rl/run/dynamic_sampling.py) and the prompt curriculum's record. The loop asks
+for a step's groups and gets them, whichever of these the config turned on."""
 
 from __future__ import annotations
 
@@ -13,27 +13,26 @@ from typing import Callable
 from rl.config.schema import TrainConfig
 from rl.data.dataset import PromptDataset
 from rl.data.types import GenerationRequest, Sample, ScoredSample
+from rl.run.dynamic_sampling import DynamicSampling
 from rl.run.pipeline import RolloutPipeline
 from rl.run.rollouts import LockStep, Rollouts, Source
-from rl.run.scoring import by_group, informative
+from rl.run.scoring import by_group
 from rl.run.streaming import StreamingRollouts
 
 Score = Callable[[list[Sample]], list[ScoredSample]]
 
 
-def collect(cfg: TrainConfig, data: PromptDataset, source: Source, score: Score,
+def collect(cfg: TrainConfig, data: PromptDataset, source: Source, score: Score, sampling: DynamicSampling | None,
             step: int) -> tuple[list[ScoredSample], list[Sample], dict[str, float]]:
-    """Generate and score one step's groups. With DAPO's dynamic sampling, groups whose rewards
-    are all equal are set aside and more prompts are drawn (up to max_sampling_rounds); the
-    batch is filled up with set-aside groups only if the rounds run out (its size is fixed).
-    With a curriculum, every group's rewards are recorded (flat groups' prompts rest)."""
-    P, n, a = cfg.task.prompts_per_step, cfg.rollout.n, cfg.algorithm
+    """Generate and score one step's groups. With DAPO's dynamic sampling (`sampling`,
+    rl/run/dynamic_sampling.py), rounds of P more prompts are drawn until it chooses the step's
+    groups. With a curriculum, every group's rewards are recorded (flat groups' prompts rest)."""
+    P, n = cfg.task.prompts_per_step, cfg.rollout.n
     kept: list[list[ScoredSample]] = []
-    flat: list[list[ScoredSample]] = []
+    set_aside: list[list[ScoredSample]] = []
     generated: list[Sample] = []
     timing = {"time/rollout_s": 0.0, "time/reward_s": 0.0}
-    rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
-    for rnd in range(rounds):
+    for rnd in range(sampling.max_rounds if sampling else 1):
         t0 = time.perf_counter()
         samples = source.run(data.requests(step, P, n, sampling_round=rnd))
         t1 = time.perf_counter()
@@ -47,25 +46,25 @@ def collect(cfg: TrainConfig, data: PromptDataset, source: Source, score: Score,
                 timing.update(data.curriculum.metrics(P))
             data.curriculum.record({g: [s.reward if s.error is None else None for s in group]
                                     for g, group in groups.items()})
-        if not a.dynamic_sampling:
+        if sampling is None:
             return scored, generated, timing
-        kept += [g for g in groups.values() if informative(g)]
-        flat += [g for g in groups.values() if not informative(g)]
-        if len(kept) >= P:
+        for group in groups.values():
+            (kept if sampling.keeps(group) else set_aside).append(group)
+        chosen = sampling.choose(kept, set_aside, looked=len(kept) + len(set_aside))
+        if chosen is not None:
             break
-    metrics = {**timing, "dapo/sampling_rounds": float(rnd + 1), "dapo/informative_groups": float(len(kept)),
-               "dapo/filled_groups": float(max(0, P - len(kept)))}
-    chosen = (kept + flat)[:P]
+    metrics = {**timing, **sampling.metrics(kept=len(kept), looked=len(kept) + len(set_aside))}
     return [s for g in chosen for s in g], generated, metrics
 
 
 def make_rollouts(cfg: TrainConfig, data: PromptDataset, source: Source, score: Score, start_step: int,
-                  in_flight: dict | None) -> Rollouts:
+                  in_flight: dict) -> Rollouts:
     """What makes each step's groups: the step's batch when it starts (on-policy, lock-step),
     batches generated up to k steps ahead, or a stream (`rollout.mode=streaming`), all from
-    `source`. `in_flight`: what a checkpoint recorded of it (its mode checked on restore:
-    rl/run/checkpoint.py)."""
+    `source`, through DAPO's dynamic sampling when it is on. `start_step`, `in_flight`: where the
+    run starts, and what a checkpoint recorded of its rollouts (rl/run/checkpoint.py:loop_start)."""
     a, P, n = cfg.algorithm, cfg.task.prompts_per_step, cfg.rollout.n
+    sampling = DynamicSampling.of(cfg)
     if cfg.rollout.mode == "streaming":
         def draw(b: int) -> list[GenerationRequest]:  # prompt batch b, group ids unique over the run
             requests = data.requests(b, P, n)
@@ -73,17 +72,15 @@ def make_rollouts(cfg: TrainConfig, data: PromptDataset, source: Source, score: 
                 r.group_id += b * P
             return requests
 
-        rounds = a.max_sampling_rounds if a.dynamic_sampling else 1
         # a sample ends within a request's deadline (or an agent's) or its worker is replaced: a
         # stream with nothing finishing for longer than that, start-up included, is stuck
         stall_s = cfg.run.start_timeout_s + cfg.run.call_timeout_s + (cfg.task.agent_timeout_s if cfg.task.agent else 0)
         return StreamingRollouts(source, draw, score, groups_per_step=P, max_staleness=a.off_policy_steps,
-                                 start_step=start_step, steps=cfg.run.steps,
-                                 informative=informative if a.dynamic_sampling else None, max_rounds=rounds,
-                                 state=(in_flight or {}).get("streaming"), stall_s=stall_s,
+                                 start_step=start_step, steps=cfg.run.steps, sampling=sampling,
+                                 state=in_flight.get("streaming"), stall_s=stall_s,
                                  stall_hint="run.start_timeout_s + run.call_timeout_s"
                                             + (" + task.agent_timeout_s" if cfg.task.agent else ""))
-    produce = partial(collect, cfg, data, source, score)
+    produce = partial(collect, cfg, data, source, score, sampling)
     if a.off_policy_steps:
         return RolloutPipeline(produce, a.off_policy_steps, cfg.run.steps, in_flight, repair=source.repair)
     return LockStep(produce)

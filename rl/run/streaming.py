@@ -4,13 +4,14 @@ the slowest sample of a batch.
 
 A background thread draws prompts as the staleness bound allows (AReaL's rule): while the learner
 is at version v, at most (v + k + 1) x prompts_per_step groups have been started, k =
-`algorithm.off_policy_steps`; a group that dynamic sampling sets aside (all its rewards equal)
-makes room for one more at once (up to `max_sampling_rounds` steps' worth per step), so a step
-never waits on groups that cannot count. Groups are scored as they finish. Weight syncs happen while
-requests are in flight (the engines pause with them kept), so a sample may span several policy
-versions; it is dated by its oldest token, and a group whose oldest token is more than k versions
-behind the learner is never trained on: its prompt is generated again. A checkpoint records the
-groups in flight and those waiting, so a resumed run neither loses nor repeats a prompt.
+`algorithm.off_policy_steps`; a group that dynamic sampling sets aside (all its rewards equal;
+the policy is rl/run/dynamic_sampling.py's, as in the batch modes) makes room for one more at once
+(up to `max_sampling_rounds` steps' worth per step), so a step never waits on groups that cannot
+count. Groups are scored as they finish. Weight syncs happen while requests are in flight (the
+engines pause with them kept), so a sample may span several policy versions; it is dated by its
+oldest token, and a group whose oldest token is more than k versions behind the learner is never
+trained on: its prompt is generated again. A checkpoint records the groups in flight and those
+waiting, so a resumed run neither loses nor repeats a prompt.
 
 Has the same face as `rl.run.pipeline.RolloutPipeline` (`take`, `between_batches`, `in_flight`,
 `close`), so the loop drives either.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
 from rl.data.types import GenerationRequest, Sample, ScoredSample
+from rl.run.dynamic_sampling import DynamicSampling
 
 
 class StreamingFleet(Protocol):
@@ -70,18 +72,18 @@ class StreamStalled(RuntimeError):
 class StreamingRollouts:
     def __init__(self, fleet: StreamingFleet, draw: Callable[[int], list[GenerationRequest]],
                  score: Callable[[list[Sample]], list[ScoredSample]], *, groups_per_step: int, max_staleness: int,
-                 start_step: int, steps: int, informative: Callable[[list[ScoredSample]], bool] | None = None,
-                 max_rounds: int = 1, state: dict[str, Any] | None = None, poll_s: float = 0.1,
+                 start_step: int, steps: int, sampling: DynamicSampling | None = None,
+                 state: dict[str, Any] | None = None, poll_s: float = 0.1,
                  stall_s: float = 1800.0, stall_hint: str = "run.call_timeout_s"):
         """`draw(b)`: the requests of prompt batch b (`groups_per_step` groups, group ids unique
         across batches); `score`: rewards of finished samples; `steps`: the run's (nothing is drawn
-        for a step after the last); `informative`: DAPO's filter, with at most `max_rounds` x
-        `groups_per_step` groups looked at per step before uninformative ones fill the batch;
+        for a step after the last); `sampling`: DAPO's dynamic sampling (what to keep, when and how
+        to fill a step with set-aside groups), or None (every group counts);
         `state`: what `in_flight()` returned at a checkpoint; `stall_s`: how long `take` waits with
         no sample finishing before it stops the run (`StreamStalled`, naming `stall_hint`)."""
         self.fleet, self._draw, self._score = fleet, draw, score
         self.P, self.k, self.steps = groups_per_step, max_staleness, steps
-        self._informative, self._max_rounds, self._poll_s = informative, max_rounds, poll_s
+        self._sampling, self._poll_s = sampling, poll_s
         self._stall_s, self._stall_hint = stall_s, stall_hint
         state = state or {}
         self._cursor: int = state.get("cursor", start_step)  # the next prompt batch to draw
@@ -90,8 +92,7 @@ class StreamingRollouts:
         # short of informative ones, `_spare`) and frees its place in the staleness budget at once
         # (`_credit`), so a step never waits on groups that cannot count; a set-aside group dropped
         # unused (too old, or more than a step could need) frees one more (`_dropped`); `_looked`
-        # counts the groups finished since the last take (a step may fill once it looked at
-        # max_rounds x P of them).
+        # counts the groups finished since the last take (when a step may fill: `sampling.choose`).
         self._credit: int = state.get("credit", 0)
         self._dropped: int = state.get("dropped", 0)
         self._looked: int = state.get("looked", 0)
@@ -117,10 +118,10 @@ class StreamingRollouts:
     def _budget(self) -> int:
         """Groups that may have been started by now: k + 1 steps' worth ahead of the learner (none
         for a step after the run's last), plus one for every group dynamic sampling set aside, up to
-        `max_rounds` steps' worth per step (what lock-step dynamic sampling may look at), plus one for
-        every set-aside group dropped unused."""
+        what the rounds allow (`sampling.refills`), plus one for every set-aside group dropped unused."""
         steps = min(self._version + self.k + 1, self.steps)
-        return steps * self.P + min(self._credit, steps * (self._max_rounds - 1) * self.P) + self._dropped
+        refills = self._sampling.refills(self._credit, steps) if self._sampling is not None else 0
+        return steps * self.P + refills + self._dropped
 
     # --- the background thread: admit, drain, score ---
 
@@ -175,7 +176,7 @@ class StreamingRollouts:
         with self._cond:
             for gid, members in by_group.items():
                 group = ReadyGroup(self._groups[gid], members, oldest_version([m.sample for m in members]),
-                                   self._informative(members) if self._informative else True)
+                                   self._sampling.keeps(members) if self._sampling is not None else True)
                 if group.informative:
                     self._ready.append(group)
                 else:  # set aside: a filler at most, and its place in the budget is free again
@@ -223,10 +224,8 @@ class StreamingRollouts:
         metrics = {"time/rollout_s": window, "time/reward_s": 0.0,
                    "stream/ready_groups_count": float(ready_left), "stream/in_flight_groups_count": float(in_flight),
                    "stream/stale_groups_count": float(stale), **staleness_metrics(samples, step)}
-        if self._informative is not None:
-            metrics["dapo/informative_groups"] = float(sum(g.informative for g in chosen))
-            metrics["dapo/filled_groups"] = float(sum(not g.informative for g in chosen))
-            metrics["dapo/looked_groups"] = float(looked)
+        if self._sampling is not None:
+            metrics.update(self._sampling.metrics(kept=sum(g.informative for g in chosen), looked=looked))
         return scored, samples, metrics
 
     def _drop_stale(self, step: int) -> None:
@@ -253,22 +252,21 @@ class StreamingRollouts:
         return not in_flight and self._cursor * self.P >= self._budget()
 
     def _choose(self) -> list[ReadyGroup] | None:
-        """The groups for a step, or None while too few are ready. Under dynamic sampling, set-aside
-        groups fill the step only once `max_rounds` steps' worth of groups have finished since the
-        last take without enough informative ones (or nothing more can come)."""
+        """The groups for a step, or None while too few are ready: the P oldest informative ones;
+        under dynamic sampling, set-aside ones fill the step as `sampling.choose` says (once
+        `max_rounds` steps' worth of groups finished since the last take, or nothing more can come)."""
         ready = sorted(self._ready, key=lambda g: g.oldest)
-        if len(ready) >= self.P:
-            return ready[: self.P]
         exhausted = self._exhausted()
-        if self._informative is not None and (self._looked >= self._max_rounds * self.P or exhausted) \
-                and len(ready) + len(self._spare) >= self.P:
-            return ready + self._spare[: self.P - len(ready)]
-        if exhausted:
+        if self._sampling is not None:
+            chosen = self._sampling.choose(ready, self._spare, self._looked, exhausted)
+        else:
+            chosen = ready[: self.P] if len(ready) >= self.P else None
+        if chosen is None and exhausted:
             raise RuntimeError(f"streaming rollouts: the learner at version {self._version} needs {self.P} finished "
                                f"groups but only {len(ready)} (+{len(self._spare)} set aside) can come: the staleness "
                                f"budget of {self._budget()} groups (algorithm.off_policy_steps, "
                                "algorithm.max_sampling_rounds) is used up")
-        return None
+        return chosen
 
     def _check_stalled(self, step: int) -> None:
         waited = time.monotonic() - self._progress

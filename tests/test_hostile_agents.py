@@ -323,7 +323,7 @@ E2E_CASES = ["good", "raise_before_call", "call_then_hang", "segfault", "reward_
              "token_id_huge", "wrong_key", "max_tokens_huge"]
 
 
-@pytest.mark.slow
+@pytest.mark.full  # a long hostile case (~4 min in CI); the default lane keeps the hostile table above
 def test_a_run_with_hostile_agents_finishes_its_steps_without_losing_a_worker(tiny_calc, tmp_path, capfd, notes):
     """The real command's run (Ray, vLLM's AsyncLLM behind the agent server, DeepSpeed), lock-step,
     with one hostile agent per prompt: both steps finish, each failed episode is counted and named,

@@ -50,8 +50,10 @@ def _seq_logprob(model, s: Sample) -> float:
     return float(lp[0, len(s.prompt_ids) - 1 :].sum())
 
 
-@pytest.mark.parametrize("stage,world", [pytest.param(2, 1, marks=pytest.mark.full), (3, 2),
-                                         pytest.param(1, 2, marks=pytest.mark.full)])  # default lane: ZeRO-3 x 2
+# All in the full lane (ZeRO-3 x 2 ranks took ~150 s of CI): the default lane's two-rank ZeRO-3
+# run is tests/test_e2e.py's, whose steps go through the same update
+@pytest.mark.full
+@pytest.mark.parametrize("stage,world", [(2, 1), (3, 2), (1, 2)])
 def test_update_follows_the_advantages(ray_local, tiny_dir, tmp_path, stage, world):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -179,7 +179,7 @@ def _rollout_weights(worker) -> dict[str, torch.Tensor]:
 def _learner_weights(group) -> dict[str, torch.Tensor]:
     import ray
 
-    return ray.get(group.workers[0].__ray_call__.remote(lambda self: self.weights.state_dict()))
+    return ray.get(group.workers[0].__ray_call__.remote(lambda self: self.export.state_dict()))
 
 
 def _delta_syncs(sync, learner, fleet, version: int):
@@ -189,7 +189,7 @@ def _delta_syncs(sync, learner, fleet, version: int):
 
     meta = learner.metas[0]
     one = 4 + torch.empty((), dtype=meta.torch_dtype).element_size()  # an int32 position and a value
-    ray.get(learner.workers[0].__ray_call__.remote(lambda self: self.weights.named[0][1].data.view(-1)[0].add_(1.0)))
+    ray.get(learner.workers[0].__ray_call__.remote(lambda self: self.export.named[0][1].data.view(-1)[0].add_(1.0)))
     want = _learner_weights(learner)
     assert sync.sync(version + 1) == one and sync.weight_sync.delta_fallbacks == 0
     ray.get(fleet.workers[0].__ray_call__.remote(lambda self: self._receiver.delta.kept[-1].view(-1)[-1].add_(1.0)))
@@ -220,7 +220,7 @@ def test_collective_and_object_store_sync_a_real_learner_into_a_real_fleet_acros
     try:
         # the learner's weights differ from model.path's: the engines start from the latter
         ray.get(learner.workers[0].__ray_call__.remote(
-            lambda self: [p.data.add_(0.01) for _, p in self.weights.named]))
+            lambda self: [p.data.add_(0.01) for _, p in self.export.named]))
         want = _learner_weights(learner)
         version = 0
         for method in ("collective", "delta", "object_store"):

@@ -106,7 +106,7 @@ class LearnerWorker:
         t = spec.trainer
         self.residency = Residency([self.engine, self.critic], [self.ref, self.teacher],
                                    not t.ref_offload and t.zero_stage != 3, self.device)
-        self.weights = WeightExport(named, rank, t.zero_stage, self.residency.resident,
+        self.export = WeightExport(named, rank, t.zero_stage, self.residency.resident,
                                     convert=None if self.lora else checkpoint_layout(self.engine.module))
         self._sender = None  # the weight sync's learner side (`attach_sender`)
         self._scored_sums: dict[str, float] = {}
@@ -384,18 +384,18 @@ class LearnerWorker:
                 "total_bytes": float(sum(n * p.element_size() for n, p in zip(numel, params)))}
 
     def weight_metas(self) -> list[WeightMeta]:
-        return self.weights.metas()
+        return self.export.metas()
 
     # The weight sync's calls on this rank (`rl.wire.base.SenderHost`): its driver side places a
     # sender of its transport here (rl/wire/collective.py, object_store.py, ipc.py), then joins
     # and sends through it.
 
     def attach_sender(self, sender: WeightSender) -> None:
-        """Hold the learner side of the weight sync: it reads the weights through `self.weights`
+        """Hold the learner side of the weight sync: it reads the weights through `self.export`
         and nothing else of this rank (the sender before is closed)."""
         if self._sender is not None:
             self._sender.close()
-        sender.bind(self.weights, self.rank, self.device)
+        sender.bind(self.export, self.rank, self.device)
         self._sender = sender
 
     def sync_join(self, link) -> None:
@@ -426,5 +426,5 @@ class LearnerWorker:
 
     def save_pretrained(self, path: str, adapter_path: str | None = None) -> None:
         with self.residency.resident():
-            checkpoints.save_pretrained(path, adapter_path, self.engine, self.weights, self.rank,
+            checkpoints.save_pretrained(path, adapter_path, self.engine, self.export, self.rank,
                                         self.spec.trainer.zero_stage, self.spec.model.lora if self.lora else None)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import random
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from examples.calculator_tool import evaluate  # the tool, light to import (agents import it alone)
 from examples.tiny import (ProbeStop, Recipe, TaskBuild, at_two_temperatures, build_tokenizer, episode_logprobs, main,
                            warm_up_episodes)
 from rl.data.env import Environment, StepResult, as_step_result
@@ -46,29 +46,6 @@ MAX_POSITIONS = 256  # the model's context: a whole episode is ~90 tokens
 
 
 # ---- the tool and the environment ------------------------------------------------------------
-
-_EXPRESSION = re.compile(r"\d+(?:[+\-*]\d+)*")
-MAX_EXPRESSION_CHARS = 64  # no huge products: at most a few hundred digits
-
-
-def evaluate(expression: str) -> int:
-    """The value of an integer expression of digits and + - * (the usual precedence; spaces
-    ignored), without eval(): anything else (parentheses, unary minus, letters, /, **) is a
-    ValueError."""
-    expr = expression.replace(" ", "") if isinstance(expression, str) else None
-    if not expr or len(expr) > MAX_EXPRESSION_CHARS or not _EXPRESSION.fullmatch(expr):
-        raise ValueError(f"not an expression of digits and + - *: {expression!r}")
-    total, sign = 0, 1
-    for term in re.split(r"([+\-])", expr):  # "2*3-4" -> ["2*3", "-", "4"]
-        if term in "+-":
-            sign = 1 if term == "+" else -1
-            continue
-        product = 1
-        for factor in term.split("*"):
-            product *= int(factor)
-        total += sign * product
-    return total
-
 
 # The environment's error observations, fixed texts the tokenizer knows (details go to `info`).
 ERROR_BAD_CALL = "error: bad tool call"

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 from openai import OpenAI
 
-from examples.calculator import evaluate
+from examples.calculator_tool import evaluate
 
 # One connection pool for every episode: an OpenAI client otherwise builds its own (~20 ms of CPU
 # each, for an SSL context), once per episode here.

@@ -16,7 +16,7 @@ from agents import (Agent, MaxTurnsExceeded, Runner, function_tool, set_default_
                     set_default_openai_client, set_tracing_disabled)
 from openai import AsyncOpenAI
 
-from examples.calculator import evaluate
+from examples.calculator_tool import evaluate
 
 
 @function_tool

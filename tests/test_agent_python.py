@@ -68,6 +68,21 @@ def test_an_agent_runs_in_the_interpreter_named(other_env) -> None:
 
 
 @pytest.mark.slow
+def test_an_interpreter_reached_through_a_symlink_still_imports_its_packages(other_env, tmp_path) -> None:
+    """A virtualenv linked from elsewhere (here, under /tmp, which each sandbox has fresh): its
+    sys.path names the link, which is not there inside; the zygote follows links first."""
+    python, agents = other_env
+    linked = tmp_path / "linked"
+    linked.symlink_to(Path(python).parent.parent, target_is_directory=True)
+    pool = AgentPool("elsewhere:solve", agents, 1, AgentLimits(20.0), python=str(linked / "bin" / "python"))
+    try:
+        outcome = _run(pool, {"prompt": "p"})
+    finally:
+        pool.close()
+    assert outcome.error is None and outcome.value == 7.0  # its package imported; its prefix is the link's
+
+
+@pytest.mark.slow
 def test_bad_interpreters_and_agents_are_refused_naming_the_field(other_env, tmp_path, make_config) -> None:
     from launch.components import load_agent
     from rl.config.schema import ConfigError

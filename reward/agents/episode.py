@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import faulthandler
+import gc
 import inspect
 import json
 import math
@@ -103,6 +104,9 @@ def _zygote_main(ctrl_fd: int, cfg: dict, up_w: int, down_r: int) -> None:
     try:
         names = [(name, ip) for name, ip, _, _, _ in cfg["endpoints"] if name != ip]
         visible = visible_paths(cfg)
+        # the sandbox shows folders at their real paths: a path through a symlink (a virtualenv
+        # linked from elsewhere, a checkout under /tmp) would lead nowhere once inside
+        sys.path[:] = [os.path.realpath(p) if p else p for p in sys.path]
         cfg["keep"] = [p for p in visible if p.startswith(("/tmp/", "/dev/shm/")) and p not in cfg["visible"]]  # code
         root = jail.enter_root(visible, cfg["hidden"], cfg["limits"]["tmp_mb"] << 20, names)
         os.write(up_w, b"R " + root.encode() + b"\n")
@@ -124,7 +128,7 @@ def _zygote_main(ctrl_fd: int, cfg: dict, up_w: int, down_r: int) -> None:
     # imported, since libraries fix their cache folders at import (verifiers: ~/.cache)
     os.environ.update(HOME="/tmp", TMPDIR="/tmp", XDG_CACHE_HOME="/tmp/.cache", XDG_CONFIG_HOME="/tmp/.config",
                       XDG_DATA_HOME="/tmp/.local/share")
-    sys.path.insert(0, os.path.abspath(cfg["base_dir"] or "."))
+    sys.path.insert(0, os.path.realpath(cfg["base_dir"] or "."))
     try:
         fn = load_agent_function(cfg["spec"], cfg["base_dir"], cfg["kwargs"], field=field)
     except RewardLoadError as exc:
@@ -134,6 +138,7 @@ def _zygote_main(ctrl_fd: int, cfg: dict, up_w: int, down_r: int) -> None:
         ctrl.send(b"E" + f"{field}: importing it raised {type(exc).__name__}: {exc}".encode())
         return
     _become_subreaper()
+    gc.freeze()  # the loaded heap: a worker's collections then never write to (and copy) its pages
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)

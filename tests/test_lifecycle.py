@@ -170,11 +170,12 @@ def test_loop_start_gives_back_the_state_a_checkpoint_saved(tmp_path):
 
 def test_a_fresh_run_starts_from_the_same_place_at_step_0(tmp_path):
     cfg = _config(tmp_path)
-    curriculum = Curriculum(rows=10, rest_epochs=2)
+    # a restart after a failure with no checkpoint yet: the curriculum the failed attempt advanced starts over
+    curriculum = Curriculum(rows=10, rest_epochs=2, cursor=7, resting={3: 27}, drawn={1: 4})
     start = checkpoint.loop_start(cfg, None, curriculum)
     assert (start.step, start.in_flight, start.checkpoint) == (0, {}, None)
     assert isinstance(start.kl_ctrl, AdaptiveKLController) and start.kl_ctrl.value == 0.1  # algorithm.kl_coef
-    assert (curriculum.cursor, curriculum.resting) == (0, {})
+    assert (curriculum.cursor, curriculum.resting, curriculum.drawn) == (0, {}, {})
     cfg.algorithm.kl_ctrl = "fixed"
     assert isinstance(checkpoint.loop_start(cfg, None, None).kl_ctrl, FixedKLController)
     actors = _Actors()

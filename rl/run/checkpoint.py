@@ -79,14 +79,19 @@ def loop_start(cfg: TrainConfig, found: tuple[str, LoopState] | None, curriculum
     resumed run draws the prompts the uninterrupted one would; rollouts in flight resume only in
     the mode that recorded them."""
     if found is None:
+        if curriculum is not None:  # a restart from step 1 after a failure: the stream from its start too
+            curriculum.load(_FRESH_CURRICULUM)
         return LoopStart(0, _new_kl_controller(cfg.algorithm), {})
     path, state = found
     in_flight = load_in_flight(path)
     check_in_flight_mode(in_flight, cfg.rollout.mode == "streaming")
-    if curriculum is not None and state.curriculum is not None:
-        curriculum.load(state.curriculum)
+    if curriculum is not None:
+        curriculum.load(state.curriculum if state.curriculum is not None else _FRESH_CURRICULUM)
     kl_ctrl = kl_controller_from_dict(state.kl_ctrl) if state.kl_ctrl else _new_kl_controller(cfg.algorithm)
     return LoopStart(state.next_step, kl_ctrl, in_flight, path)
+
+
+_FRESH_CURRICULUM = {"cursor": 0, "resting": {}, "drawn": {}}
 
 
 def _new_kl_controller(a: AlgorithmConfig) -> KLController:

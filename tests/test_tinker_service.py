@@ -346,6 +346,30 @@ def test_a_prompt_over_the_context_is_refused_naming_its_length_and_the_context(
                         "sampling_params": {"max_tokens": 2}, "record_stability_info": True})
 
 
+def test_the_http_app_serves_its_routes_in_process(submit_only_service):
+    """The FastAPI app over a service, called in process (no Ray, no fleet): the app is built, the
+    key is checked, and the calls that need no model answer. (A renamed service attribute once
+    broke every start of `launch.serve` and only the full lane's SDK tests saw it.)"""
+    from fastapi.testclient import TestClient
+
+    from launch.tinker.app import make_app
+
+    service = submit_only_service
+    service.serve.api_key = "tml-k"
+    client = TestClient(make_app(service))
+    assert client.get("/api/v1/healthz").json() == {"status": "ok"}
+    assert client.post("/api/v1/create_session", json={}).status_code == 401  # no key
+    assert client.post("/api/v1/create_session", json={}, headers={"x-api-key": "tml-other"}).status_code == 401
+    key = {"x-api-key": "tml-k"}
+    models = client.get("/api/v1/get_server_capabilities", headers=key).json()["supported_models"]
+    assert models[0]["model_name"] == service.model_name and models[0]["max_context_length"] == service.max_len
+    session = client.post("/api/v1/create_session", json={}, headers=key).json()
+    assert session["type"] == "create_session" and session["session_id"]
+    runs = client.get("/api/v1/training_runs", headers=key).json()
+    assert runs["training_runs"] == [] and runs["cursor"]["total_count"] == 0
+    assert client.get("/api/v1/training_runs/nope", headers=key).status_code == 404
+
+
 # ---- the config, before Ray ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("override,field", [

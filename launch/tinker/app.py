@@ -37,7 +37,7 @@ def _detail(status: int, message: str) -> JSONResponse:
 
 
 def make_app(service: TinkerService) -> FastAPI:
-    s, registry = service.s, service.registry
+    s, registry = service.serve, service.registry
     app = FastAPI(title="rlpost Tinker service", docs_url=None, redoc_url=None, openapi_url=None)
     limit = s.max_request_mib * 2**20
 

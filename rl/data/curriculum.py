@@ -65,6 +65,10 @@ class Curriculum:
         return {"curriculum/skipped_frac": self.last_skipped / max(self.last_skipped + drawn, 1),
                 "curriculum/resting_rows": float(sum(p > self.cursor for p in self.resting.values()))}
 
+    def reset(self) -> None:
+        """Back to the start of the stream with nothing resting (a run started over from step 1)."""
+        self.cursor, self.resting, self.drawn, self.last_skipped = 0, {}, {}, 0
+
     def to_dict(self) -> dict:
         return {"cursor": self.cursor, "resting": {str(k): v for k, v in self.resting.items()},
                 "drawn": {str(k): v for k, v in self.drawn.items()}}

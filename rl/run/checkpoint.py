@@ -80,18 +80,17 @@ def loop_start(cfg: TrainConfig, found: tuple[str, LoopState] | None, curriculum
     the mode that recorded them."""
     if found is None:
         if curriculum is not None:  # a restart from step 1 after a failure: the stream from its start too
-            curriculum.load(_FRESH_CURRICULUM)
+            curriculum.reset()
         return LoopStart(0, _new_kl_controller(cfg.algorithm), {})
     path, state = found
     in_flight = load_in_flight(path)
     check_in_flight_mode(in_flight, cfg.rollout.mode == "streaming")
-    if curriculum is not None:
-        curriculum.load(state.curriculum if state.curriculum is not None else _FRESH_CURRICULUM)
+    if curriculum is not None and state.curriculum is not None:
+        curriculum.load(state.curriculum)
+    elif curriculum is not None:  # a checkpoint of a run without one
+        curriculum.reset()
     kl_ctrl = kl_controller_from_dict(state.kl_ctrl) if state.kl_ctrl else _new_kl_controller(cfg.algorithm)
     return LoopStart(state.next_step, kl_ctrl, in_flight, path)
-
-
-_FRESH_CURRICULUM = {"cursor": 0, "resting": {}, "drawn": {}}
 
 
 def _new_kl_controller(a: AlgorithmConfig) -> KLController:

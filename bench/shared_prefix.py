@@ -162,7 +162,10 @@ def run(dtype: str, workload: str, batch: TrainBatch, path: str, steps: int, war
     for side, t in times.items():
         computed = metrics[side]["_computed_tokens"] / metrics[side]["_trained_tokens"]  # raw sums of one rank
         out[side] = {"step_s": statistics.median(t), "step_s_all": [round(x, 3) for x in t],
-                     "tokens_per_s": tokens / statistics.median(t), "computed_per_trained_token": computed}
+                     "tokens_per_s": tokens / statistics.median(t), "computed_per_trained_token": computed,
+                     # the layouts' planning (trainer/layouts.py PlanAhead) and the part the compute did not hide
+                     "plan_s": metrics[side]["_max/time/plan_s"],
+                     "plan_wait_s": metrics[side]["_max/time/plan_wait_s"]}
     out["speedup"] = out["shared"]["tokens_per_s"] / out["padding_free"]["tokens_per_s"]
     del worker
     return out
@@ -193,7 +196,9 @@ def main(argv: list[str] | None = None) -> None:
                   f"padding-free {r['padding_free']['tokens_per_s']:7.1f} tok/s "
                   f"(computed/trained {r['padding_free']['computed_per_trained_token']:.2f}), "
                   f"shared {r['shared']['tokens_per_s']:7.1f} tok/s "
-                  f"(computed/trained {r['shared']['computed_per_trained_token']:.2f}): {r['speedup']:.2f}x; "
+                  f"(computed/trained {r['shared']['computed_per_trained_token']:.2f}; planning "
+                  f"{1e3 * r['shared']['plan_s']:.0f} ms, {1e3 * r['shared']['plan_wait_s']:.0f} ms waited): "
+                  f"{r['speedup']:.2f}x; "
                   f"log-prob |diff| max {r['logprob_abs_diff']['max']:.2e} mean {r['logprob_abs_diff']['mean']:.2e}",
                   flush=True)
     write_result(args.out, {"machine": learner_machine_info(threads, peaks), "results": results,

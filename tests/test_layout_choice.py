@@ -4,10 +4,12 @@ samples save less compute than their plan costs, and the rows stay packed."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from trainer.layouts import PlanCost, plan_layout
+from trainer.layouts import PlanAhead, PlanCost, plan_layout
 from trainer.prefix_tree import layout_cost
 
 # one layer, 4 heads of 16, a wide MLP (1024): the linear layers dominate, so the FLOPs alone favour
@@ -97,3 +99,51 @@ def test_the_plan_estimate_follows_the_builds_this_process_timed():
     fresh = PlanCost(**PRIORS)
     plan_layout(ids, am, pack=True, group_ids=groups, share="on", config=CONFIG, plan_cost=fresh)
     assert fresh.observed == 1 and fresh.scale > 0
+
+
+def test_a_plan_hidden_behind_the_compute_before_it_no_longer_counts_against_the_tree():
+    """With the plan (0.63 ms) planned while the micro-batch before computes, only what that
+    compute does not hide is counted: at 2e11 FLOP/s the tree saves 0.363 ms, so 0.2 ms of
+    compute beside it (0.434 ms exposed) keeps the rows packed and 0.3 ms (0.334 ms) shares."""
+    ids, am, groups = _short_prefix_batch()
+
+    def layout(hidden_s: float) -> str:
+        return plan_layout(ids, am, pack=True, group_ids=groups, share="auto", config=CONFIG, flops_per_s=2e11,
+                           plan_cost=PlanCost(**PRIORS), hidden_s=hidden_s).name
+
+    assert [layout(h) for h in (0.0, 2e-4, 3e-4, 1.0)] == ["packed", "packed", "shared", "shared"]
+
+
+def test_plan_ahead_plans_the_next_micro_batch_while_the_caller_computes_with_this_one():
+    """Four plans of 0.15 s each, each consumed by 0.15 s of 'compute': planned one ahead, the
+    caller waits only for the first (not 0.6 s), each later plan is told the compute it hides,
+    and the results come in order."""
+    hidden: list[float] = []
+
+    def plan(item: int, hidden_s: float) -> int:
+        hidden.append(hidden_s)
+        time.sleep(0.15)
+        return item * 10
+
+    ahead = PlanAhead([1, 2, 3, 4], plan, compute_s=lambda result: result / 1000)
+    seen = []
+    for result in ahead:
+        seen.append(result)
+        time.sleep(0.15)
+    assert seen == [10, 20, 30, 40]
+    assert hidden == [0.0, 0.01, 0.02, 0.03]
+    assert ahead.planned_s >= 0.6 - 1e-3
+    assert 0.14 <= ahead.waited_s < 0.35
+
+
+def test_plan_ahead_raises_a_failed_plan_in_the_caller():
+    def plan(item: int, hidden_s: float) -> int:
+        if item == 2:
+            raise ValueError("bad rows")
+        return item
+
+    seen = []
+    with pytest.raises(ValueError, match="bad rows"):
+        for result in PlanAhead([1, 2, 3], plan):
+            seen.append(result)
+    assert seen == [1]

@@ -136,5 +136,7 @@ def test_the_learner_counts_what_its_kernels_computed(ray_local, tiny_dir):
     assert m["perf/model_tflop"] == pytest.approx(train_flops(config, [8] * 4) / 1e12, rel=1e-9)
     assert m["perf/computed_per_trained_token"] == pytest.approx(22 / 32)
     assert m["perf/peak_tflops"] == 1.0
+    # the layouts were planned ahead (trainer/layouts.py PlanAhead): the wait for them is reported
+    assert 0.0 <= m["time/plan_wait_s"] <= m["time/plan_s"] < 5.0
     u = utilisation(m, learner_s=1.0, ranks=1)
     assert u["perf/hw_util_frac"] == pytest.approx(m["perf/kernel_tflop"])

@@ -7,9 +7,10 @@ one `Layout`, so the three give the same values in every layout.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Mapping
+from typing import Any, Callable, Generic, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -105,15 +106,15 @@ def padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Layout:
 def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: bool = False,
                 group_ids: torch.Tensor | None = None, share: str = "off",
                 config: Mapping[str, Any] | None = None, flops_per_s: float | None = None,
-                passes: float = 3.0, plan_cost: PlanCost | None = None) -> Layout:
+                passes: float = 3.0, plan_cost: PlanCost | None = None, hidden_s: float = 0.0) -> Layout:
     """The layout of one micro-batch. `pack`: rows packed end to end where that saves a row.
     `share` ("auto", "on", "off", `trainer.shared_prefix`) with the rows' `group_ids`: each
     group's rows as a prefix tree (bins sized by `layout_cost` of the model's `config`). "auto"
     keeps the trees only where they share something and (given the config) cost less than the
     other layout, decided before a mask is made: by net time when the learner gives its compute
     rate `flops_per_s` (the layers' FLOPs saved over `passes` forward passes at that rate must
-    exceed the CPU time of planning the trees, `plan_cost`, trie and masks, which nothing overlaps),
-    else by the layers' FLOPs alone. Rows longer than a sliding window, rows that are not
+    exceed the CPU time of planning the trees, `plan_cost`, trie and masks, less the `hidden_s`
+    seconds of compute the planning runs beside: `PlanAhead`), else by the layers' FLOPs alone. Rows longer than a sliding window, rows that are not
     right-padded and trees longer than `MAX_TREE_SLOTS` are never shared (a tree's mask is a
     full-attention one, dense over its bin)."""
     base = padded(input_ids, attention_mask)
@@ -137,15 +138,18 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: boo
     def seconds(flops: float) -> float:
         return flops * passes / flops_per_s
 
+    def exposed(plan_s: float) -> float:  # the planning the compute beside it does not hide
+        return max(plan_s - hidden_s, 0.0)
+
     base_cost = cost(*base.input_ids.shape) if cost is not None else 0.0
-    if by_time and clock.seconds(rows, 0, 0, 0) >= seconds(base_cost):
+    if by_time and exposed(clock.seconds(rows, 0, 0, 0)) >= seconds(base_cost):
         return base  # planning the rows alone takes longer than computing all of them: no trie
 
     def cheaper(bins: int, length: int, nodes: int) -> bool:  # auto: something shared, at less cost
         if nodes >= base.tokens:
             return False
         if by_time:  # net time: the compute saved against planning the trees
-            return seconds(base_cost - cost(bins, length)) > clock.seconds(rows, nodes, bins, length)
+            return seconds(base_cost - cost(bins, length)) > exposed(clock.seconds(rows, nodes, bins, length))
         return cost is None or cost(bins, length) < base_cost
 
     started = time.perf_counter()
@@ -155,3 +159,43 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: boo
     clock.observe(rows, forest.nodes, *forest.input_ids.shape, time.perf_counter() - started)
     return Layout("shared", forest.input_ids, forest.node, position_ids=forest.position_ids, visible=forest.visible,
                   tokens=forest.tokens, slots=forest.input_ids.numel())
+
+
+Item = TypeVar("Item")
+Planned = TypeVar("Planned")
+
+
+class PlanAhead(Generic[Item, Planned]):
+    """The planned layouts of a run of micro-batches, in order, each planned on a worker thread
+    while the caller computes with the one before: `plan(item, hidden_s)` gets the seconds of
+    compute it runs beside (`compute_s` of the previous result; 0 for the first), so `auto`
+    counts only the planning left on the critical path. On a GPU the trie's Python and the masks'
+    copies run while the device computes; on a CPU the thread shares the cores with the compute.
+    `waited_s` is what the caller waited for plans (the planning not hidden), `planned_s` their
+    whole time."""
+
+    def __init__(self, items: Sequence[Item], plan: Callable[[Item, float], Planned],
+                 compute_s: Callable[[Planned], float] | None = None):
+        self.items, self.plan, self.compute_s = list(items), plan, compute_s
+        self.waited_s = self.planned_s = 0.0
+
+    def _timed(self, item: Item, hidden_s: float) -> Planned:
+        started = time.perf_counter()
+        try:
+            return self.plan(item, hidden_s)
+        finally:
+            self.planned_s += time.perf_counter() - started
+
+    def __iter__(self) -> Iterator[Planned]:
+        if not self.items:
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="layout-plan") as pool:
+            pending = pool.submit(self._timed, self.items[0], 0.0)
+            for k in range(len(self.items)):
+                started = time.perf_counter()
+                result = pending.result()
+                self.waited_s += time.perf_counter() - started
+                if k + 1 < len(self.items):
+                    hidden = self.compute_s(result) if self.compute_s is not None else 0.0
+                    pending = pool.submit(self._timed, self.items[k + 1], hidden)
+                yield result

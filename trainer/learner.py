@@ -13,6 +13,7 @@ import math
 import os
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +31,7 @@ from rl.wire.collective import free_port
 from rl.wire.format import WeightMeta
 from trainer.advantages import estimate_on_ranks
 from trainer.learner_setup import LearnerSpec, assigned_gpus, batch_geometry, build_models, join_data_parallel
-from trainer.layouts import Layout, plan_layout
+from trainer.layouts import Layout, PlanAhead, plan_layout
 from trainer.logprobs import token_logprobs
 from trainer import checkpoints
 from trainer.residency import Residency
@@ -60,12 +61,24 @@ def _config_of(model, fallback: dict) -> dict:
     return config.to_dict() if hasattr(config, "to_dict") else fallback
 
 
-def _accumulate(engine, plan: list[torch.Tensor], backward) -> None:
-    """One optimizer step over the micro-batches of `plan` (`backward(rows)` each). The
+@dataclass
+class MicroBatch:
+    """One micro-batch on this rank: its `rows` of the shard, their tensors on the device and
+    how they enter the model (`layout`, planned ahead: `PlanAhead`)."""
+
+    rows: torch.Tensor
+    data: TrainBatch
+    ids: torch.Tensor
+    am: torch.Tensor
+    layout: Layout
+
+
+def _accumulate(engine, planned: PlanAhead, backward) -> None:
+    """One optimizer step over the `planned` micro-batches (`backward(micro)` each). The
     accumulation boundary is set by hand, as the number of micro-batches may vary by step."""
-    for i, rows in enumerate(plan):
-        engine.set_gradient_accumulation_boundary(i == len(plan) - 1)
-        backward(rows)
+    for i, micro in enumerate(planned):
+        engine.set_gradient_accumulation_boundary(i == len(planned.items) - 1)
+        backward(micro)
     engine.step()
 
 
@@ -174,14 +187,15 @@ class LearnerWorker:
 
         self.engine.eval()
         kernel = 0.0  # FLOPs the scoring forwards compute (hardware utilisation, rl/plan/flops.py)
+        plan_s = plan_wait = 0.0  # seconds planning layouts, and waiting for those the compute did not hide
         if recompute or ref is not None or values is not None or teacher is not None:
             self._peak()
             forwards = int(recompute) + int(ref is not None) + int(values is not None) + int(teacher is not None)
-            for rows in self._micro_batches(batch, self._order(batch), forward_only=True):
-                mb = batch.select(rows)
-                ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
+            planned = self._plan_ahead(batch, self._micro_batches(batch, self._order(batch), forward_only=True),
+                                       passes=forwards)
+            for micro in planned:
+                rows, mb, ids, am, layout = micro.rows, micro.data, micro.ids, micro.am, micro.layout
                 where = self._to_device(mb.loss_mask) > 0  # only the trained tokens' log-probs are used
-                layout = self._layout(mb, ids, am, passes=forwards)
                 shape, heads = layout.input_ids.shape, int(mb.loss_mask.gt(0).sum())
                 policy_forward = (layers_forward_flops(self._model_config, *shape)
                                   + head_forward_flops(self._model_config, heads))
@@ -203,6 +217,7 @@ class LearnerWorker:
                 if teacher is not None:
                     put(teacher, rows, token_logprobs(self.teacher, ids, am, self.spec.temperature, positions=where,
                                                       layout=layout)[0])
+            plan_s, plan_wait = planned.planned_s, planned.waited_s
         self.engine.train()
         batch.old_logprobs = old if recompute else None
         batch.ref_logprobs, batch.values, batch.teacher_logprobs = ref, values, teacher
@@ -210,6 +225,7 @@ class LearnerWorker:
         self._scored_sums = {"actor/entropy_nats": float((entropy * mask).sum())} if recompute else {}
         if kernel:
             self._scored_sums["_kernel_flops"] = kernel
+        self._scored_sums.update({"_max/time/plan_s": plan_s, "_max/time/plan_wait_s": plan_wait})
         if batch.values is not None:
             self._scored_sums["critic/values_mean"] = float((batch.values * mask).sum())
         return batch
@@ -221,15 +237,37 @@ class LearnerWorker:
             return group_order(batch.group_ids, generator)
         return torch.randperm(len(batch), generator=generator) if generator is not None else torch.arange(len(batch))
 
-    def _layout(self, mb: TrainBatch, ids: torch.Tensor, am: torch.Tensor, passes: float = 3.0) -> Layout:
+    def _compute_rate(self) -> float | None:
+        """The FLOP/s this rank expects to compute at: the measured peak at the planner's learner
+        efficiency (None before the peak is measured)."""
+        if not self.peak_tflops:
+            return None
+        return self.peak_tflops * 1e12 * LEARNER_EFFICIENCY.get(str(self._dtype).removeprefix("torch."), 0.25)
+
+    def _layout(self, mb: TrainBatch, ids: torch.Tensor, am: torch.Tensor, passes: float = 3.0,
+                hidden_s: float = 0.0) -> Layout:
         """How this micro-batch's rows enter the models (trainer/layouts.py): packed end to end
         and, with `trainer.shared_prefix`, each group's rows as one prefix tree; `auto` decides by
-        net time over the `passes` forwards the layout serves, planning included, at this rank's
-        expected compute rate (the measured peak at the planner's learner efficiency)."""
-        rate = self.peak_tflops * 1e12 * LEARNER_EFFICIENCY.get(str(self._dtype).removeprefix("torch."), 0.25) \
-            if self.peak_tflops else None
+        net time over the `passes` forwards the layout serves at this rank's compute rate, the
+        planning not hidden behind `hidden_s` seconds of compute included."""
         return plan_layout(ids, am, pack=self.pack, group_ids=mb.group_ids, share=self.share,
-                           config=self._model_config, flops_per_s=rate, passes=passes)
+                           config=self._model_config, flops_per_s=self._compute_rate(), passes=passes,
+                           hidden_s=hidden_s)
+
+    def _plan_ahead(self, batch: TrainBatch, micro_batches: list[torch.Tensor], passes: float) -> PlanAhead:
+        """The micro-batches of `batch` (rows each), their layouts planned one ahead on a worker
+        thread while the one before computes, credited with that micro-batch's expected compute."""
+        rate = self._compute_rate()
+
+        def plan(rows: torch.Tensor, hidden_s: float) -> MicroBatch:
+            mb = batch.select(rows)
+            ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
+            return MicroBatch(rows, mb, ids, am, self._layout(mb, ids, am, passes=passes, hidden_s=hidden_s))
+
+        def compute_s(micro: MicroBatch) -> float:
+            return layers_forward_flops(self._model_config, *micro.layout.input_ids.shape) * passes / rate
+
+        return PlanAhead(micro_batches, plan, compute_s if rate and self._model_config else None)
 
     def _ref_logprobs(self, ids: torch.Tensor, am: torch.Tensor, where: torch.Tensor, layout: Layout) -> torch.Tensor:
         """The reference policy's log-probs: its own engine, or (LoRA) the policy with adapters off."""
@@ -297,14 +335,20 @@ class LearnerWorker:
                 norm = self._global_normalizer(mask[mb_rows])
                 plan = self._micro_batches(batch, mb_rows)
                 if self.critic is not None:
-                    _accumulate(self.critic, plan, lambda rows: self._critic_backward(batch.select(rows), norm, sums))
+                    planned = self._plan_ahead(batch, plan, train_passes(self._checkpointing))
+                    _accumulate(self.critic, planned, lambda micro: self._critic_backward(micro, norm, sums))
+                    sums["_max/time/plan_s"] += planned.planned_s
+                    sums["_max/time/plan_wait_s"] += planned.waited_s
                     sums["_updates/critic"] += 1
                     # counted like the actor's below: a critic that never updates stops the run too
                     sums["_skipped/critic"] += float(_skipped(self.critic))
                 if not train_policy:
                     continue
-                _accumulate(self.engine, plan,
-                            lambda rows: self._backward(batch.select(rows), norm, kl_coef, sums, first_pass=epoch == 0))
+                planned = self._plan_ahead(batch, plan, train_passes(self._checkpointing, frozen=bool(self.lora)))
+                _accumulate(self.engine, planned,
+                            lambda micro: self._backward(micro, norm, kl_coef, sums, first_pass=epoch == 0))
+                sums["_max/time/plan_s"] += planned.planned_s
+                sums["_max/time/plan_wait_s"] += planned.waited_s
                 grad_norm = self.engine.get_global_grad_norm()
                 finite = grad_norm is None or math.isfinite(float(grad_norm))
                 sums["_updates"] += 1
@@ -313,18 +357,17 @@ class LearnerWorker:
                 sums["_skipped"] += float(_skipped(self.engine))
         return dict(sums)
 
-    def _backward(self, mb: TrainBatch, norm: LossNormalizer, kl_coef: float, sums: dict[str, float],
+    def _backward(self, micro: MicroBatch, norm: LossNormalizer, kl_coef: float, sums: dict[str, float],
                   first_pass: bool = True) -> None:
         """One micro-batch's policy loss, backward. Without a scored old policy (one update per
         step) the forward's own detached log-probs are the old policy's. The policy-gradient term
         is reweighted by the behaviour-policy correction (`algorithm.importance_correction`);
         `first_pass` counts the per-token metrics once per step, not once per epoch."""
         spec, a = self.spec, self.spec.algorithm
-        ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
+        mb, ids, am, layout = micro.data, micro.ids, micro.am, micro.layout
         mask, adv, behaviour = (self._to_device(t) for t in (mb.loss_mask, mb.advantages, mb.rollout_logprobs))
         fused = mb.old_logprobs is None
         routers: list[torch.Tensor] | None = [] if a.router_aux_loss_coef > 0 else None
-        layout = self._layout(mb, ids, am, passes=train_passes(self._checkpointing, frozen=bool(self.lora)))
         logp, entropy = token_logprobs(self.engine, ids, am, spec.temperature,
                                        with_entropy=a.entropy_coef > 0 or (fused and first_pass),
                                        entropy_grad=a.entropy_coef > 0, positions=mask > 0, router_aux=routers,
@@ -359,10 +402,9 @@ class LearnerWorker:
         sums["actor/clip_frac"] += out.clipped_sum
         sums["_loss_tokens"] += float(mask.sum())
 
-    def _critic_backward(self, mb: TrainBatch, norm: LossNormalizer, sums: dict[str, float]) -> None:
-        ids, am = self._to_device(mb.input_ids), self._to_device(mb.attention_mask)
+    def _critic_backward(self, micro: MicroBatch, norm: LossNormalizer, sums: dict[str, float]) -> None:
+        mb, layout = micro.data, micro.layout
         mask, old, returns = (self._to_device(t) for t in (mb.loss_mask, mb.values, mb.returns))
-        layout = self._layout(mb, ids, am, passes=train_passes(self._checkpointing))
         values = self._values(self.critic, layout)
         sums["_kernel_flops"] += layers_forward_flops(self._critic_config, *layout.input_ids.shape) * \
             train_passes(self._checkpointing)

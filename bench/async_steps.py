@@ -28,7 +28,7 @@ import statistics
 
 from bench import models
 from bench.machine import add_device_arg, machine_info, resolve_device, write_result
-from bench.vs_trl import SHAPES, Case, run_ours
+from bench.vs_trl import CHAT_SHAPES, SHAPES, Case, run_ours, train_file_for
 
 TARGET = 0.75
 STREAM_TARGET = 1.3
@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts, samples, new_tokens, _ = SHAPES[args.shape]
     case = Case(args.shape, args.dtype, prompts, samples, new_tokens, TARGET)
-    model, data = models.build(args.shape), models.write_data()
+    # a chat shape (smollm2, ...): the real model on bench.vs_trl's chat prompts; else a built model on sums
+    model = models.build(CHAT_SHAPES.get(args.shape, args.shape))
+    data = train_file_for(args.shape) if args.shape in CHAT_SHAPES else models.write_data()
     results = {}
     for mode in args.modes.split(","):
         run_args = argparse.Namespace(steps=args.steps, warmup=args.warmup, verbose=args.verbose,

@@ -147,3 +147,36 @@ def test_plan_ahead_raises_a_failed_plan_in_the_caller():
         for result in PlanAhead([1, 2, 3], plan):
             seen.append(result)
     assert seen == [1]
+
+
+def test_plan_ahead_off_plans_each_item_in_the_callers_thread_when_asked():
+    """`ahead=False` (a learner computing on the host's cores): no worker thread, each plan made
+    when its item is asked for, all of it waited for, nothing credited as hidden."""
+    import threading
+
+    made: list[tuple[int, float, str]] = []
+
+    def plan(item: int, hidden_s: float) -> int:
+        made.append((item, hidden_s, threading.current_thread().name))
+        time.sleep(0.05)
+        return item
+
+    ahead = PlanAhead([1, 2, 3], plan, compute_s=lambda result: 1.0, ahead=False)
+    for result in ahead:
+        assert made[-1][0] == result  # not planned before it was asked for
+    assert made == [(i, 0.0, threading.current_thread().name) for i in (1, 2, 3)]
+    assert ahead.waited_s == ahead.planned_s >= 0.15 - 1e-3
+
+
+def test_the_learner_plans_ahead_only_where_a_device_computes():
+    """A rank on a GPU plans its layouts ahead, credited with the compute they hide; a rank on
+    the host's CPU plans them in turn (nothing credited)."""
+    from trainer.learner import LearnerWorker
+
+    worker = LearnerWorker.__new__(LearnerWorker)  # only what `_plan_ahead` reads
+    worker.peak_tflops, worker._dtype, worker._model_config = 100.0, torch.bfloat16, CONFIG
+    rows = [torch.tensor([0, 1]), torch.tensor([2, 3])]
+    for device, ahead in (("cuda", True), ("cpu", False)):
+        worker.device = torch.device(device)
+        planned = worker._plan_ahead(None, rows, passes=3.0)
+        assert planned.ahead is ahead and (planned.compute_s is not None) is ahead and planned.items == rows

@@ -169,14 +169,16 @@ class PlanAhead(Generic[Item, Planned]):
     """The planned layouts of a run of micro-batches, in order, each planned on a worker thread
     while the caller computes with the one before: `plan(item, hidden_s)` gets the seconds of
     compute it runs beside (`compute_s` of the previous result; 0 for the first), so `auto`
-    counts only the planning left on the critical path. On a GPU the trie's Python and the masks'
-    copies run while the device computes; on a CPU the thread shares the cores with the compute.
-    `waited_s` is what the caller waited for plans (the planning not hidden), `planned_s` their
-    whole time."""
+    counts only the planning left on the critical path. That pays where the compute runs on a
+    device (a GPU computes while the host plans); where the compute itself runs on the host's
+    cores, `ahead=False` plans each item in the caller's thread when it is asked for (a second
+    thread of torch ops there slowed the SmolLM2 shared-prefix step by 14% on 2 cores: its
+    OpenMP team competes with the compute's). `waited_s` is what the caller waited for plans
+    (the planning not hidden), `planned_s` their whole time."""
 
     def __init__(self, items: Sequence[Item], plan: Callable[[Item, float], Planned],
-                 compute_s: Callable[[Planned], float] | None = None):
-        self.items, self.plan, self.compute_s = list(items), plan, compute_s
+                 compute_s: Callable[[Planned], float] | None = None, ahead: bool = True):
+        self.items, self.plan, self.compute_s, self.ahead = list(items), plan, compute_s, ahead
         self.waited_s = self.planned_s = 0.0
 
     def _timed(self, item: Item, hidden_s: float) -> Planned:
@@ -188,6 +190,12 @@ class PlanAhead(Generic[Item, Planned]):
 
     def __iter__(self) -> Iterator[Planned]:
         if not self.items:
+            return
+        if not self.ahead:
+            for item in self.items:
+                result = self._timed(item, 0.0)
+                self.waited_s = self.planned_s
+                yield result
             return
         with ThreadPoolExecutor(1, thread_name_prefix="layout-plan") as pool:
             pending = pool.submit(self._timed, self.items[0], 0.0)

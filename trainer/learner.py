@@ -256,8 +256,10 @@ class LearnerWorker:
 
     def _plan_ahead(self, batch: TrainBatch, micro_batches: list[torch.Tensor], passes: float) -> PlanAhead:
         """The micro-batches of `batch` (rows each), their layouts planned one ahead on a worker
-        thread while the one before computes, credited with that micro-batch's expected compute."""
+        thread while the one before computes on the GPU, credited with that micro-batch's expected
+        compute; on CPU planned in turn (the compute holds every core)."""
         rate = self._compute_rate()
+        ahead = self.device.type == "cuda"
 
         def plan(rows: torch.Tensor, hidden_s: float) -> MicroBatch:
             mb = batch.select(rows)
@@ -267,7 +269,7 @@ class LearnerWorker:
         def compute_s(micro: MicroBatch) -> float:
             return layers_forward_flops(self._model_config, *micro.layout.input_ids.shape) * passes / rate
 
-        return PlanAhead(micro_batches, plan, compute_s if rate and self._model_config else None)
+        return PlanAhead(micro_batches, plan, compute_s if rate and self._model_config and ahead else None, ahead=ahead)
 
     def _ref_logprobs(self, ids: torch.Tensor, am: torch.Tensor, where: torch.Tensor, layout: Layout) -> torch.Tensor:
         """The reference policy's log-probs: its own engine, or (LoRA) the policy with adapters off."""

@@ -10,7 +10,7 @@ Accounting (bytes; P = parameters, P_t = trained ones, w = 4 for float32 / 2 for
 learner ranks, the data-parallel world; `_trainable_parts` has DeepSpeed's details):
 - weights P*w per rank, /N under ZeRO-3; gradients P_t*w (ZeRO-2/3: one reduce bucket at most) plus
   an fp32 partition P_t*4/N (ZeRO-1/2/3); an fp32 master copy P_t*4/N (ZeRO-1/2/3, or bfloat16);
-  AdamW's fp32 moments P_t*8/N and its step temporary P_t*4/N; `trainer.offload_optimizer` moves
+  AdamW's fp32 moments P_t*8/N (its fused step allocates nothing more); `trainer.offload_optimizer` moves
   the fp32 state to host memory (on a CPU box that is the same RAM);
 - activations of one micro-batch (rows x max_model_len tokens) kept for backward
   (`ModelShape.activation_elements`), or with gradient checkpointing each layer's input plus one
@@ -355,8 +355,10 @@ def _trainable_parts(s: Settings, weights: float, trainable: int, train_bytes: i
       bfloat16 ZeRO-0 (DeepSpeed's BF16_Optimizer);
     - fp32 master copy (P_t*4/N): every ZeRO-1/2/3 optimizer keeps one, float32 runs too; bfloat16
       ZeRO-0 as well;
-    - AdamW's two fp32 moments (P_t*8/N), and the step's temporary sqrt(v) (P_t*4/N: torch's
-      foreach AdamW); not divided by N under float32 ZeRO-0 (the client optimizer as it is)."""
+    - AdamW's two fp32 moments (P_t*8/N); not divided by N under float32 ZeRO-0 (the client
+      optimizer as it is). The step itself allocates nothing: trainer/engine.py builds torch's
+      fused AdamW, which updates in place (the foreach one would hold a P_t*4/N temporary
+      sqrt(v); measured: 0 MiB of peak growth fused, 381 MiB foreach, for 100M fp32 values)."""
     n, stage, bf16 = s.learners, s.zero_stage, s.dtype == "bfloat16"
     sharded = n if (stage >= 1 or bf16) else 1
     device = {f"{label} weights": weights / (n if stage == 3 else 1),
@@ -369,7 +371,6 @@ def _trainable_parts(s: Settings, weights: float, trainable: int, train_bytes: i
     if stage >= 1 or bf16:
         state[f"{label} fp32 master copy"] = trainable * 4 / sharded
     state[f"{label} AdamW m, v (fp32)"] = trainable * 8 / sharded
-    state[f"{label} AdamW step temporary"] = trainable * 4 / sharded
     if s.offload_optimizer:
         return device, {f"{k}, offloaded": v for k, v in state.items()}
     return {**device, **state}, {}

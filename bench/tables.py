@@ -28,9 +28,16 @@ def _load(name: str) -> dict:
 
 
 def _host(machine: dict) -> str:
+    """The machine a result came from and the commit it measured."""
     load = machine.get("load_avg_at_start")
     said = f"{machine.get('cores', '?')}-core {machine.get('cpu', '?')}"
-    return said + (f", load {load[0]:.1f} at start" if load else "")
+    return said + (f", load {load[0]:.1f} at start" if load else "") + \
+        f", commit `{str(machine.get('git_commit', '?'))[:7]}`"
+
+
+def _table(caption: str, header: list[str]) -> list[str]:
+    """A caption line, then a Markdown table's head."""
+    return [caption, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
 
 def _split(split: dict, keys: dict[str, str]) -> str:
@@ -54,16 +61,15 @@ def vs_trl(files: tuple[str, ...] = ("vs_trl_smollm2_shapes.json", "vs_trl_smoll
                          f"| **{case['ratio_samples_per_s']:.2f}x** "
                          f"| >= {GOAL}x {'PASS' if case['ratio_samples_per_s'] >= GOAL else 'FAIL'} "
                          f"| {ours['median_step_s']:.2f}: {o} | {trl['median_step_s']:.2f}: {t} "
-                         f"| `{name}` ({_host(data['machine'])}, commit `{str(data['machine'].get('git_commit', '?'))[:7]}`) |")
+                         f"| `{name}` ({_host(data['machine'])}) |")
     return "\n".join(lines)
 
 
 def bounds(name: str = "bounds.json") -> str:
     """Each phase of a step against its bound (bench.bounds)."""
     data = _load(name)
-    lines = [f"SmolLM2-135M-Instruct, {data['dtype']}, {_host(data['machine'])}, commit "
-             f"`{str(data['machine'].get('git_commit', '?'))[:7]}`.", "",
-             "| phase | ours | its bound | ours / bound | target | measured |", "|---|---|---|---|---|---|"]
+    lines = _table(f"SmolLM2-135M-Instruct, {data['dtype']}, {_host(data['machine'])}.",
+                   ["phase", "ours", "its bound", "ours / bound", "target", "measured"])
     for phase, r in data["phases"].items():
         if "error" in r:
             lines.append(f"| {phase} | failed: {r['error'][-120:].strip()} | | | | {r.get('measured', '')} |")
@@ -77,10 +83,9 @@ def bounds(name: str = "bounds.json") -> str:
 def memory(name: str = "memory.json") -> str:
     """Each role's measured peak RSS against the planner's prediction (bench.memory)."""
     data = _load(name)
-    lines = [f"Workload `{data['workload']}` ({' '.join(data['overrides'])}), {_host(data['machine'])}, commit "
-             f"`{str(data['machine'].get('git_commit', '?'))[:7]}`.", "",
-             "| role | processes | measured peak RSS (GiB) | planner (GiB) | planner / measured | within +-30% |",
-             "|---|---|---|---|---|---|"]
+    lines = _table(f"Workload `{data['workload']}` ({' '.join(data['overrides'])}), {_host(data['machine'])}.",
+                   ["role", "processes", "measured peak RSS (GiB)", "planner (GiB)", "planner / measured",
+                    "within +-30%"])
     for r in data["roles"]:
         ratio = r["ratio"]
         ok = "yes" if ratio is not None and 0.7 <= ratio <= 1.3 else "no"

@@ -101,8 +101,14 @@ def test_rollout_worker_killed_then_stopped_is_replaced_and_the_run_completes(ba
     weights and generates the unfinished requests; all steps complete (a reward worker killed
     near the end does not stop the run either)."""
     run_dir = str(tmp_path / "run")
+    # a reward that takes 0.3 s per step: on a fast host a step takes 0.1 s, and the run ended
+    # before the SIGSTOP sent on "step 4/6" (read every 0.2 s) could land
+    slow_reward = tmp_path / "slow_reward.py"
+    slow_reward.write_text(SLOW_EXACT_ANSWER)
     run = Run([*base_args, f"run.dir={run_dir}", "run.steps=6", "run.call_timeout_s=10",
-               "run.call_timeout_factor=3"], str(tmp_path / "out.txt"))
+               "run.call_timeout_factor=3",
+               f'reward.functions=[{{fn: "{slow_reward}:exact_answer"}}, {{fn: "reward.builtin:format_number", weight: 0.1}}]'],
+              str(tmp_path / "out.txt"))
     try:
         run.wait_for(r"step 2/6")
         first = pid_of(run_dir, "rollout")

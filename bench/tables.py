@@ -44,7 +44,8 @@ def _split(split: dict, keys: dict[str, str]) -> str:
     return ", ".join(f"{label} {split[k]:.2f}" for k, label in keys.items() if k in split)
 
 
-def vs_trl(files: tuple[str, ...] = ("vs_trl_smollm2_shapes.json", "vs_trl_smollm2_fp32_mb16.json")) -> str:
+def vs_trl(files: tuple[str, ...] = ("vs_trl_smollm2_shapes.json", "vs_trl_smollm2_fp32_mb16.json",
+                                      "vs_trl_smollm2_8x4.json")) -> str:
     """Ours against TRL per case: samples/s both sides, the ratio, each side's step split."""
     lines = ["| case | ours samples/s | TRL samples/s | ratio | goal | ours per step (s) | TRL per step (s) | file |",
              "|---|---|---|---|---|---|---|---|"]

@@ -3,8 +3,8 @@
 The run is `python -m launch.train` with the workload's overrides (default: the real-model recipe,
 `model=smollm2 task=math_chat`); while it runs, every process of its tree is sampled every 0.2 s
 and its peak RSS read from the kernel (`VmHWM` in /proc/PID/status: the high-water mark, so no
-peak is missed between samples). Processes are told apart by what Ray names them
-(`ray::LearnerWorker`, `ray::RolloutWorker`, ...); the driver is the command itself. The
+peak is missed between samples). Processes are told apart by the run's own record of its actors
+(`<run>/actors.json`: role and pid of each); the driver is the command itself. The
 prediction is `launch.plan`'s for the same command (`rl/plan/memory_plan.py`: a role's bytes per
 process, device and host, the page cache it keeps counted, times its processes), against the
 role's processes together: a rollout worker with the engine-core process vLLM starts under it,
@@ -16,11 +16,12 @@ and "driver, Ray, rewards" as the driver, Ray's own processes and the reward wor
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 import tempfile
 import threading
-import time
+from pathlib import Path
 
 import psutil
 
@@ -31,9 +32,8 @@ WORKLOADS = {
                "run.save_final_model=false"],
     "default": ["run.steps=4", "run.save_every=0", "run.save_final_model=false"],
 }
-ROLE_OF = {"ray::LearnerWorker": "learner", "ray::RolloutWorker": "rollout"}
-OTHER = "driver, Ray, rewards"  # every other process of the run
-IDLE = "ray::IDLE"
+ACTOR_ROLES = ("learner", "rollout")  # as the run's actors.json names them; every other process is OTHER
+OTHER = "driver, Ray, rewards"
 GIB = 2**30
 
 
@@ -49,35 +49,28 @@ def peak_rss(pid: int) -> int:
     return 0
 
 
-def role_of(proc: psutil.Process, driver: int) -> tuple[str, str]:
-    """(role, what the process is) for one process of the run's tree or of Ray's."""
-    if proc.pid == driver:
-        return OTHER, "driver"
+def actor_pids(run_dir: Path) -> dict[int, str]:
+    """pid -> "learner 0", "rollout 0", ... from the `actors.json` the run writes once its actors
+    are placed (launch/placement.py); empty before then."""
     try:
-        name = proc.cmdline()[0] if proc.cmdline() else proc.name()
-    except (psutil.Error, IndexError):
-        return OTHER, "?"
-    for prefix, role in ROLE_OF.items():
-        if name.startswith(prefix):
-            return role, prefix
-    try:  # a process an actor started (vLLM's engine core under a rollout worker) is that actor's role's
-        for parent in proc.parents():
-            pname = parent.cmdline()[0] if parent.cmdline() else parent.name()
-            for prefix, role in ROLE_OF.items():
-                if pname.startswith(prefix):
-                    return role, f"{name.split()[0].rsplit('/', 1)[-1][:40]} (under {prefix})"
-    except (psutil.Error, IndexError):
-        pass
-    if name.startswith(IDLE):
-        return OTHER, IDLE
-    return OTHER, name.split()[0].rsplit("/", 1)[-1][:40]
+        rows = json.loads((run_dir / "actors.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {row["pid"]: f"{row['role']} {row['index']}" for row in rows if row["role"] in ACTOR_ROLES}
 
 
 class Sampler:
-    """Every process of the run (its tree, and Ray's, which daemonises out of it), its peak RSS."""
+    """Every process of the run (its tree, and Ray's, which daemonises out of it): its peak RSS
+    and its ancestors, so that its role is settled from the run's actors once they are known: an
+    actor's as the run names it, a process under an actor (vLLM's engine core under a rollout
+    worker, a compiler DeepSpeed starts while a learner sets up, before actors.json exists) its
+    actor's, any other OTHER."""
 
-    def __init__(self, driver: int):
-        self.driver, self.peaks, self.what = driver, {}, {}
+    def __init__(self, driver: int, run_dir: Path):
+        self.driver, self.run_dir = driver, run_dir
+        self.peaks: dict[int, int] = {}
+        self.seen: dict[int, tuple[str, list[int]]] = {}  # pid -> (name, ancestor pids)
+        self.actors: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -93,14 +86,17 @@ class Sampler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
+            self.actors = actor_pids(self.run_dir) or self.actors
             for p in self._processes():
                 rss = peak_rss(p.pid)
-                if rss:
-                    self.peaks[p.pid] = max(self.peaks.get(p.pid, 0), rss)
-                    # Ray starts a worker as a plain python process (then `ray::IDLE`) and names it
-                    # for its actor only once it holds one: look again until it has an actor's role
-                    if self.what.get(p.pid, (OTHER, ""))[0] == OTHER and p.pid != self.driver or p.pid not in self.what:
-                        self.what[p.pid] = role_of(p, self.driver)
+                if not rss:
+                    continue
+                self.peaks[p.pid] = max(self.peaks.get(p.pid, 0), rss)
+                if p.pid not in self.seen:
+                    try:
+                        self.seen[p.pid] = (p.name(), [a.pid for a in p.parents()])
+                    except psutil.Error:
+                        self.seen[p.pid] = ("?", [])
             self._stop.wait(0.2)
 
     def __enter__(self) -> Sampler:
@@ -111,10 +107,20 @@ class Sampler:
         self._stop.set()
         self._thread.join()
 
+    def _what(self, pid: int) -> tuple[str, str]:
+        """(role, what the process is)."""
+        if pid in self.actors:
+            return self.actors[pid].split()[0], self.actors[pid]
+        name, ancestors = self.seen[pid]
+        for up in ancestors:
+            if up in self.actors:
+                return self.actors[up].split()[0], f"{name} (under {self.actors[up]})"
+        return OTHER, "driver" if pid == self.driver else name
+
     def by_role(self) -> dict[str, dict]:
         out: dict[str, dict] = {}
         for pid, peak in self.peaks.items():
-            role, what = self.what[pid]
+            role, what = self._what(pid)
             r = out.setdefault(role, {"processes": {}, "largest_gib": 0.0, "total_gib": 0.0})
             r["processes"][f"{what} ({pid})"] = round(peak / GIB, 3)
             r["largest_gib"] = max(r["largest_gib"], peak / GIB)
@@ -148,7 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         plan = predicted(overrides, run_dir)
         proc = subprocess.Popen([sys.executable, "-m", "launch.train", *overrides, f"run.dir={run_dir}"],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        with Sampler(proc.pid) as sampler:
+        with Sampler(proc.pid, Path(run_dir)) as sampler:
             out, _ = proc.communicate(timeout=3600)
         if proc.returncode != 0:
             raise SystemExit(f"launch.train failed:\n{out[-3000:]}")

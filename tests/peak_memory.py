@@ -7,6 +7,8 @@ import json
 import threading
 from pathlib import Path
 
+from bench.memory import peak_rss
+
 
 class PeakSampler:
     """The peak resident memory (VmHWM) of each actor of a run, read from /proc while it runs
@@ -23,13 +25,11 @@ class PeakSampler:
             except (OSError, ValueError):
                 rows = []
             for row in rows:
-                try:
-                    with open(f"/proc/{row['pid']}/status") as f:
-                        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
-                except (OSError, StopIteration):
+                peak = peak_rss(row["pid"])
+                if not peak:  # gone
                     continue
                 key = (row["role"], row["index"])
-                self.peaks[key] = max(self.peaks.get(key, 0), kib * 1024)
+                self.peaks[key] = max(self.peaks.get(key, 0), peak)
             self._stop.wait(0.25)
 
     def __enter__(self) -> PeakSampler:

@@ -82,6 +82,12 @@ def _accumulate(engine, planned: PlanAhead, backward) -> None:
     engine.step()
 
 
+def _count_planning(sums: dict[str, float], planned: PlanAhead) -> None:
+    """Add a pass's layout planning, and the part of it the step waited for, to the step's sums."""
+    sums["_max/time/plan_s"] += planned.planned_s
+    sums["_max/time/plan_wait_s"] += planned.waited_s
+
+
 class LearnerWorker:
     def __init__(self, spec: LearnerSpec, rank: int, world_size: int):
         self.spec, self.rank, self.world_size = spec, rank, world_size
@@ -339,8 +345,7 @@ class LearnerWorker:
                 if self.critic is not None:
                     planned = self._plan_ahead(batch, plan, train_passes(self._checkpointing))
                     _accumulate(self.critic, planned, lambda micro: self._critic_backward(micro, norm, sums))
-                    sums["_max/time/plan_s"] += planned.planned_s
-                    sums["_max/time/plan_wait_s"] += planned.waited_s
+                    _count_planning(sums, planned)
                     sums["_updates/critic"] += 1
                     # counted like the actor's below: a critic that never updates stops the run too
                     sums["_skipped/critic"] += float(_skipped(self.critic))
@@ -349,8 +354,7 @@ class LearnerWorker:
                 planned = self._plan_ahead(batch, plan, train_passes(self._checkpointing, frozen=bool(self.lora)))
                 _accumulate(self.engine, planned,
                             lambda micro: self._backward(micro, norm, kl_coef, sums, first_pass=epoch == 0))
-                sums["_max/time/plan_s"] += planned.planned_s
-                sums["_max/time/plan_wait_s"] += planned.waited_s
+                _count_planning(sums, planned)
                 grad_norm = self.engine.get_global_grad_norm()
                 finite = grad_norm is None or math.isfinite(float(grad_norm))
                 sums["_updates"] += 1

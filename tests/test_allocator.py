@@ -1,0 +1,57 @@
+"""The malloc settings CPU actors start with (launch/allocator.py): named in their environment, and
+in effect in a process started with them (a freed large block is reused without page faults)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from launch.allocator import KEEP_FREED_MEMORY, malloc_env
+from launch.console import actor_env, rollout_env
+
+# A process allocates 256 MiB, writes it, frees it, allocates and writes it again, and reports the
+# minor page faults of the second round: under glibc's default the block was unmapped at `free`,
+# so each of its 65,536 pages faults again; with freed memory kept, none (or a handful) do.
+_REUSE = r"""
+import ctypes, json, resource
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+size = 256 << 20
+p = libc.malloc(size); ctypes.memset(p, 1, size); libc.free(ctypes.c_void_p(p))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+p = libc.malloc(size); ctypes.memset(p, 2, size)
+print(json.dumps({"faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before}))
+"""
+
+
+def _second_round_faults(extra_env: dict[str, str]) -> int:
+    env = {k: v for k, v in os.environ.items() if k not in KEEP_FREED_MEMORY}
+    out = subprocess.run([sys.executable, "-c", _REUSE], env={**env, **extra_env}, capture_output=True,
+                         text=True, timeout=60, check=True)
+    return json.loads(out.stdout)["faults"]
+
+
+def test_cpu_actors_start_with_freed_memory_kept_and_gpu_actors_do_not(monkeypatch):
+    for key in KEEP_FREED_MEMORY:
+        monkeypatch.delenv(key, raising=False)
+    assert malloc_env(False) == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+    assert malloc_env(True) == {}
+    for make in (actor_env, rollout_env):
+        assert make(2, False)["MALLOC_MMAP_MAX_"] == "0"
+        assert "MALLOC_MMAP_MAX_" not in make(2, True)
+
+
+def test_a_value_the_user_set_wins(monkeypatch):
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "65536")
+    assert actor_env(1, False)["MALLOC_MMAP_MAX_"] == "65536"
+    assert actor_env(1, False)["MALLOC_TRIM_THRESHOLD_"] == str(2**40)
+
+
+def test_the_settings_make_glibc_reuse_a_freed_large_block_without_page_faults():
+    default = _second_round_faults({})
+    kept = _second_round_faults(malloc_env(False))
+    pages = (256 << 20) // os.sysconf("SC_PAGE_SIZE")
+    assert default > 0.9 * pages, default  # unmapped at free: every page faults again
+    assert kept < 0.01 * pages, kept       # the same pages, already mapped

@@ -13,8 +13,14 @@ children take turns (default, kept, default, kept...) so that load from other pr
 both alike. Per child: warm-up steps are excluded and the median train step is reported, with the
 child's peak RSS (VmHWM). Ratio = default / kept step time (> 1: the kept heap is faster).
 
+`--recipe`: instead, the whole run as `bench.vs_trl` runs our side of its `smollm2` case (8 chat
+prompts x 4 samples x up to 96 tokens, 6 steps, a real rollout, batches of another length every
+step), once with glibc's defaults forced (`MALLOC_MMAP_MAX_=65536 MALLOC_TRIM_THRESHOLD_=131072
+MALLOC_ARENA_MAX=8` in the driver's environment, which the actors inherit in place of ours) and
+once with ours, taking turns `--rounds` times; reported: the mean train phase of steps 2-6.
+
     python -m bench.allocator [--dtypes bfloat16,float32] [--rounds 2] [--steps 5] [--warmup 2]
-                              [--model PATH] [--out bench/results/allocator.json]
+                              [--model PATH] [--recipe] [--out bench/results/allocator.json]
 """
 
 from __future__ import annotations
@@ -102,6 +108,25 @@ def run_child(model: str, dtype: str, steps: int, warmup: int, kept: bool) -> di
     return json.loads(lines[-1])
 
 
+GLIBC_DEFAULTS = {"MALLOC_MMAP_MAX_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "8"}
+
+
+def recipe_run(dtype: str, kept: bool, work: str) -> dict:
+    """Our side of bench.vs_trl's smollm2 case with the given heap; its steps 2-6 train phase."""
+    from launch.allocator import KEEP_FREED_MEMORY
+
+    env = {k: v for k, v in os.environ.items() if k not in KEEP_FREED_MEMORY}
+    if not kept:
+        env.update(GLIBC_DEFAULTS)
+    out = os.path.join(work, f"{dtype}-{'kept' if kept else 'default'}.json")
+    short = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
+    subprocess.run([sys.executable, "-m", "bench.vs_trl", "--shapes", "smollm2", "--dtypes", short, "--only", "ours",
+                    "--steps", "6", "--warmup", "1", "--out", out], cwd=REPO, env=env, check=True,
+                   capture_output=True, text=True, timeout=1800)
+    ours = json.load(open(out))["cases"][0]["ours"]
+    return {"train_s": ours["mean_split_s"]["time/train_s"], "step_s": ours["mean_step_s"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--dtypes", default="bfloat16,float32")
@@ -109,8 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=5, help="timed steps per child")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (bench.models.REAL_MODELS)")
-    p.add_argument("--out", default="bench/results/allocator.json")
+    p.add_argument("--recipe", action="store_true", help="whole runs of bench.vs_trl's smollm2 case instead")
+    p.add_argument("--out", default=None, help="default: bench/results/allocator.json (allocator_recipe.json)")
     args = p.parse_args(argv)
+    if args.recipe:
+        return main_recipe(args)
+    args.out = args.out or "bench/results/allocator.json"
     from bench.models import real_model
 
     model = args.model or str(real_model("smollm2").resolve())
@@ -134,6 +163,31 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
     write_result(args.out, {"machine": machine_info(), "model": model, "settings": vars(args), "rows": rows})
     print(f"wrote {args.out}")
+
+
+def main_recipe(args: argparse.Namespace) -> None:
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for dtype in args.dtypes.split(","):
+            runs: dict[str, list[dict]] = {"default": [], "kept": []}
+            for _ in range(args.rounds):
+                for name in ("default", "kept"):
+                    runs[name].append(recipe_run(dtype, name == "kept", work))
+            row = {"dtype": dtype, **{name: {"mean_train_s": statistics.mean(r["train_s"] for r in rs),
+                                             "mean_step_s": statistics.mean(r["step_s"] for r in rs), "runs": rs}
+                                      for name, rs in runs.items()}}
+            row["train_speedup"] = row["default"]["mean_train_s"] / row["kept"]["mean_train_s"]
+            row["step_speedup"] = row["default"]["mean_step_s"] / row["kept"]["mean_step_s"]
+            rows.append(row)
+            print(f"{dtype} recipe: train phase {row['default']['mean_train_s']:.2f} s (glibc default) -> "
+                  f"{row['kept']['mean_train_s']:.2f} s (kept) = {row['train_speedup']:.2f}x; step "
+                  f"{row['default']['mean_step_s']:.2f} -> {row['kept']['mean_step_s']:.2f} s = "
+                  f"{row['step_speedup']:.2f}x", flush=True)
+    out = args.out or "bench/results/allocator_recipe.json"
+    write_result(out, {"machine": machine_info(), "settings": vars(args), "rows": rows})
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

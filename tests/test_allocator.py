@@ -36,7 +36,8 @@ def _second_round_faults(extra_env: dict[str, str]) -> int:
 def test_cpu_actors_start_with_freed_memory_kept_and_gpu_actors_do_not(monkeypatch):
     for key in KEEP_FREED_MEMORY:
         monkeypatch.delenv(key, raising=False)
-    assert malloc_env(False) == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+    assert malloc_env(False) == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40),
+                                 "MALLOC_ARENA_MAX": "1"}
     assert malloc_env(True) == {}
     for make in (actor_env, rollout_env):
         assert make(2, False)["MALLOC_MMAP_MAX_"] == "0"
@@ -55,3 +56,52 @@ def test_the_settings_make_glibc_reuse_a_freed_large_block_without_page_faults()
     pages = (256 << 20) // os.sysconf("SC_PAGE_SIZE")
     assert default > 0.9 * pages, default  # unmapped at free: every page faults again
     assert kept < 0.01 * pages, kept       # the same pages, already mapped
+
+
+# ---- trainer/heap.py: the bound on what the kept heap holds ------------------------------------
+
+def test_heap_cap_trims_only_past_its_factor_of_the_first_update(monkeypatch):
+    import trainer.heap as heap
+
+    calls = []
+    sizes = iter([100, 140, 150, 151, 90])  # resident bytes after each update
+    monkeypatch.setattr(heap, "resident_bytes", lambda: next(sizes))
+    cap = heap.HeapCap(factor=1.5, active=True)
+    cap.trim = calls.append
+    assert [cap.after_update() for _ in range(5)] == [False, False, False, True, False]
+    assert cap.baseline == 100 and cap.trims == 1 and calls == [0]
+
+
+def test_heap_cap_is_off_where_the_heap_gives_memory_back(monkeypatch):
+    import trainer.heap as heap
+
+    monkeypatch.delenv("MALLOC_MMAP_MAX_", raising=False)
+    assert not heap.HeapCap().active  # glibc's default: nothing is kept, nothing to bound
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    assert heap.HeapCap().active
+    assert not heap.HeapCap(active=False).active  # a GPU rank
+
+
+_TRIM = r"""
+import ctypes, json, os
+from trainer.heap import HeapCap, resident_bytes
+libc = ctypes.CDLL("libc.so.6"); libc.malloc.restype = ctypes.c_void_p
+cap = HeapCap(factor=1.5)
+cap.after_update()                                      # the first update: the baseline
+blocks = [libc.malloc(64 << 20) for _ in range(8)]      # 512 MiB from the heap (mmap is off)...
+for b in blocks: ctypes.memset(b, 1, 64 << 20)
+for b in blocks[:-1]: libc.free(ctypes.c_void_p(b))     # ...freed under a live block: kept resident
+held = resident_bytes()
+trimmed = cap.after_update()
+print(json.dumps({"active": cap.active, "trimmed": trimmed, "held": held, "after": resident_bytes(),
+                  "baseline": cap.baseline}))
+"""
+
+
+def test_a_trim_gives_the_kept_free_blocks_back_to_the_system():
+    env = {**os.environ, **malloc_env(False), "PYTHONPATH": os.getcwd()}
+    out = json.loads(subprocess.run([sys.executable, "-c", _TRIM], env=env, capture_output=True, text=True,
+                                    timeout=60, check=True).stdout)
+    assert out["active"] and out["trimmed"], out
+    assert out["held"] > out["baseline"] + (400 << 20), out     # the freed 448 MiB stayed resident
+    assert out["after"] < out["held"] - (400 << 20), out        # malloc_trim(0) released it

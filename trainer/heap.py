@@ -1,6 +1,6 @@
-"""A bound on the freed memory a CPU learner's heap keeps.
+"""The glibc settings that make a CPU learner's heap keep freed memory, and a bound on what it keeps.
 
-CPU actors start with glibc keeping freed memory for reuse (launch/allocator.py): the next step's
+CPU learner actors start with `KEEP_FREED_MEMORY` (launch/allocator.py says why): the next step's
 large allocations reuse pages already touched instead of page-faulting through fresh mmaps. With
 batches of another size every step the kept free blocks fragment, and the heap creeps upward
 (SmolLM2-135M bf16, 30 GRPO updates of varying length: resident 4.8 -> 8.4 GB, still rising). So
@@ -14,16 +14,18 @@ from __future__ import annotations
 import ctypes
 import os
 
+import psutil
+
+KEEP_FREED_MEMORY = {
+    "MALLOC_MMAP_MAX_": "0",  # no mmap'd chunks: every allocation from the heap...
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 40),  # ...and the heap's free top never given back (1 TiB)
+}
 TRIM_FACTOR = 1.5
 
 
 def resident_bytes() -> int:
-    """This process's resident set size, from /proc (0 where there is none)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+    """This process's resident set size."""
+    return psutil.Process().memory_info().rss
 
 
 def _malloc_trim():
@@ -38,13 +40,14 @@ def _malloc_trim():
 
 class HeapCap:
     """Trims the heap after an update that leaves the process over `factor` x its resident memory
-    after the first update. Active only where freed memory is kept (`MALLOC_MMAP_MAX_=0`, as
-    launch/allocator.py starts CPU actors) and glibc's malloc_trim exists."""
+    after the first update. Active only where freed memory is kept (this process started with
+    `KEEP_FREED_MEMORY`'s `MALLOC_MMAP_MAX_`, as CPU learner actors do) and glibc's malloc_trim exists."""
 
     def __init__(self, factor: float = TRIM_FACTOR, active: bool | None = None):
         self.factor = factor
         self.trim = _malloc_trim()
-        kept = os.environ.get("MALLOC_MMAP_MAX_") == "0"
+        mmap_max = "MALLOC_MMAP_MAX_"
+        kept = os.environ.get(mmap_max) == KEEP_FREED_MEMORY[mmap_max]
         self.active = (kept if active is None else active) and self.trim is not None
         self.baseline = 0
         self.trims = 0

@@ -14,6 +14,7 @@ from rl.config.schema import AlgorithmConfig, ModelConfig, TrainConfig, TrainerC
 from rl.plan.devices import collective_backend, local_device_index
 from rl.plan.geometry import BatchGeometry
 from trainer.build_locks import await_build_locks
+from trainer.cpu_attention import EAGER_MAX_SLOTS, use_training_attention
 from trainer.engine import build_engine, ds_config, import_deepspeed, zero3_load_config
 from trainer.logprobs import packing_matches, prefix_sharing_matches
 
@@ -122,6 +123,9 @@ def build_models(spec: LearnerSpec, rank: int, world_size: int, device: torch.de
     engine = _trainable(spec, lambda: _with_adapters(AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype),
                                                      spec.model.lora),
                         deepspeed_config(spec, world_size), spec.algorithm.lr)
+    if use_training_attention(engine.module, device, dtype) and rank == 0:
+        print(f"learner: bf16 on CPU: attention over training bins up to {EAGER_MAX_SLOTS} slots as plain matmuls "
+              "(trainer/cpu_attention.py)", flush=True)
     pack = spec.trainer.padding_free and _packing_holds(engine, rank, world_size, device)
     share = _sharing_mode(spec, engine, rank, world_size, device)
     # With LoRA the reference policy is the same engine with its adapters off: no second copy.
@@ -137,6 +141,7 @@ def build_models(spec: LearnerSpec, rank: int, world_size: int, device: torch.de
                 spec.algorithm.critic_init or spec.model.path, num_labels=1, dtype=dtype)
 
         critic = _trainable(spec, value_model, deepspeed_config(spec, world_size), spec.algorithm.critic_lr)
+        use_training_attention(critic.module, device, dtype)
     teacher = None
     if spec.algorithm.teacher_path:
         teacher = _reference(spec, world_size, device, dtype, spec.algorithm.teacher_path)

@@ -57,6 +57,17 @@ LOGPROB_CHUNK_TOKENS = 1024
 # gradient, logsumexp's temporary, plus the lm_head's output (or its gradient) in the model dtype.
 LOGIT_FP32_COPIES = 3
 
+# A CPU learner's bf16 training forwards over bins at most this long compute attention as plain
+# matmul-softmax-matmul (trainer/cpu_attention.py says why), keeping its probabilities for backward.
+EAGER_MAX_SLOTS = 384
+
+
+def eager_attention_applies(device_type: str, dtype: Any, slots: int) -> bool:
+    """Whether a training forward over bins `slots` long on `device_type` in `dtype` (a torch
+    dtype or its name) takes the plain attention of trainer/cpu_attention.py."""
+    return device_type == "cpu" and str(dtype).removeprefix("torch.") == "bfloat16" and slots <= EAGER_MAX_SLOTS
+
+
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size
 
@@ -143,16 +154,19 @@ class ModelShape:
         """KV cache of one token: a key and a value per layer and KV head."""
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
-    def activation_elements(self, tokens: int, seq_len: int) -> int:
+    def activation_elements(self, tokens: int, seq_len: int, plain_attention: bool = False) -> int:
         """Elements one decoder layer keeps for backward over `tokens` tokens of sequences `seq_len`
         long (transformers' Llama with SDPA attention): per RMSNorm its input, the normalised
         input and the output (6 x hidden for two), q and the attention output (2 x heads x
         head_dim), k and v, the gated MLP's gate, up, SiLU(gate) and product (4 x intermediate),
         the attention's log-sum-exp (1 per head) and its mask (~seq_len). Counted with
         torch.autograd.graph.saved_tensors_hooks (tests/test_plan.py checks it): e.g. hidden 256,
-        intermediate 512, 4 heads, 32 tokens: 4646 elements per token and layer, exactly this."""
+        intermediate 512, 4 heads, 32 tokens: 4646 elements per token and layer, exactly this.
+        `plain_attention` (trainer/cpu_attention.py, bf16): its float32 softmax output and bf16
+        probabilities, 3 x heads x seq_len more (its mask, when boolean, fits in the SDPA terms)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return tokens * (6 * self.hidden + 2 * q + 2 * kv + 4 * self.intermediate + self.heads + seq_len)
+        probs = 3 * self.heads * seq_len if plain_attention else 0
+        return tokens * (6 * self.hidden + 2 * q + 2 * kv + 4 * self.intermediate + self.heads + seq_len + probs)
 
 
 # ---- the run's settings --------------------------------------------------------------------
@@ -391,7 +405,11 @@ def learner_role(shape: ModelShape, s: Settings) -> Role:
     # a shared-prefix tree (trainer/prefix_tree.py) is one row of up to a group's tokens, its
     # mask that long per token (the tree never holds more tokens than the rows it replaces)
     mask_len = min(rows, s.n) * seq if s.shared_prefix else seq
+    plain = eager_attention_applies("cuda" if s.gpus_per_learner > 0 else "cpu", s.dtype, 1)
     layer = shape.activation_elements(tokens, mask_len) * w
+    if plain:  # bins up to EAGER_MAX_SLOTS long keep their probabilities (the worst case of both)
+        layer += (shape.activation_elements(tokens, min(mask_len, EAGER_MAX_SLOTS), plain_attention=True)
+                  - shape.activation_elements(tokens, min(mask_len, EAGER_MAX_SLOTS))) * w
     if s.shared_prefix:
         device["shared-prefix masks (bool + additive)"] = tokens * mask_len * (1 + w)
     final_norm = 3 * shape.hidden * tokens * w

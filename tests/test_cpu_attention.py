@@ -116,8 +116,8 @@ def test_not_switched_where_it_does_not_pay():
 
 def test_activation_model_counts_the_kept_probabilities():
     """What `activation_elements(plain_attention=True)` adds to SDPA's count against what autograd
-    keeps per layer more than under SDPA (bf16, a tree's additive mask): its float32 softmax
-    output and bf16 probabilities."""
+    keeps per layer more than under SDPA (bf16, a tree's additive mask): its softmax's bf16
+    probabilities."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     def saved_bytes(layers: int, rows: int, seq: int, plain: bool) -> int:

@@ -99,8 +99,8 @@ def test_zero2_bf16_two_ranks_by_hand():
         "policy fp32 master copy": 4 * P / 2,
         "policy AdamW m, v (fp32)": 8 * P / 2,
         # checkpointed: each layer's input, one layer's activations while it recomputes (bf16 on
-        # CPU: with the plain attention's fp32 + bf16 probabilities, 3 x 32 heads x 128 slots), final norm
-        "activations (checkpointed)": (tokens * 2048 * 16 * 2 + (act_per_token_layer(128) + 3 * 32 * 128) * tokens * 2
+        # CPU: with the plain attention's bf16 probabilities, 32 heads x 128 slots), final norm
+        "activations (checkpointed)": (tokens * 2048 * 16 * 2 + (act_per_token_layer(128) + 32 * 128) * tokens * 2
                                        + 3 * 2048 * tokens * 2),
         # three fp32 copies + the bf16 output, + exp() and its product for the entropy metric
         "logits": tokens * 128256 * (3 * 4 + 2) + tokens * 128256 * 8,

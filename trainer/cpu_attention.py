@@ -8,8 +8,8 @@ parallel loop. Measured on the SmolLM2 recipe's shared-prefix bins (8 x 307 slot
 most learner actors (the same call, same threads; the cause was not found), against 17-26 ms
 for the plain computation's backward in both. So a training forward (grad enabled) of bins at
 most `EAGER_MAX_SLOTS` long computes attention as transformers' eager attention does (two
-batched matmuls, a float32 softmax), which keeps the probabilities for backward: 3 x heads x
-slots elements per token and layer more than SDPA (`rl.plan.memory_plan` counts them). Longer
+batched matmuls and a softmax), which keeps its bf16 probabilities for backward: heads x slots
+elements per token and layer more than SDPA (`rl.plan.memory_plan` counts them). Longer
 bins, forward-only passes (scoring, reference, teacher), float32 and GPUs keep SDPA, as does any
 call with a feature the plain computation here does not implement (dropout, soft-capping,
 attention sinks, position bias).
@@ -62,7 +62,9 @@ def training_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     else:
         scores = scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    # softmax of the bf16 scores: computed in float32 inside the kernel and rounded to bf16 once, as
+    # a float32 softmax cast back would be, but it keeps only the bf16 probabilities for backward
+    probs = torch.softmax(scores, dim=-1)
     return torch.matmul(probs, value).transpose(1, 2).contiguous(), None
 
 

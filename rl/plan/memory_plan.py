@@ -162,10 +162,10 @@ class ModelShape:
         the attention's log-sum-exp (1 per head) and its mask (~seq_len). Counted with
         torch.autograd.graph.saved_tensors_hooks (tests/test_plan.py checks it): e.g. hidden 256,
         intermediate 512, 4 heads, 32 tokens: 4646 elements per token and layer, exactly this.
-        `plain_attention` (trainer/cpu_attention.py, bf16): its float32 softmax output and bf16
-        probabilities, 3 x heads x seq_len more (its mask, when boolean, fits in the SDPA terms)."""
+        `plain_attention` (trainer/cpu_attention.py, bf16): its softmax's probabilities, heads x
+        seq_len more (its mask, when boolean, fits in the SDPA terms)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        probs = 3 * self.heads * seq_len if plain_attention else 0
+        probs = self.heads * seq_len if plain_attention else 0
         return tokens * (6 * self.hidden + 2 * q + 2 * kv + 4 * self.intermediate + self.heads + seq_len + probs)
 
 

@@ -91,3 +91,44 @@ def test_the_padding_free_verdict_matches_what_packing_does_to_the_values(family
         packed, _ = token_logprobs(model, ids, am, layout=plan_layout(ids, am, pack=True))
     truth = torch.allclose(packed, padded, atol=1e-5)
     assert verdict == truth, (family, verdict, (packed - padded).abs().max().item())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_cpu_learners_bf16_attention_trains_every_family_as_sdpa_does(family, zoo):
+    """trainer/cpu_attention.py on each family (GQA, sliding windows, QK norms, MoE, fused
+    projections): the training pass's log-probs and every gradient as SDPA gives them, packed
+    rows, bf16 (or it leaves the family on SDPA, e.g. for soft-capping)."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.cpu_attention import NAME, use_training_attention
+    from trainer.layouts import plan_layout
+    from trainer.logprobs import token_logprobs
+
+    def run(plain: bool):
+        model = AutoModelForCausalLM.from_pretrained(zoo[family], dtype=torch.bfloat16)
+        switched = use_training_attention(model, torch.device("cpu"), torch.bfloat16) if plain else False
+        model.train()
+        g = torch.Generator().manual_seed(5)
+        vocab = model.get_input_embeddings().num_embeddings
+        lengths = [30, 18, 11, 7]
+        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        am = torch.zeros_like(ids)
+        for row, n in enumerate(lengths):
+            ids[row, :n] = torch.randint(5, vocab - 64, (n,), generator=g)
+            am[row, :n] = 1
+        lp, _ = token_logprobs(model, ids, am, layout=plan_layout(ids, am, pack=True))
+        lp.float().sum().backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        return switched, lp.detach().float(), grads, model.config._attn_implementation
+
+    _, base_lp, base_grads, _ = run(False)
+    switched, lp, grads, impl = run(True)
+    assert switched == (impl == NAME)
+    assert torch.allclose(lp, base_lp, atol=0.1), (family, (lp - base_lp).abs().max().item())
+    if family in MOE:  # bf16 rounding may flip a token's top-k experts, moving every gradient upstream
+        norm = math.sqrt(sum(float(g.square().sum()) for g in base_grads.values()))
+        other = math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+        assert abs(other - norm) <= 0.1 * norm, (family, norm, other)
+        return
+    for name, g in base_grads.items():
+        assert (g - grads[name]).abs().max().item() <= 0.05 * (g.abs().max().item() + 1e-6), (family, name)

@@ -7,7 +7,8 @@ parallel loop. Measured on the SmolLM2 recipe's shared-prefix bins (8 x 307 slot
 2-core AMX host): forward 5 ms but backward 25-30 ms per layer in a plain process and 80-95 ms in
 most learner actors (the same call, same threads; the cause was not found), against 17-26 ms
 for the plain computation's backward in both (and, with a bf16 softmax, as fast as the flash
-kernel fwd + bwd in a plain process up to ~614 slots). So a training forward (grad enabled) of bins at
+kernel fwd + bwd in a plain process up to ~614 slots; at a 640-slot limit the recipe's learner
+peaked at 11.1 GiB against 7.3 at 384). So a training forward (grad enabled) of bins at
 most `EAGER_MAX_SLOTS` long computes attention as transformers' eager attention does (two
 batched matmuls and a softmax), which keeps its bf16 probabilities for backward: heads x slots
 elements per token and layer more than SDPA (`rl.plan.memory_plan` counts them). Longer

@@ -59,7 +59,7 @@ LOGIT_FP32_COPIES = 3
 
 # A CPU learner's bf16 training forwards over bins at most this long compute attention as plain
 # matmul-softmax-matmul (trainer/cpu_attention.py says why), keeping its probabilities for backward.
-EAGER_MAX_SLOTS = 640
+EAGER_MAX_SLOTS = 384
 
 
 def eager_attention_applies(device_type: str, dtype: Any, slots: int) -> bool:

@@ -64,6 +64,17 @@ def test_grpo_runs_and_the_learner_agrees_with_vllm_after_the_sync(family, sync,
         assert first["actor/router_aux_loss"] > 0
 
 
+def _right_padded_rows(vocab: int, lengths: list[int], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of real token ids (clear of the vocabulary's special ends), right-padded: ids, mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    am = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :n] = torch.randint(5, vocab - 64, (n,), generator=g)
+        am[row, :n] = 1
+    return ids, am
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_padding_free_verdict_matches_what_packing_does_to_the_values(family, zoo):
     """`packing_matches` decides whether the learner packs rows. Its verdict must be the truth on
@@ -78,13 +89,7 @@ def test_the_padding_free_verdict_matches_what_packing_does_to_the_values(family
     model = AutoModelForCausalLM.from_pretrained(zoo[family], dtype=torch.float32).eval()
     vocab = model.get_input_embeddings().num_embeddings
     verdict = packing_matches(model, vocab)
-    g = torch.Generator().manual_seed(3)
-    lengths = [60, 36, 22, 12]
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, :n] = torch.randint(5, vocab - 64, (n,), generator=g)
-        am[row, :n] = 1
+    ids, am = _right_padded_rows(vocab, [60, 36, 22, 12], seed=3)
     assert pack_rows(ids, am) is not None  # the rows do pack (36 + 22 share a bin, 12 fills another)
     with torch.no_grad():
         padded, _ = token_logprobs(model, ids, am)
@@ -108,14 +113,7 @@ def test_the_cpu_learners_bf16_attention_trains_every_family_as_sdpa_does(family
         model = AutoModelForCausalLM.from_pretrained(zoo[family], dtype=torch.bfloat16)
         switched = use_training_attention(model, torch.device("cpu"), torch.bfloat16) if plain else False
         model.train()
-        g = torch.Generator().manual_seed(5)
-        vocab = model.get_input_embeddings().num_embeddings
-        lengths = [30, 18, 11, 7]
-        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-        am = torch.zeros_like(ids)
-        for row, n in enumerate(lengths):
-            ids[row, :n] = torch.randint(5, vocab - 64, (n,), generator=g)
-            am[row, :n] = 1
+        ids, am = _right_padded_rows(model.get_input_embeddings().num_embeddings, [30, 18, 11, 7], seed=5)
         lp, _ = token_logprobs(model, ids, am, layout=plan_layout(ids, am, pack=True))
         lp.float().sum().backward()
         grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}

@@ -31,10 +31,6 @@ NAME = "rl_cpu_attention"
 UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")  # kwargs the plain computation ignores
 
 
-def _sdpa(module, query, key, value, attention_mask, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def takes_plain_path(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -51,12 +47,13 @@ def training_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        **kwargs) -> tuple[torch.Tensor, None]:
     """A transformers attention function: query [B, H, L, D], key/value [B, KV, L, D], a 4D mask
     (bool: True = attend, or additive); returns [B, L, H, D] as the other implementations do."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
     if not takes_plain_path(query, key, attention_mask, dropout, kwargs):
-        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     scores = torch.matmul(query, key.transpose(2, 3)) * scale
     mask = attention_mask[:, :, :, : key.shape[2]]

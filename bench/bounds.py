@@ -68,7 +68,7 @@ def learner(dtype: str, model: str, work: Path) -> dict:
 
 
 def sync(work: Path) -> dict:
-    r = _run("bench.weight_sync", ["--shapes", "smollm2", "--repeats", "3"], work / "sync.json",
+    r = _run("bench.weight_sync", ["--shapes", "smollm2", "--repeats", "5"], work / "sync.json",
              work / "sync.log")["results"][0]
     return {"ratio": r["ours_over_raw_load"], "ours": f"{r['ours_gb_per_s']:.2f} GB/s",
             "bound": f"{r['raw_load_gb_per_s']:.2f} GB/s", "mib": round(r["mib"], 1),

@@ -101,11 +101,13 @@ class SyncExtension:
         model._rlpost_tied = [names for names in by_id.values() if len(names) > 1]
         from vllm.platforms import current_platform
 
-        moe = [] if not current_platform.is_cpu() else [
-            module for module in model.modules()
-            if getattr(getattr(module, "quant_method", None), "moe_kernel", None) is not None]
-        for layer in moe:
-            _prepack_on_reload(layer)
+        if not current_platform.is_cpu():
+            return len(model._rlpost_tied)
+        for layer in model.modules():
+            if getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None:
+                _prepack_on_reload(layer)
+        for canonical, *twins in model._rlpost_tied:
+            _skip_lookup_pack(model, canonical, twins)
         return len(model._rlpost_tied)
 
     def rlpost_after_reload(self) -> None:
@@ -123,6 +125,25 @@ class SyncExtension:
                 method = getattr(owner, "quant_method", None)
                 if method is not None and hasattr(method, "process_weights_after_loading"):
                     method.process_weights_after_loading(owner)
+
+
+def _skip_lookup_pack(model, canonical: str, twins: list[str]) -> None:
+    """On CPU vLLM's embedding method packs a GEMM copy of every embedding table when it is
+    processed, also for an input embedding that only looks rows up. When that table is tied to a
+    separate LM head, `rlpost_after_reload` packs the head again after each reload, so the
+    embedding's own pack (the whole vocabulary, ~30 ms for SmolLM2's 49k x 576 in bf16) is
+    skipped on reloads: its packed copy is never read. An embedding that is itself used as the
+    head (no separate head module: Gemma in vLLM) has no twin and keeps it."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+    owner = model.get_submodule(canonical.rpartition(".")[0])
+    heads = [model.get_submodule(t.rpartition(".")[0]) for t in twins]
+    method = getattr(owner, "quant_method", None)
+    if (type(owner) is not VocabParallelEmbedding or method is None
+            or not any(isinstance(h, ParallelLMHead) for h in heads)
+            or any(getattr(h, "quant_method", None) is method for h in heads)):
+        return
+    method.process_weights_after_loading = lambda layer: None  # this layer's own instance only
 
 
 def _prepack_on_reload(layer) -> None:

@@ -13,7 +13,7 @@ the sampled token's log-prob returned.
   (the engine's SamplingParams and conversion to Samples) and Ray (the rest: the calls, moving
   requests and Samples, splitting and sorting).
 - raw: `vllm.LLM(**engine_kwargs).generate(prompts, sampling_params)` in a plain process started
-  with the actor's environment and CPU priority (Ray runs its workers at nice 15); its outputs
+  with the actor's environment and CPU priority (`cluster.worker_niceness`, read from the actor); its outputs
   are counted, nothing is converted.
 
 Batches: 8 prompts x 4 samples (32 requests) and 16 x 4 (64 requests), 128 new tokens each. The
@@ -351,8 +351,8 @@ def run(args: argparse.Namespace) -> dict:
         info["memory_bandwidth_gbs"] = memory_bandwidth_gbs()
         fleet, spec, env = start_fleet(cfg)
         ray.get(fleet.workers[0].__ray_call__.remote(_instrument))
-        # Ray starts its workers at a lower CPU priority (worker_niceness, 15 by default): the raw
-        # engine gets the same, so that other load on the machine weighs on both sides alike
+        # the raw engine gets the actor's CPU priority (`cluster.worker_niceness`), so that other
+        # load on the machine weighs on both sides alike
         niceness = ray.get(fleet.workers[0].__ray_call__.remote(_niceness))
         if args.device == "cuda":  # the raw engine on the worker's GPU
             env = {**env, "CUDA_VISIBLE_DEVICES": ray.get(fleet.workers[0].__ray_call__.remote(_visible_devices))}

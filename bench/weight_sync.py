@@ -5,7 +5,7 @@ Llama of ~98M parameters built here, 372 MiB; `--quick`: `27m` only), the same b
 process to another:
 
 - raw: a torch.distributed gloo broadcast (`ProcessGroupGloo`, CPU) between two plain processes
-  (at the CPU priority Ray gives its workers, nice 15, like the actors of `ours`),
+  (at the CPU priority a run gives its actors, `cluster.worker_niceness`, like the actors of `ours`),
   bucket by bucket (`rl.wire.format.buckets`, 16 MiB) into buffers allocated once: the transport
   alone, the ceiling.
 - wire: our protocol alone, in the same two processes: `rl.wire.collective.send` of the model's
@@ -110,13 +110,13 @@ def load_named(path: str, dtype: str = "float32"):
 # ---- raw, wire and raw+load: two plain processes ----------------------------------------------
 
 def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup: int, engine, out,
-          gpus: list[str] | None = None, dtype: str = "float32", raw_port: int = 0) -> None:
+          gpus: list[str] | None = None, dtype: str = "float32", raw_port: int = 0, niceness: int = 0) -> None:
     """Rank 0 sends, rank 1 receives (and, for raw+load, hosts a bare vLLM engine: `engine` is
     (RolloutSpec, environment) of the rollout worker). `gpus`: on GPUs, the one each rank gets
     (NCCL on `raw_port` for raw); None on CPU."""
-    # Ray runs the learner and rollout actors at a lower CPU priority (its worker_niceness): so do
-    # these, so that other load on the machine weighs on both paths alike
-    os.nice(int(os.environ.get("RAY_worker_niceness", "15")) - os.nice(0))
+    # at the CPU priority a run's Ray gives the learner and rollout actors (`cluster.worker_niceness`),
+    # so that other load on the machine weighs on both paths alike
+    os.nice(niceness - os.nice(0))
     if rank == 1:
         os.environ.update(engine[1])  # before torch and vLLM are imported: threads, vLLM switches
     if gpus:
@@ -200,14 +200,14 @@ def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup:
 
 
 def plain_pair(path: str, repeats: int, warmup: int, engine, gpus: list[str] | None = None,
-               dtype: str = "float32") -> dict[str, Any]:
+               dtype: str = "float32", niceness: int = 0) -> dict[str, Any]:
     from rl.wire.collective import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port, wire_port, raw_port = free_port(), free_port(), free_port()
     procs = [ctx.Process(target=_pair, args=(r, port, wire_port, path, repeats, warmup, engine, out, gpus, dtype,
-                                             raw_port))
+                                             raw_port, niceness))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -362,7 +362,7 @@ def measure(shape: str, repeats: int, warmup: int, device: str = "cpu") -> dict[
     with tempfile.TemporaryDirectory() as run_dir:
         cfg, config = run_config(path, run_dir, device)
         pair = plain_pair(path, repeats, warmup, rollout_engine(config), visible_gpus()[:2] if device == "cuda" else None,
-                          config.model.dtype)
+                          config.model.dtype, config.cluster.worker_niceness)
         full = ours(cfg, config, repeats, warmup)
     nbytes = pair["bytes"]
     assert abs(full["bytes"] - nbytes) < 1, (full["bytes"], nbytes)
@@ -383,7 +383,7 @@ def measure(shape: str, repeats: int, warmup: int, device: str = "cpu") -> dict[
         "ours_receive_gb_per_s": nbytes / full["receive_s"] / 1e9,
         "peak_extra_rss_mib": full["peak_extra_rss_bytes"] / 2**20,
         "times_s": {**t, "ours": full["times"]},
-        "threads_per_actor": full["threads"], "dtype": config.model.dtype,
+        "threads_per_actor": full["threads"], "dtype": config.model.dtype, "niceness": config.cluster.worker_niceness,
     }
     if "peak_extra_gpu_bytes" in full:
         row["peak_extra_gpu_mib"] = full["peak_extra_gpu_bytes"] / 2**20
@@ -441,8 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"machine": info, "settings": {"bucket_bytes": BUCKET_BYTES, "dtype": "bfloat16" if gpu else "float32",
                                             "repeats": args.repeats, "warmup": args.warmup,
                                             "backend": "nccl" if gpu else "gloo", "device": args.device,
-                                            "rollout_workers": 1, "learner_ranks": 1,
-                                            "niceness": int(os.environ.get("RAY_worker_niceness", "15"))},
+                                            "rollout_workers": 1, "learner_ranks": 1},
               "results": rows, "targets": {"wire_over_raw": 0.8, "ours_over_raw_load": 0.8},
               "meets_targets": all(r["wire_over_raw"] >= 0.8 and r["ours_over_raw_load"] >= 0.8 for r in rows)}
     print()

@@ -68,8 +68,15 @@ def start_ray(cfg: DictConfig) -> bool:
     needed += math.ceil(cfg.sandbox.num_workers * cfg.sandbox.num_cpus_per_worker)
     needed += math.ceil(cfg.task.env_workers * 0.25) if cfg.task.env else 0  # EnvService's actors
     num_cpus = cfg.cluster.num_cpus or max(usable_cores(), needed)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True,
+             _system_config=local_ray_config(cfg.cluster))
     return True
+
+
+def local_ray_config(cluster) -> dict[str, Any]:
+    """Ray's system config for a local Ray a command starts: its actors' CPU priority
+    (`cluster.worker_niceness`)."""
+    return {"worker_niceness": cluster.worker_niceness}
 
 
 def start_sandbox_pool(cfg: DictConfig):

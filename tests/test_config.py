@@ -89,6 +89,8 @@ def test_semantic_errors_name_fields_and_fixes():
     ("sandbox.num_cpus_per_worker=0", "sandbox.num_cpus_per_worker=0.0: must be > 0"),
     ("cluster.num_cpus=0", "cluster.num_cpus=0: must be > 0"),
     ("cluster.gpus_per_learner=-1", "cluster.gpus_per_learner=-1.0: must be >= 0"),
+    ("cluster.worker_niceness=-5", "cluster.worker_niceness=-5: must be in [0, 19]"),
+    ("cluster.worker_niceness=20", "cluster.worker_niceness=20: must be in [0, 19]"),
     ("run.save_every=-1", "run.save_every=-1: must be >= 0"),
     ("run.keep_checkpoints=0", "run.keep_checkpoints=0: must be a positive integer"),
     ("run.max_restarts=-1", "run.max_restarts=-1: must be >= 0"),
@@ -198,6 +200,40 @@ def test_all_cores_means_the_cores_this_process_may_use():
         os.sched_setaffinity(0, before)
     assert worker_threads(cfg) == len(before)
     assert worker_threads(compose_config(["cluster.threads_per_worker=3"])) == 3
+
+
+_NICENESS_PROBE = """
+import os, sys, ray
+from launch.components import start_ray
+from tests.conftest import compose_config
+
+start_ray(compose_config(sys.argv[1:]))
+
+@ray.remote(num_cpus=1)
+class Probe:
+    def niceness(self):
+        return os.nice(0)
+
+print("NICENESS", os.nice(0), ray.get(Probe.remote().niceness.remote()))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides, actor", [([], 0), (["cluster.worker_niceness=7"], 7)])
+def test_the_local_ray_runs_actors_at_the_configured_priority(tmp_path, overrides, actor):
+    """Ray's own default (15) lets any normal-priority process preempt an actor's training thread;
+    a local Ray a run starts gives its actors `cluster.worker_niceness` (0 by default), a real
+    Ray in a fresh process (Ray may already run in this one)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NICENESS_PROBE, *overrides], capture_output=True, text=True,
+                         timeout=240, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("NICENESS")), None)
+    assert line is not None, out.stderr[-3000:]
+    driver, got = (int(v) for v in line.split()[1:])
+    assert got == driver + actor
 
 
 @pytest.mark.parametrize("overrides, rollout, learner", [

@@ -98,8 +98,11 @@ class Served:
         config: ServeConfig = OmegaConf.to_object(cfg)
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
+            from launch.components import local_ray_config
+
             ray.init(num_cpus=cfg.cluster.num_cpus or max(cores, 2), include_dashboard=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}}, log_to_driver=True)
+                     runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}}, log_to_driver=True,
+                     _system_config=local_ray_config(cfg.cluster))
         threads = cfg.cluster.threads_per_worker or max(1, cores // 2)
         deadlines = Deadlines(start_s=900.0)
         env = {**rollout_env, **vllm_env(cfg.rollout.kv_cache_gib, threads, cfg.rollout.enforce_eager)}

@@ -85,6 +85,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
     "sandbox.num_cpus_per_worker": (0, False, None, "1.0"),
     "sandbox.max_retries": (0, True, None, "2"),
     "cluster.threads_per_worker": (0, True, None, "0 (automatic)"),
+    "cluster.worker_niceness": (0, True, 19, "0 (normal priority) or 15 (Ray's default)"),
     "cluster.gpus_per_rollout_worker": (0, True, None, "0 or 1"),
     "cluster.gpus_per_learner": (0, True, None, "0 or 1"),
     "run.save_every": (0, True, None, "20 (0 = never)"),

@@ -12,7 +12,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from rl.config.schema import TrainConfig, plain_dict
+from rl.config.schema import TrainConfig, local_ray_config, plain_dict
 from rl.config.validation import endpoint_address
 from rl.plan.devices import GPU_VISIBILITY_ENV
 
@@ -71,12 +71,6 @@ def start_ray(cfg: DictConfig) -> bool:
     ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env}, log_to_driver=True,
              _system_config=local_ray_config(cfg.cluster))
     return True
-
-
-def local_ray_config(cluster) -> dict[str, Any]:
-    """Ray's system config for a local Ray a command starts: its actors' CPU priority
-    (`cluster.worker_niceness`)."""
-    return {"worker_niceness": cluster.worker_niceness}
 
 
 def start_sandbox_pool(cfg: DictConfig):

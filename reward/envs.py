@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from rl.data.env import StepResult, as_step_result
-from rl.actors.group import ActorGroup
+from rl.actors.group import UNTRUSTED_NICENESS, ActorGroup
 from rl.actors.faults import ActorFailure, Deadlines
 from reward.loader import RewardLoadError, load_environment
 from reward.scorer import RewardCallTimeout, call_with_timeout
@@ -94,7 +94,8 @@ class EnvService:
         base_dir = os.path.abspath(base_dir or os.getcwd())
         self.group = ActorGroup(ray, EnvWorker, num_workers, role="environment worker",
                                 args=lambda i: (spec, kwargs, timeout_s, base_dir),
-                                options={"num_cpus": num_cpus_per_worker, "max_restarts": -1}, deadlines=deadlines)
+                                options={"num_cpus": num_cpus_per_worker, "max_restarts": -1}, deadlines=deadlines,
+                                niceness=UNTRUSTED_NICENESS)
         self.timeout_s, self.deadlines = timeout_s, self.group.deadlines
         try:
             self._check_loaded(spec)

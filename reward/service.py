@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.exceptions import ActorUnavailableError, RuntimeEnvSetupError
 
-from rl.actors.group import ActorGroup
+from rl.actors.group import UNTRUSTED_NICENESS, ActorGroup
 from rl.actors.faults import ActorFailure, Deadlines
 from rl.data.types import Sample, ScoredSample
 from reward.loader import RewardLoadError
@@ -78,7 +78,8 @@ class RewardService:
         if runtime_env is not None:
             options["runtime_env"] = runtime_env
         self.group = ActorGroup(ray, RewardWorker, num_workers, role="reward worker",
-                                args=lambda i: (functions, timeout_s, base_dir, bound), options=options, deadlines=deadlines)
+                                args=lambda i: (functions, timeout_s, base_dir, bound), options=options, deadlines=deadlines,
+                                niceness=UNTRUSTED_NICENESS)
         try:
             self.names: list[str] = self._check_loaded()
         except BaseException:

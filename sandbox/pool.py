@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from rl.actors.group import ActorGroup
+from rl.actors.group import UNTRUSTED_NICENESS, ActorGroup
 from rl.actors.faults import ActorFailure, Calls, Deadlines, await_answers, fan_out
 from sandbox.backend import Backend
 from sandbox.job import COMPILE_LIMITS, Job, Method, Result, Status
@@ -117,7 +117,8 @@ class SandboxPool:
             deadlines = Deadlines(start_s=start_s)
         self.group = ActorGroup(ray, SandboxWorker, settings.num_workers, role="sandbox worker",
                                 args=lambda i: (settings,), options=options, deadlines=deadlines,
-                                per_actor=[{"name": worker_name(i)} for i in range(settings.num_workers)])
+                                per_actor=[{"name": worker_name(i)} for i in range(settings.num_workers)],
+                                niceness=UNTRUSTED_NICENESS)
         try:
             # A host without isolation fails here, with the backend's own message (a worker that
             # raised or died is reported once the others answered or the deadline passed).

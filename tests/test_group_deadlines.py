@@ -204,3 +204,58 @@ def test_a_group_waits_for_a_restart_with_a_deadline(ray_local, tmp_path):
         _named(err, "test worker 0", "restart", "run.start_timeout_s")
     finally:
         group.shutdown()
+
+
+class NiceProbe:
+    """An actor that reports its process's CPU priority (nice value)."""
+
+    def niceness(self) -> int:
+        return os.nice(0)
+
+    def where(self) -> dict:
+        return {"pid": os.getpid()}
+
+
+def _lowering(out) -> None:
+    """In a child process (a priority once lowered stays lowered): from nice 5, lowering to 3
+    keeps 5, to 9 gives 9."""
+    from rl.actors.group import lower_priority
+
+    os.nice(5 - os.nice(0))
+    out.put((lower_priority(3), lower_priority(9), os.nice(0)))
+
+
+def test_lowering_priority_never_raises_it() -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    p = ctx.Process(target=_lowering, args=(out,))
+    p.start()
+    try:
+        assert out.get(timeout=60) == (5, 9, 9)
+    finally:
+        p.join(timeout=30)
+
+
+@pytest.mark.slow
+def test_actors_that_run_unvetted_code_run_at_lower_priority(ray_local):
+    """The reward, environment and sandbox workers run users' and generated code: their group
+    lowers each actor to `UNTRUSTED_NICENESS` before its constructor runs, while other actors keep
+    the run's `cluster.worker_niceness` (0: the driver's priority). The class keeps its name."""
+    from ray import cloudpickle
+
+    from rl.actors.group import UNTRUSTED_NICENESS, ActorGroup
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the actor's class lives in this test file
+    plain = ActorGroup(ray, NiceProbe, 1, role="probe", options={"num_cpus": 0})
+    untrusted = ActorGroup(ray, NiceProbe, 1, role="untrusted probe", options={"num_cpus": 0},
+                           niceness=UNTRUSTED_NICENESS)
+    try:
+        driver = os.nice(0)
+        assert plain.ask("niceness") == [driver]
+        assert untrusted.ask("niceness") == [max(driver, UNTRUSTED_NICENESS)]
+        assert ray.get(untrusted.handles[0].__ray_call__.remote(lambda self: type(self).__name__)) == "NiceProbe"
+    finally:
+        plain.shutdown()
+        untrusted.shutdown()

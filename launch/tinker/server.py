@@ -98,7 +98,7 @@ class Served:
         config: ServeConfig = OmegaConf.to_object(cfg)
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
-            from launch.components import local_ray_config
+            from rl.config.schema import local_ray_config
 
             ray.init(num_cpus=cfg.cluster.num_cpus or max(cores, 2), include_dashboard=False,
                      runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}}, log_to_driver=True,

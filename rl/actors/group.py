@@ -12,20 +12,48 @@ sync reaches the fleet's and the learner's actors through the same narrow port: 
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Mapping
 
 from rl.actors.faults import ActorFailure, Calls, Deadlines, FanOut, await_answers, fan_out
+
+# The CPU priority (nice) of actors that run code nobody vetted: users' reward functions and
+# environments, generated programs in the sandbox. Ray's own default for every worker; the run's
+# learner and rollout actors run at `cluster.worker_niceness` (0 by default, launch/components.py).
+UNTRUSTED_NICENESS = 15
+
+
+def lower_priority(niceness: int) -> int:
+    """Lower this process's CPU priority to `niceness` if it runs above it (never the other way:
+    raising priority takes privileges). Returns its niceness now."""
+    now = os.nice(0)
+    return os.nice(niceness - now) if now < niceness else now
+
+
+def _at_niceness(actor_cls: type, niceness: int) -> type:
+    """`actor_cls` whose process lowers its priority to `niceness` before the class's own
+    constructor runs (so whatever it starts inherits it)."""
+    def __init__(self, *args, **kwargs):
+        lower_priority(niceness)
+        actor_cls.__init__(self, *args, **kwargs)
+
+    return type(actor_cls.__name__, (actor_cls,), {"__init__": __init__, "__module__": actor_cls.__module__,
+                                                   "__qualname__": actor_cls.__qualname__, "__doc__": actor_cls.__doc__})
 
 
 class ActorGroup:
     def __init__(self, ray: Any, actor_cls: type, size: int, *, role: str,
                  args: Callable[[int], tuple] = lambda i: (), options: Mapping[str, Any] | None = None,
-                 per_actor: list[Mapping[str, Any]] | None = None, deadlines: Deadlines | None = None):
+                 per_actor: list[Mapping[str, Any]] | None = None, deadlines: Deadlines | None = None,
+                 niceness: int | None = None):
         """`size` actors of `actor_cls`, actor i made as `actor_cls(*args(i))` with Ray `options`
         and `per_actor[i]` over them (its placement bundle, its name). `role` names them in every
-        message ("rollout worker 2 (pid 123)"). Returns at once: `started()` waits for them."""
+        message ("rollout worker 2 (pid 123)"). `niceness`: each actor's process first lowers its
+        CPU priority to it (`UNTRUSTED_NICENESS` for actors that run unvetted code). Returns at
+        once: `started()` waits for them."""
         self.ray, self.role, self.deadlines = ray, role, deadlines or Deadlines()
-        self._remote, self._args = ray.remote(actor_cls), args
+        cls = actor_cls if niceness is None else _at_niceness(actor_cls, niceness)
+        self._remote, self._args = ray.remote(cls), args
         self._options = [{**(options or {}), **(per_actor[i] if per_actor else {})} for i in range(size)]
         self._calls = Calls.ray(ray)
         self.handles: list[Any] = [self._start(i) for i in range(size)]

@@ -320,6 +320,12 @@ class ClusterConfig:
     preflight: bool = True  # false: skip the check
 
 
+def local_ray_config(cluster: ClusterConfig) -> dict[str, Any]:
+    """Ray's system config for a local Ray that a command starts (`ray.init(_system_config=...)`):
+    its actors' CPU priority, `cluster.worker_niceness`."""
+    return {"worker_niceness": cluster.worker_niceness}
+
+
 @dataclass
 class SandboxConfig:
     """Where untrusted programs (code rewards) run: see sandbox/ and docs/code-rewards.md."""

@@ -5,8 +5,9 @@ On CPU, `scaled_dot_product_attention` with a 4D mask (every packed or shared-pr
 has one) runs PyTorch's flash kernel, whose backward does many small bf16 GEMMs inside its own
 parallel loop. Measured on the SmolLM2 recipe's shared-prefix bins (8 x 307 slots, 9 heads, a
 2-core AMX host): forward 5 ms but backward 25-30 ms per layer in a plain process and 80-95 ms in
-most learner actors (the same call, same threads; the cause was not found), against 17-26 ms
-for the plain computation's backward in both (and, with a bf16 softmax, as fast as the flash
+most learner actors (the same call, same threads; most likely Ray's low worker priority, now
+`cluster.worker_niceness`: docs/benchmarks.md), against 17-26 ms for the plain computation's
+backward in both (and, with a bf16 softmax, as fast as the flash
 kernel fwd + bwd in a plain process up to ~614 slots; at a 640-slot limit the recipe's learner
 peaked at 11.1 GiB against 7.3 at 384). So a training forward (grad enabled) of bins at
 most `EAGER_MAX_SLOTS` long computes attention as transformers' eager attention does (two
@@ -29,8 +30,6 @@ from rl.plan.memory_plan import EAGER_MAX_SLOTS, eager_attention_applies
 
 NAME = "rl_cpu_attention"
 UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")  # kwargs the plain computation ignores
-
-
 
 
 def takes_plain_path(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None,

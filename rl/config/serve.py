@@ -11,6 +11,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 
 from rl.config.schema import ClusterConfig, ConfigError, ModelConfig, RolloutConfig, RunConfig
+from rl.config.validation import range_error
 
 
 @dataclass
@@ -86,9 +87,8 @@ def validate_serve(cfg: Any) -> None:
                       "client would be ended; use 20 or more, e.g. serve.session_timeout_s=45")
     if not 0 < s.poll_s < 45:
         errors.append(f"serve.poll_s={s.poll_s}: the SDK gives up on a poll after 45 s; use e.g. serve.poll_s=20")
-    if not 0 <= cfg.cluster.worker_niceness <= 19:
-        errors.append(f"cluster.worker_niceness={cfg.cluster.worker_niceness}: must be in [0, 19], e.g. "
-                      "cluster.worker_niceness=0")
+    if niceness := range_error("cluster.worker_niceness", cfg.cluster.worker_niceness):  # as launch.train checks it
+        errors.append(niceness)
     if r.backend != "vllm":
         errors.append(f"rollout.backend={r.backend}: the service samples with saved adapters through vLLM's LoRA; "
                       "use rollout.backend=vllm")

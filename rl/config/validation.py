@@ -110,7 +110,7 @@ _RANGES: dict[str, tuple[float, bool, float | None, str]] = {
 }
 
 
-def _range_error(key: str, value: Any) -> str | None:
+def range_error(key: str, value: Any) -> str | None:
     """The message for `value` of `key` outside its `_RANGES` entry, else None."""
     low, low_ok, high, example = _RANGES[key]
     inside = (value >= low if low_ok else value > low) and (high is None or value <= high)
@@ -343,7 +343,7 @@ def validate(cfg: Any) -> None:
     for key in _POSITIVE:
         if _get(cfg, key) <= 0:
             errors.append(f"{key}={_get(cfg, key)}: must be a positive integer")
-    errors += filter(None, (_range_error(key, _get(cfg, key)) for key in _RANGES))
+    errors += filter(None, (range_error(key, _get(cfg, key)) for key in _RANGES))
     if cfg.cluster.num_cpus is not None and cfg.cluster.num_cpus <= 0:
         errors.append(f"cluster.num_cpus={cfg.cluster.num_cpus}: must be > 0, or null to count the actors")
     if 0 < cfg.rollout.max_model_len <= cfg.rollout.max_new_tokens:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from trainer.build_locks import await_build_locks
+from trainer.zero_grads import keep_fp32_gradients
 
 
 def import_deepspeed():
@@ -171,6 +172,7 @@ def build_engine(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     engine._rlpost_hf_ds_config = keep_alive  # must outlive loading; kept with the engine
+    keep_fp32_gradients(engine.optimizer)  # CPU ZeRO-1/2: one fp32 gradient buffer, not one per step
     return engine
 
 

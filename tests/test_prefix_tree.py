@@ -161,3 +161,23 @@ def test_a_tree_too_long_or_not_worth_it_is_decided_before_any_mask(monkeypatch)
     assert prefix_tree.build_forest(ids, am, groups) is not None
     monkeypatch.setattr(prefix_tree, "MAX_TREE_SLOTS", 8)
     assert plan_layout(ids, am, pack=True, group_ids=groups, share="on", config=CONFIG).name == "packed"
+
+
+def test_bins_grow_to_hold_more_trees_only_up_to_the_limit():
+    """Five one-row groups of 10, 6, 6, 6, 6 tokens and a cost of slots alone (bins x length):
+    bins of the largest tree (5 x 10 = 50 slots) lose to longer ones, and with no limit all five
+    trees share one bin of 34; `max_length=16` (a CPU bf16 learner's plain-attention limit) keeps
+    every bin within it: 10+6, 6+6, 6 -> 3 x 16 = 48. Each row's tokens are where the bins say."""
+    ids, am = _rows(list(range(1, 11)), *[list(range(20 + 6 * k, 26 + 6 * k)) for k in range(4)])
+    groups = torch.arange(5)
+    slots = lambda bins, length: float(bins * length)  # noqa: E731
+    free = build_forest(ids, am, groups, slots)
+    capped = build_forest(ids, am, groups, slots, max_length=16)
+    assert tuple(free.input_ids.shape) == (1, 34) and tuple(capped.input_ids.shape) == (3, 16)
+    for forest in (free, capped):
+        flat = forest.input_ids.flatten()
+        assert all(flat[forest.node[r][am[r].bool()]].tolist() == ids[r][am[r].bool()].tolist() for r in range(5))
+    # a limit below the largest tree leaves it its own bin; plan_layout passes the limit on
+    assert tuple(build_forest(ids, am, groups, slots, max_length=8).input_ids.shape) == (5, 10)
+    capped_layout = plan_layout(ids, am, group_ids=groups, share="on", config=CONFIG, max_bin_slots=16)
+    assert capped_layout.name == "shared" and capped_layout.input_ids.shape[1] <= 16

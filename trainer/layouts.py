@@ -106,7 +106,8 @@ def padded(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Layout:
 def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: bool = False,
                 group_ids: torch.Tensor | None = None, share: str = "off",
                 config: Mapping[str, Any] | None = None, flops_per_s: float | None = None,
-                passes: float = 3.0, plan_cost: PlanCost | None = None, hidden_s: float = 0.0) -> Layout:
+                passes: float = 3.0, plan_cost: PlanCost | None = None, hidden_s: float = 0.0,
+                max_bin_slots: int | None = None) -> Layout:
     """The layout of one micro-batch. `pack`: rows packed end to end where that saves a row.
     `share` ("auto", "on", "off", `trainer.shared_prefix`) with the rows' `group_ids`: each
     group's rows as a prefix tree (bins sized by `layout_cost` of the model's `config`). "auto"
@@ -114,7 +115,9 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: boo
     other layout, decided before a mask is made: by net time when the learner gives its compute
     rate `flops_per_s` (the layers' FLOPs saved over `passes` forward passes at that rate must
     exceed the CPU time of planning the trees, `plan_cost`, trie and masks, less the `hidden_s`
-    seconds of compute the planning runs beside: `PlanAhead`), else by the layers' FLOPs alone. Rows longer than a sliding window, rows that are not
+    seconds of compute the planning runs beside: `PlanAhead`), else by the layers' FLOPs alone.
+    `max_bin_slots`: no shared-prefix bin grows past it to hold more trees (`build_forest`'s
+    `max_length`). Rows longer than a sliding window, rows that are not
     right-padded and trees longer than `MAX_TREE_SLOTS` are never shared (a tree's mask is a
     full-attention one, dense over its bin)."""
     base = padded(input_ids, attention_mask)
@@ -153,7 +156,8 @@ def plan_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, pack: boo
         return cost is None or cost(bins, length) < base_cost
 
     started = time.perf_counter()
-    forest = build_forest(input_ids, attention_mask, group_ids, cost, keep=cheaper if share == "auto" else None)
+    forest = build_forest(input_ids, attention_mask, group_ids, cost, keep=cheaper if share == "auto" else None,
+                          max_length=max_bin_slots)
     if forest is None:
         return base
     clock.observe(rows, forest.nodes, *forest.input_ids.shape, time.perf_counter() - started)

@@ -87,6 +87,9 @@ class LearnerModels:
     lora: bool
     dtype: torch.dtype
     teacher: Any = None  # the teacher's engine (on-policy distillation, algorithm.teacher_path)
+    # the longest shared-prefix bin the planner may fill with several trees: the plain attention's
+    # limit where the policy computes with it (trainer/cpu_attention.py), else no limit
+    max_bin_slots: int | None = None
 
 
 def join_data_parallel(spec: LearnerSpec, rank: int, world_size: int, device_kind: str, master_addr: str,
@@ -123,7 +126,8 @@ def build_models(spec: LearnerSpec, rank: int, world_size: int, device: torch.de
     engine = _trainable(spec, lambda: _with_adapters(AutoModelForCausalLM.from_pretrained(spec.model.path, dtype=dtype),
                                                      spec.model.lora),
                         deepspeed_config(spec, world_size), spec.algorithm.lr)
-    if use_training_attention(engine.module, device, dtype) and rank == 0:
+    plain_attention = use_training_attention(engine.module, device, dtype)
+    if plain_attention and rank == 0:
         print(f"learner: bf16 on CPU: attention over training bins up to {EAGER_MAX_SLOTS} slots as plain matmuls "
               "(trainer/cpu_attention.py)", flush=True)
     pack = spec.trainer.padding_free and _packing_holds(engine, rank, world_size, device)
@@ -155,7 +159,8 @@ def build_models(spec: LearnerSpec, rank: int, world_size: int, device: torch.de
             if rank == 0:
                 print("learner: the teacher ignores prefix trees' masks; shared-prefix micro-batches are off", flush=True)
         teacher.eval()  # (_layout_holds leaves a model in train mode)
-    return LearnerModels(engine, ref, critic, pack, share, use_lora, dtype, teacher)
+    return LearnerModels(engine, ref, critic, pack, share, use_lora, dtype, teacher,
+                         EAGER_MAX_SLOTS if plain_attention else None)
 
 
 def _layout_holds(check, engine, rank: int, world_size: int, device: torch.device) -> bool:

@@ -82,10 +82,13 @@ MAX_TREE_SLOTS = 8192
 
 def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, group_ids: torch.Tensor,
                  cost: Callable[[int, int], float] | None = None,
-                 keep: Callable[[int, int, int], bool] | None = None) -> PrefixForest | None:
+                 keep: Callable[[int, int, int], bool] | None = None,
+                 max_length: int | None = None) -> PrefixForest | None:
     """The rows of each group (`group_ids`) as a prefix tree, trees packed into bins of the
-    largest tree's size, or (`cost(bins, length)`, e.g. `layout_cost`'s) of the multiple of it
-    that costs least, trimmed to its fullest bin. None when the rows are not right-padded, when a
+    largest tree's size, or (`cost(bins, length)`, e.g. `layout_cost`'s) of the multiple of it, or
+    of `max_length`, that costs least, trimmed to its fullest bin; with `max_length` no bin grows
+    past it to hold more trees (a CPU bf16 learner's plain attention stops there:
+    trainer/cpu_attention.py). None when the rows are not right-padded, when a
     bin would pass `MAX_TREE_SLOTS`, or when `keep(bins, length, nodes)` says no: both decided
     from the trie's sizes, before any mask exists. Planned on the host from the token lists; the
     tensors are made on the batch's device."""
@@ -105,7 +108,11 @@ def build_forest(input_ids: torch.Tensor, attention_mask: torch.Tensor, group_id
     capacity = max(sizes)
     bins = first_fit(sizes, capacity)
     if cost is not None:  # longer bins hold small trees with less filler, at a quadratic attention cost
-        for longer in range(2 * max(sizes), sum(sizes) + max(sizes), max(sizes)):
+        stop = sum(sizes) + capacity if max_length is None else min(sum(sizes) + capacity, max_length + 1)
+        candidates = list(range(2 * capacity, stop, capacity))
+        if max_length is not None and capacity < max_length and max_length not in candidates:
+            candidates.append(max_length)
+        for longer in candidates:
             packed = first_fit(sizes, longer)
             fullest = max(sum(sizes[t] for t in b) for b in packed)
             if cost(len(packed), fullest) < cost(len(bins), capacity):

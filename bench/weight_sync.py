@@ -314,7 +314,8 @@ def ours(cfg, config, repeats: int, warmup: int) -> dict[str, Any]:
         fleet = RolloutFleet(spec, num_cpus=1, num_gpus=c.gpus_per_rollout_worker, env_vars=env,
                              actor_options=placement.rollout, deadlines=deadlines, log=print)
         learner = LearnerGroup(LearnerSpec.from_config(config, threads), config.trainer.num_workers, num_cpus=1,
-                               num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0, keep_freed=True),
+                               num_gpus=c.gpus_per_learner, env_vars=actor_env(threads, c.gpus_per_learner > 0,
+                                                                                 config.trainer.cpu_allocator),
                                actor_options=placement.learner, deadlines=deadlines)
         weights = Cluster(fleet, learner, make_weight_sync(config.trainer.weight_sync, learner.group, learner.metas,
                                                            fleet.group, config.rollout.tensor_parallel_size, deadlines))

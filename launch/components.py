@@ -137,7 +137,7 @@ def build_components(cfg: TrainConfig, log=print, started: dict[str, Any] | None
     if c.placement_mode == "hybrid":  # the learner needs the engines asleep (level 1 keeps their weights:
         fleet.sleep(1)                # no sync comes before the first rollout)
     learner = started["learner"] = LearnerGroup(LearnerSpec.from_config(cfg, learner_threads), cfg.trainer.num_workers, num_cpus=1,
-                           num_gpus=c.gpus_per_learner, env_vars=actor_env(learner_threads, c.gpus_per_learner > 0, keep_freed=True),
+                           num_gpus=c.gpus_per_learner, env_vars=actor_env(learner_threads, c.gpus_per_learner > 0, cfg.trainer.cpu_allocator),
                            actor_options=placement.learner, deadlines=deadlines)
     rewards = started["rewards"] = RewardService(reward_specs(cfg), num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s,
                             bound=cfg.reward.bound, base_dir=os.getcwd(), deadlines=deadlines) if cfg.reward.functions else None

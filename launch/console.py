@@ -14,12 +14,13 @@ import os
 NO_PROGRESS_BARS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
 
 
-def actor_env(threads: int, gpu: bool, keep_freed: bool = False) -> dict[str, str]:
-    """Environment of a learner or rollout actor: its thread count, a quiet start-up and, with
-    `keep_freed` (a learner) on CPU, a heap that keeps freed memory (launch/allocator.py)."""
+def actor_env(threads: int, gpu: bool, allocator: str | None = None) -> dict[str, str]:
+    """Environment of a learner or rollout actor: its thread count, a quiet start-up and, with an
+    `allocator` (a learner's `trainer.cpu_allocator`) on CPU, a malloc that keeps freed memory
+    (launch/allocator.py)."""
     from launch.allocator import malloc_env
 
-    env = {"OMP_NUM_THREADS": str(threads), **NO_PROGRESS_BARS, **(malloc_env(gpu) if keep_freed else {}),
+    env = {"OMP_NUM_THREADS": str(threads), **NO_PROGRESS_BARS, **(malloc_env(gpu, allocator) if allocator else {}),
            # vLLM warns at every in-place reload that RotaryEmbedding got no weights (its cos/sin
            # cache is derived, not trained, and is kept): keep the console for the step lines.
            "PYTHONWARNINGS": "ignore::FutureWarning"}

@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 
+from launch.allocator import jemalloc_library
 from launch.train import train
 from rl.log.run_log import read_metrics
 from tests.conftest import ray_left_free
@@ -56,6 +57,14 @@ def test_default_run_improves_reward_and_saves_a_loadable_model(make_config):
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json"):
         assert os.path.getsize(os.path.join(cfg.run.dir, name)) > 0
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(cfg.run.dir, "tb")))
+    _assert_learner_malloc(cfg.run.dir)
+
+
+def _assert_learner_malloc(run_dir: str) -> None:
+    """The CPU learner ran on jemalloc where Ray ships it (launch/allocator.py), as actors.json says."""
+    actors = json.load(open(os.path.join(run_dir, "actors.json")))
+    learners = [a for a in actors if a["role"] == "learner"]
+    assert learners and all(a["malloc"] == ("jemalloc" if jemalloc_library() else "glibc") for a in learners), learners
 
 
 def _assert_saved_model_is_the_trained_policy(saved_dir: str, start_dir: str, train_file: str,
@@ -144,6 +153,7 @@ def test_async_rollouts_learn_and_resume_without_losing_a_prompt(make_config, tm
     assert all(0 < m["is/ess_frac"] <= 1 and m["actor/clip_frac"] < 0.2 for m in metrics)
     assert all(m["perf/mfu"] > 0 and "time/wait_rollout_s" in m for m in metrics)
     assert all(m["reward/errors_count"] == 0 for m in metrics)
+    _assert_learner_malloc(cfg.run.dir)
 
     # resume from the halfway checkpoint (its batch for that step was generated ahead, one version before)
     run_dir = cfg.run.dir

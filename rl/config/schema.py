@@ -276,6 +276,9 @@ class TrainerConfig:
     # model's FLOPs say the tree costs less than separate rows; on: wherever possible; off
     shared_prefix: str = "auto"
     offload_optimizer: bool = False
+    # a CPU learner's malloc, freed memory kept for the next step (launch/allocator.py): jemalloc
+    # (Ray's own copy; glibc where a Ray build has none) or glibc
+    cpu_allocator: str = "jemalloc"
     ref_offload: bool = False  # keep the frozen reference model's weights on CPU (ZeRO-3 param offload)
     zero3_persistence_threshold: int = 0  # DeepSpeed's 1e5 keeps small tensors whole; 0 shards all
     # collective (gloo/NCCL broadcast) | object_store (Ray) | ipc (CUDA IPC on a shared GPU, with

@@ -37,6 +37,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "sandbox.backend": ("process", "docker", "unsafe_local"),
     "cluster.placement": ("pack", "spread", "strict_pack", "strict_spread"),
     "trainer.shared_prefix": ("auto", "on", "off"),
+    "trainer.cpu_allocator": ("jemalloc", "glibc"),  # launch/allocator.py ALLOCATORS
     "rollout.enforce_eager": (True, False, "auto"),
     "cluster.placement_mode": ("disaggregated", "hybrid"),
 }

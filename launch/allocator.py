@@ -12,10 +12,11 @@ buffer of its own: trainer/zero_grads.py). Two ways to keep freed memory for the
   jemalloc library every Ray wheel ships (`ray/core/libjemalloc.so`, jemalloc 5.3; Ray preloads
   it into its own processes to profile them) and `MALLOC_CONF` that never purges freed pages.
   jemalloc's size classes reuse a freed block for the next step's block of a different size
-  where glibc's single heap fragments: on the SmolLM2 recipe (8x4x96 bf16, 12 steps) the train
-  phase took 4.30 s a step against 4.81 with glibc's kept heap, the learner's peak RSS 7.7 against
-  8.3 GB (`bench.allocator --recipe` measures it, runs taking turns). Where the library is absent
-  (a Ray build without it) the glibc settings below are used instead.
+  where glibc's single heap fragments: on `bench.vs_trl`'s SmolLM2 8x4x96 case the train phase
+  took 4.20 s a step against 4.90 with glibc's kept heap in bf16 (1.17x), 7.38 against 7.81 s in
+  fp32 (1.06x) (`bench.allocator --recipe`, two rounds taking turns); in one pair of 12-step bf16
+  runs the learner's peak RSS was 7.7 against 8.3 GB. Where the library is absent (a Ray build
+  without it) the glibc settings below are used instead.
 - `glibc`: mmap off (`MALLOC_MMAP_MAX_=0`: every allocation from the heap) and the trim threshold
   out of reach, so freed memory stays mapped and the next step reuses pages it already touched.
   (`MALLOC_ARENA_MAX=1` on top, one heap for every thread, measured slower on the recipe: train

@@ -27,7 +27,8 @@ after the first update, the free pages go back to the system). A rollout step (v
 cache allocated once) changed within noise when tried, so rollout actors keep glibc's defaults;
 a GPU process keeps its large tensors on the device, so its actors are left as they are. A value
 the user set in the environment wins (`os.environ` is read first; an `LD_PRELOAD` of their own
-means no jemalloc of ours, and glibc's settings apply).
+means no jemalloc of ours, and glibc's settings apply). The library's path is the driver's; on a
+node where it does not exist the preload is skipped and glibc's settings, sent beside it, apply.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ def malloc_env(gpu: bool, allocator: str = "jemalloc") -> dict[str, str]:
         return {}
     if allocator not in ALLOCATORS:
         raise ValueError(f"trainer.cpu_allocator={allocator!r}: expected one of {', '.join(ALLOCATORS)}")
+    glibc = {key: os.environ.get(key, value) for key, value in KEEP_FREED_MEMORY.items()}
     library = jemalloc_library() if allocator == "jemalloc" and not os.environ.get("LD_PRELOAD") else None
-    if library is not None:
-        return {"LD_PRELOAD": library, **{key: os.environ.get(key, value) for key, value in JEMALLOC_KEEP_FREED.items()}}
-    return {key: os.environ.get(key, value) for key, value in KEEP_FREED_MEMORY.items()}
+    if library is None:
+        return glibc
+    # glibc's settings ride along: jemalloc ignores them, and where the path (this driver's Ray
+    # wheel) does not exist on an actor's node, the loader skips the preload with a warning and
+    # glibc's heap keeps freed memory instead (`actors.json` says which malloc each learner runs)
+    return {"LD_PRELOAD": library, **{key: os.environ.get(key, value) for key, value in JEMALLOC_KEEP_FREED.items()},
+            **glibc}

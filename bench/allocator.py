@@ -92,18 +92,17 @@ SETTINGS = ("default", "glibc", "jemalloc")
 
 def setting_env(name: str) -> dict[str, str]:
     """This process's environment less any malloc setting, plus setting `name`'s: glibc's defaults
-    written out, or the settings a CPU learner actor starts with (launch/allocator.py)."""
-    from launch.allocator import jemalloc_library
+    written out, or the settings a CPU learner actor starts with (launch/allocator.py `malloc_env`)."""
+    from launch.allocator import jemalloc_library, malloc_env
     from trainer.heap import JEMALLOC_KEEP_FREED, KEEP_FREED_MEMORY
 
     env = {k: v for k, v in os.environ.items()
            if k not in {*KEEP_FREED_MEMORY, *JEMALLOC_KEEP_FREED, *GLIBC_DEFAULTS, "LD_PRELOAD"}}
-    if name == "jemalloc":
-        library = jemalloc_library()
-        if library is None:
-            raise SystemExit("--settings jemalloc: this Ray build ships no libjemalloc.so")
-        return {**env, "LD_PRELOAD": library, **JEMALLOC_KEEP_FREED}
-    return {**env, **(GLIBC_DEFAULTS if name == "default" else KEEP_FREED_MEMORY)}
+    if name == "default":
+        return {**env, **GLIBC_DEFAULTS}
+    if name == "jemalloc" and jemalloc_library() is None:
+        raise SystemExit("--settings jemalloc: this Ray build ships no libjemalloc.so")
+    return {**env, **malloc_env(False, name, environ=env)}
 
 
 def run_child(model: str, dtype: str, steps: int, warmup: int, setting: str) -> dict:

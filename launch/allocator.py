@@ -36,6 +36,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from pathlib import Path
+from typing import Mapping
 
 from trainer.heap import JEMALLOC_KEEP_FREED, KEEP_FREED_MEMORY
 
@@ -51,19 +52,22 @@ def jemalloc_library() -> str | None:
     return str(path) if path.is_file() else None
 
 
-def malloc_env(gpu: bool, allocator: str = "jemalloc") -> dict[str, str]:
+def malloc_env(gpu: bool, allocator: str = "jemalloc", environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """The malloc settings a CPU learner actor starts with (none on a GPU actor), each unless the
-    driver's environment sets it. `allocator`: `trainer.cpu_allocator`."""
+    driver's environment (`environ`, default `os.environ`) sets it. `allocator`: `trainer.cpu_allocator`."""
     if gpu:
         return {}
     if allocator not in ALLOCATORS:
         raise ValueError(f"trainer.cpu_allocator={allocator!r}: expected one of {', '.join(ALLOCATORS)}")
-    glibc = {key: os.environ.get(key, value) for key, value in KEEP_FREED_MEMORY.items()}
-    library = jemalloc_library() if allocator == "jemalloc" and not os.environ.get("LD_PRELOAD") else None
+    environ = os.environ if environ is None else environ
+
+    def unless_set(settings: Mapping[str, str]) -> dict[str, str]:
+        return {key: environ.get(key, value) for key, value in settings.items()}
+
+    library = jemalloc_library() if allocator == "jemalloc" and not environ.get("LD_PRELOAD") else None
     if library is None:
-        return glibc
+        return unless_set(KEEP_FREED_MEMORY)
     # glibc's settings ride along: jemalloc ignores them, and where the path (this driver's Ray
     # wheel) does not exist on an actor's node, the loader skips the preload with a warning and
     # glibc's heap keeps freed memory instead (`actors.json` says which malloc each learner runs)
-    return {"LD_PRELOAD": library, **{key: os.environ.get(key, value) for key, value in JEMALLOC_KEEP_FREED.items()},
-            **glibc}
+    return {"LD_PRELOAD": library, **unless_set(JEMALLOC_KEEP_FREED), **unless_set(KEEP_FREED_MEMORY)}

@@ -44,9 +44,11 @@ def _split(split: dict, keys: dict[str, str]) -> str:
     return ", ".join(f"{label} {split[k]:.2f}" for k, label in keys.items() if k in split)
 
 
-# (file, the cases of it in the table: None for all) -- the newest run of each case
-VS_TRL_FILES = (("vs_trl_smollm2_8x4.json", None), ("vs_trl_smollm2_shapes.json", ("smollm2_n8-bf16",)),
-                ("vs_trl_smollm2_fp32_mb16.json", ("smollm2_n8-fp32",)), ("vs_trl_smollm2_long.json", None))
+# (file, the cases of it in the table: None for all) -- every run of the code now in (a repeat
+# beside its first run), and the newest run of a case not rerun since
+VS_TRL_FILES = (("vs_trl_smollm2_8x4.json", None), ("vs_trl_smollm2_8x4_repeat.json", None),
+                ("vs_trl_smollm2_n8_bf16_repeat.json", None), ("vs_trl_smollm2_n8_fp32_mb16_repeat.json", None),
+                ("vs_trl_smollm2_long_repeat.json", None))
 
 
 def vs_trl(files: tuple[tuple[str, tuple[str, ...] | None], ...] = VS_TRL_FILES) -> str:

@@ -79,11 +79,14 @@ def test_a_value_the_user_set_wins(monkeypatch):
     assert "LD_PRELOAD" not in env and env["MALLOC_MMAP_MAX_"] == "65536"
 
 
-def test_a_preload_missing_on_the_node_falls_back_to_glibc_s_kept_heap():
+@needs_jemalloc
+def test_a_preload_missing_on_the_node_falls_back_to_glibc_s_kept_heap(monkeypatch):
     """The jemalloc path is the driver's: where an actor's node lacks it, the loader skips the
-    preload and the glibc settings sent beside it keep freed memory all the same."""
-    env = {**malloc_env(False, "glibc"), "LD_PRELOAD": "/nonexistent/ray/core/libjemalloc.so",
-           "MALLOC_CONF": "dirty_decay_ms:-1,muzzy_decay_ms:-1"}
+    preload and the glibc settings sent beside it keep freed memory all the same. The learner's
+    own settings, with only the library's path moved away."""
+    for key in SETTINGS:
+        monkeypatch.delenv(key, raising=False)
+    env = {**malloc_env(False, "jemalloc"), "LD_PRELOAD": "/nonexistent/ray/core/libjemalloc.so"}
     out = _second_round(env)
     assert not out["jemalloc"] and out["faults"] < 0.01 * ((256 << 20) // os.sysconf("SC_PAGE_SIZE")), out
 

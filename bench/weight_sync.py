@@ -20,9 +20,10 @@ process to another:
 - ours: a sync as a training run does it: `WeightSync.sync(version)` (rl/wire/) from a
   DeepSpeed learner (1 rank, ZeRO-2) to a `RolloutFleet` worker (vLLM), both Ray actors built as
   `launch.components.build_components` builds them, timed in the driver. Its time is split with the
-  worker's own figures (`RolloutWorker.receive_weights`): receive (in the broadcasts) and load
-  (vLLM's `reload_weights`, streamed from the buckets as they arrive, plus our tied-weight and
-  prefix-cache handling); the rest is the learner's side and Ray. Also the worker's peak extra
+  worker's own figures (`RolloutWorker.receive_weights`): receive (waiting for a bucket's
+  broadcast; the next bucket arrives while vLLM loads the one before, so most of the transfer
+  is hidden in load) and load (vLLM's `reload_weights`, streamed from the buckets as they
+  arrive, plus our tied-weight and prefix-cache handling); the rest is the learner's side and Ray. Also the worker's peak extra
   RSS during a sync (glibc's own allocator: it may reuse freed heap; `tests/test_weight_sync.py`
   measures the peak under an allocator that returns freed buffers).
 

@@ -1,6 +1,6 @@
 """The weight-sync wire protocol (`rl.wire.collective`, `rl.wire.format`) between real processes: buckets arrive whole
 and in order at every receiver (sent without a copy where the sender's tensors lie end to end), a
-group whose peer never comes fails instead of hanging, and a receiver streams: two bucket buffers
+group whose peer never comes fails instead of hanging, and a receiver streams: three bucket buffers
 in memory, not a second copy of the model, also when it loads into a live vLLM engine."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from rl.wire.collective import free_port, init_group, receive, send
+from rl.wire.collective import RECEIVE_SLOTS, free_port, init_group, receive, send
 from rl.wire.format import WeightMeta, buckets
 from tests.members import run_members
 
@@ -127,53 +127,58 @@ def test_a_stopped_receiver_fails_the_senders_broadcast_in_bounded_time_and_a_ne
         assert torch.equal(t, TENSORS[name])
 
 
-# ---- streaming: one bucket in memory at a time -------------------------------------------------
+# ---- streaming: three bucket buffers in turn ----------------------------------------------------
 
-FOUR = [torch.full((4,), float(k)) for k in range(4)]
-FOUR_METAS = [WeightMeta(f"t{k}", (4,), "float32") for k in range(4)]
+FIVE = [torch.full((4,), float(k)) for k in range(5)]
+FIVE_METAS = [WeightMeta(f"t{k}", (4,), "float32") for k in range(5)]
 
 
 def _holding_member(rank: int, port: int, out) -> None:
-    """Four one-tensor buckets (16 bytes each). Rank 1 keeps the tensor of bucket 0, as a loader
-    keeps a layer it has not finished, and a view of its own of bucket 1's tensor."""
+    """Five one-tensor buckets (16 bytes each). Rank 1 keeps the tensor of bucket 0, as a loader
+    keeps a layer it has not finished, and a view of its own of bucket 1's tensor. Buckets go to
+    buffers 0, 1, 2, 0, 1; a bucket's broadcast is posted when the consumer asks for the one
+    before it, so buffer 0 takes bucket 3 as bucket 2 is handed out."""
     group = init_group("127.0.0.1", port, rank, 2, "gloo", timeout_s=60)
     if rank == 0:
-        send(group, [[t] for t in FOUR])
+        send(group, [[t] for t in FIVE])
         return
     stats: dict[str, float] = {}
-    it = receive(group, FOUR_METAS, limit=16, stats=stats)
+    it = receive(group, FIVE_METAS, limit=16, stats=stats)
     _, t0 = next(it)
     slot0 = t0.untyped_storage().data_ptr()
     _, t1 = next(it)
     own_view = t1.view(2, 2)  # not handed out by `receive`: it cannot give it a copy
     slot1 = t1.untyped_storage().data_ptr()
     del t1
-    _, t2 = next(it)  # buffer 0 again: t0 first gets its own copy
+    _, t2 = next(it)  # bucket 3 is now arriving in buffer 0: t0 first got its own copy
     t0_moved = t0.untyped_storage().data_ptr() != slot0
-    t2_in_slot0 = t2.untyped_storage().data_ptr() == slot0
-    _, t3 = next(it)  # buffer 1 is still viewed by `own_view`: a new buffer takes bucket 3
-    t3_new = t3.untyped_storage().data_ptr() != slot1
-    out.put(pickle.dumps((t0.clone(), own_view.clone(), t2.clone(), t3.clone(), t0_moved, t2_in_slot0, t3_new,
-                          list(it), stats)))
+    t2_new_slot = t2.untyped_storage().data_ptr() not in (slot0, slot1)
+    _, t3 = next(it)  # buffer 1 is still viewed by `own_view`: a new buffer takes bucket 4
+    t3_in_slot0 = t3.untyped_storage().data_ptr() == slot0
+    _, t4 = next(it)
+    t4_new = t4.untyped_storage().data_ptr() != slot1
+    out.put(pickle.dumps((t0.clone(), own_view.clone(), t2.clone(), t3.clone(), t4.clone(), t0_moved, t2_new_slot,
+                          t3_in_slot0, t4_new, list(it), stats)))
 
 
 @pytest.mark.slow  # over a second: real processes or a whole command line (not the fast lane)
-def test_receive_streams_two_buffers_in_turn_and_copies_what_the_consumer_keeps() -> None:
+def test_receive_streams_three_buffers_in_turn_and_copies_what_the_consumer_keeps() -> None:
     ctx = mp.get_context("spawn")
     port, out = free_port(), ctx.Queue()
     procs = [ctx.Process(target=_holding_member, args=(rank, port, out)) for rank in range(2)]
     for p in procs:
         p.start()
     try:
-        t0, own_view, t2, t3, t0_moved, t2_in_slot0, t3_new, rest, stats = pickle.loads(out.get(timeout=120))
+        (t0, own_view, t2, t3, t4, t0_moved, t2_new_slot, t3_in_slot0, t4_new, rest,
+         stats) = pickle.loads(out.get(timeout=120))
     finally:
         for p in procs:
             p.join(timeout=30)
-    assert buckets(FOUR_METAS, 16) == [[0], [1], [2], [3]]
-    assert torch.equal(t0, FOUR[0]) and t0_moved and t2_in_slot0  # copied out, buffer reused
-    assert torch.equal(own_view.reshape(-1), FOUR[1]) and t3_new  # buffer left to the view
-    assert torch.equal(t2, FOUR[2]) and torch.equal(t3, FOUR[3]) and rest == []
-    assert stats["bytes"] == 4 * 16 and stats["receive_s"] > 0
+    assert buckets(FIVE_METAS, 16) == [[0], [1], [2], [3], [4]]
+    assert torch.equal(t0, FIVE[0]) and t0_moved and t2_new_slot and t3_in_slot0  # copied out, buffer reused
+    assert torch.equal(own_view.reshape(-1), FIVE[1]) and t4_new  # buffer left to the view
+    assert all(torch.equal(t, FIVE[k]) for k, t in ((2, t2), (3, t3), (4, t4))) and rest == []
+    assert stats["bytes"] == 5 * 16 and stats["receive_s"] > 0
 
 
 # ---- a real sync into vLLM: peak extra memory vs the model's size ------------------------------
@@ -267,14 +272,15 @@ def _model_27m(tied: bool, tmp_root) -> str:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, pytest.param(True, marks=pytest.mark.full)], ids=["untied", "tied"])
-def test_sync_into_vllm_holds_two_buckets_not_a_second_model(tmp_path, monkeypatch, tied) -> None:
+def test_sync_into_vllm_holds_its_bucket_buffers_not_a_second_model(tmp_path, monkeypatch, tied) -> None:
     """The 27m shape (104 MiB of float32; 88 MiB tied) synced into a live vLLM engine: with the
-    stream the peak extra RSS is the receiver's two bucket buffers plus vLLM's own work on the
+    stream the peak extra RSS is the receiver's three bucket buffers plus vLLM's own work on the
     layer being loaded, below the model's size; fed a materialised list (the old code) it grows
     by most of the model. The engine then samples from the new weights, tied embeddings included.
-    Measured: 64 MiB streamed vs 109 MiB materialised (untied), 49 vs 93 MiB (tied)."""
-    from rl.wire.format import BUCKET_BYTES
-
+    Buckets of 4 MiB here (the default is 16), so that the receiver's buffers stay small beside
+    this small model and the two modes differ by most of it.
+    Measured: 68 MiB streamed vs 115 MiB materialised (untied), 40 vs 96 MiB (tied)."""
+    limit = 4 * 1024 * 1024
     model_dir = _model_27m(tied, tmp_path)
     new_dir = str(tmp_path / "new")
     ctx = mp.get_context("spawn")
@@ -282,8 +288,8 @@ def test_sync_into_vllm_holds_two_buckets_not_a_second_model(tmp_path, monkeypat
     # Large buffers are mmapped and given back on free, so RSS follows what is really live
     # (glibc otherwise may keep freed heap pages and reuse them, hiding or inflating peaks).
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(1024 * 1024))
-    procs = [ctx.Process(target=_sync_sender, args=(port, model_dir, new_dir, BUCKET_BYTES, to_receiver)),
-             ctx.Process(target=_sync_receiver, args=(port, model_dir, new_dir, BUCKET_BYTES, to_receiver, out))]
+    procs = [ctx.Process(target=_sync_sender, args=(port, model_dir, new_dir, limit, to_receiver)),
+             ctx.Process(target=_sync_receiver, args=(port, model_dir, new_dir, limit, to_receiver, out))]
     for p in procs:
         p.start()
     try:
@@ -295,18 +301,19 @@ def test_sync_into_vllm_holds_two_buckets_not_a_second_model(tmp_path, monkeypat
                 p.kill()
     mib = 1024 * 1024
     peaks, model_bytes, largest = result["peaks"], result["model_bytes"], result["largest_tensor"]
-    print(f"model {model_bytes / mib:.1f} MiB, bucket {BUCKET_BYTES / mib:.0f} MiB, largest tensor "
+    print(f"model {model_bytes / mib:.1f} MiB, bucket {limit / mib:.0f} MiB, largest tensor "
           f"{largest / mib:.1f} MiB: peak extra RSS streamed {peaks['streamed'] / mib:.1f} MiB, "
           f"materialised {peaks['materialised'] / mib:.1f} MiB; logprob diff {result['logprob_max_diff']:.2e}")
     assert result["tokens"] == 8 and result["logprob_max_diff"] < 1e-4
-    assert model_bytes > 80 * mib and largest <= BUCKET_BYTES < model_bytes / 4
-    # two bucket buffers, plus vLLM's own work on the layer it is loading: it materialises the
-    # layer and packs its GEMM weights, about twice the largest layer (the 16 MiB embedding or head)
-    assert peaks["streamed"] <= 2 * BUCKET_BYTES + 2.5 * largest + 8 * mib
+    assert model_bytes > 80 * mib and limit < largest < model_bytes / 4  # the embedding: a bucket of its own
+    # the receiver's buffers (one of them grown to the largest tensor), plus vLLM's own work on the
+    # layer it is loading: it materialises the layer and packs its GEMM weights, about twice the
+    # largest layer (the 16 MiB embedding or head)
+    assert peaks["streamed"] <= (RECEIVE_SLOTS - 1) * limit + largest + 2.5 * largest + 8 * mib
     assert peaks["streamed"] < model_bytes
-    # the measurement does see a second copy: the list holds the weights (those of the last two
+    # the measurement does see a second copy: the list holds the weights (those of the last
     # buckets in the receiver's kept buffers, which the first sync allocated)
-    assert peaks["materialised"] > peaks["streamed"] + (model_bytes - 2 * BUCKET_BYTES) / 2
+    assert peaks["materialised"] > peaks["streamed"] + (model_bytes - RECEIVE_SLOTS * largest) / 2
 
 
 def test_the_export_is_the_checkpoint_layout_vllm_loads(tmp_path) -> None:

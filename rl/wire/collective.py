@@ -8,7 +8,7 @@ shard of a vLLM engine at its own rank.
   and vLLM each use in their own process; `send` broadcasts from rank 0 one bucket at a time, each
   as one flat tensor in the order of the `WeightMeta` list both sides agreed on when they joined
   (the wire format: rl/wire/format.py; with `trainer.delta_sync` only what changed:
-  rl/wire/delta.py); `receive` is a generator over two bucket buffers used in turn, so a rollout
+  rl/wire/delta.py); `receive` is a generator over three bucket buffers used in turn, so a rollout
   engine loading from it never holds a second full copy of the weights
   (`tests/test_weight_sync.py` measures it);
 - the learner's side: `CollectiveSender`, in every learner rank (rank 0 broadcasts; the others
@@ -54,13 +54,23 @@ class SyncGroup:
     wait_timeout: timedelta
 
     def broadcast(self, flat: torch.Tensor) -> None:
-        """Broadcast `flat` from rank 0 and return once it has happened here. NCCL's plain
-        `wait()` only orders the current CUDA stream after the broadcast: a peer that stopped
-        would leave the caller reporting success while its stream hangs, and every later kernel
-        (the next sync, a training step) queued behind it. With a timeout `wait` blocks this
-        thread until the broadcast completes or raises at the timeout; the stream is then
-        synchronized, so timings measure the transfer and a bucket buffer is reused only once sent."""
-        self.pg.broadcast(flat, root=0).wait(self.wait_timeout)
+        """Broadcast `flat` from rank 0 and return once it has happened here."""
+        self.finish(self.start(flat), flat)
+
+    def start(self, flat: torch.Tensor) -> Any:
+        """Post the broadcast of `flat` from rank 0 and return at once (its work handle): the
+        transfer proceeds in the backend's own thread (gloo) or stream (NCCL), ordered after
+        every op already queued here, while this thread goes on."""
+        return self.pg.broadcast(flat, root=0)
+
+    def finish(self, work: Any, flat: torch.Tensor) -> None:
+        """Wait for a posted broadcast. NCCL's plain `wait()` only orders the current CUDA stream
+        after the broadcast: a peer that stopped would leave the caller reporting success while
+        its stream hangs, and every later kernel (the next sync, a training step) queued behind
+        it. With a timeout `wait` blocks this thread until the broadcast completes or raises at
+        the timeout; the stream is then synchronized, so timings measure the transfer and a
+        bucket buffer is reused only once sent."""
+        work.wait(self.wait_timeout)
         if flat.is_cuda:
             torch.cuda.current_stream(flat.device).synchronize()
 
@@ -134,35 +144,46 @@ def _rehome(refs: list[weakref.ref]) -> None:
         held = None
 
 
+# Buffers a receiver fills in turn: the bucket the consumer loads, the next one arriving meanwhile,
+# and the one before, whose tensors a loader may still hold (a layer not yet complete).
+RECEIVE_SLOTS = 3
+
+
 def receive(group, metas: list[WeightMeta], device: str | torch.device = "cpu", *, limit: int = BUCKET_BYTES,
             stats: dict[str, float] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Ranks 1..N: yield (name, tensor) in `metas` order as the buckets arrive (`limit`: the
     sender's bucket size). A lazy generator for a consumer that loads tensor by tensor (vLLM's
-    `reload_weights`): the tensors are views of two bucket buffers used in turn, so a tensor stays
-    valid until the bucket after next arrives: by then the consumer has moved on from it (its loop
-    variables hold newer ones); one it still keeps (a layer spanning buckets, not yet loaded) is
-    then given a copy of its own. `stats` (optional) accumulates `receive_s` (seconds in the
-    broadcasts) and `bytes`.
+    `reload_weights`). The next bucket's broadcast is in flight while the consumer loads this one
+    (on 2 cores a full SmolLM2 sync into vLLM took 0.92 s against 1.02 s receiving and loading
+    in turn: `python -m bench.weight_sync`). The tensors are views of `RECEIVE_SLOTS` kept
+    buffers used in turn; before a buffer takes a new bucket, a tensor of its old one that the
+    consumer still keeps (a layer spanning buckets, not yet loaded) is given a copy of its own.
+    `stats` (optional) accumulates `receive_s` (seconds waiting for broadcasts) and `bytes`."""
+    plan = buckets(metas, limit)
+    handed_out: list[list[weakref.ref]] = [[] for _ in range(RECEIVE_SLOTS)]  # views of each buffer given out
 
-    Buckets are received one after the other, not while the consumer loads the previous one: on
-    2 cores a receive overlapped with vLLM's loading slowed both more than it hid."""
-    handed_out: list[list[weakref.ref]] = [[], []]  # views of each buffer given to the consumer
-    for k, bucket in enumerate(buckets(metas, limit)):
-        slot, dtype = k % 2, metas[bucket[0]].torch_dtype
+    def post(k: int) -> tuple[torch.Tensor, Any]:
+        slot, dtype = k % RECEIVE_SLOTS, metas[plan[k][0]].torch_dtype
         _rehome(handed_out[slot])
         handed_out[slot] = []
-        total = sum(metas[i].numel for i in bucket)
-        started = time.perf_counter()
+        total = sum(metas[i].numel for i in plan[k])
         flat = kept_buffer("receive", slot, max(total, limit // dtype.itemsize), dtype, device)[:total]
-        group.broadcast(flat)
+        return flat, group.start(flat)
+
+    arriving = post(0) if plan else None
+    for k, bucket in enumerate(plan):
+        flat, work = arriving
+        started = time.perf_counter()
+        group.finish(work, flat)
         if stats is not None:
             stats["receive_s"] = stats.get("receive_s", 0.0) + time.perf_counter() - started
             stats["bytes"] = stats.get("bytes", 0.0) + flat.numel() * flat.element_size()
+        arriving = post(k + 1) if k + 1 < len(plan) else None
         offset = 0
         for i in bucket:
             view = flat[offset : offset + metas[i].numel].view(metas[i].shape)
             offset += metas[i].numel
-            handed_out[slot].append(weakref.ref(view))
+            handed_out[k % RECEIVE_SLOTS].append(weakref.ref(view))
             yield metas[i].name, view
             del view
         del flat
@@ -219,7 +240,7 @@ class CollectiveSender:
 
 class CollectiveReceiver:
     """A rollout process's end: joins the group at its rank and loads each broadcast bucket by
-    bucket as it arrives (two bucket buffers, never a second copy of the model). `merger`
+    bucket as it arrives (three bucket buffers, never a second copy of the model). `merger`
     (`rl.wire.lora.AdapterMerger`, with `model.lora`): syncs carry adapters, merged into the base
     weights it keeps."""
 

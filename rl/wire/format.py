@@ -20,7 +20,7 @@ import torch
 # Parameters are sent in buckets of at most this many bytes (consecutive tensors of one dtype; a
 # larger tensor is a bucket of its own), one broadcast each: large enough that a broadcast's fixed
 # cost (~0.4 ms with gloo on one machine) is a few percent of its transfer, small enough that the
-# two buckets a receiver holds (and the one ZeRO-3 gathers on the learner) stay far below a model.
+# three buckets a receiver holds (and the one ZeRO-3 gathers on the learner) stay far below a model.
 BUCKET_BYTES = 16 * 1024 * 1024
 
 

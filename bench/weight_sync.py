@@ -5,7 +5,8 @@ Llama of ~98M parameters built here, 372 MiB; `--quick`: `27m` only), the same b
 process to another:
 
 - raw: a torch.distributed gloo broadcast (`ProcessGroupGloo`, CPU) between two plain processes
-  (at the CPU priority a run gives its actors, `cluster.worker_niceness`, like the actors of `ours`),
+  (at the CPU priority a run gives its actors, `cluster.worker_niceness`, and with the rollout
+  actor's malloc settings, like the actors of `ours`),
   bucket by bucket (`rl.wire.format.buckets`, 16 MiB) into buffers allocated once: the transport
   alone, the ceiling.
 - wire: our protocol alone, in the same two processes: `rl.wire.collective.send` of the model's
@@ -202,6 +203,7 @@ def _pair(rank: int, port: int, wire_port: int, path: str, repeats: int, warmup:
 
 def plain_pair(path: str, repeats: int, warmup: int, engine, gpus: list[str] | None = None,
                dtype: str = "float32", niceness: int = 0) -> dict[str, Any]:
+    from bench.rollout import environment
     from rl.wire.collective import free_port
 
     ctx = mp.get_context("spawn")
@@ -210,8 +212,11 @@ def plain_pair(path: str, repeats: int, warmup: int, engine, gpus: list[str] | N
     procs = [ctx.Process(target=_pair, args=(r, port, wire_port, path, repeats, warmup, engine, out, gpus, dtype,
                                              raw_port, niceness))
              for r in range(2)]
-    for p in procs:
-        p.start()
+    # glibc reads its malloc settings as a process starts: both get the rollout actor's (on CPU
+    # its kept heap, launch/allocator.py), so the bound reloads vLLM under the same allocator
+    with environment({k: v for k, v in engine[1].items() if k.startswith("MALLOC_")}):
+        for p in procs:
+            p.start()
     try:
         deadline = time.monotonic() + 900
         while True:

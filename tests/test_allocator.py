@@ -47,7 +47,7 @@ needs_jemalloc = pytest.mark.skipif(jemalloc_library() is None, reason="this Ray
 
 
 @needs_jemalloc
-def test_cpu_learners_start_with_jemalloc_and_other_actors_do_not(monkeypatch):
+def test_cpu_learners_start_with_jemalloc_cpu_rollout_with_glibc_s_kept_heap(monkeypatch):
     for key in SETTINGS:
         monkeypatch.delenv(key, raising=False)
     library = jemalloc_library()
@@ -60,7 +60,8 @@ def test_cpu_learners_start_with_jemalloc_and_other_actors_do_not(monkeypatch):
     assert actor_env(2, False, "jemalloc")["LD_PRELOAD"] == library          # a CPU learner
     assert actor_env(2, False, "glibc")["MALLOC_MMAP_MAX_"] == "0"           # ...told to use glibc's heap
     assert not set(SETTINGS) & set(actor_env(2, True, "jemalloc"))         # a GPU learner
-    assert not set(SETTINGS) & set(rollout_env(2, False))                  # rollout: glibc's defaults
+    assert {k: rollout_env(2, False)[k] for k in glibc} == glibc and "LD_PRELOAD" not in rollout_env(2, False)
+    assert not set(SETTINGS) & set(rollout_env(2, True))                   # a GPU rollout actor
     with pytest.raises(ValueError, match="trainer.cpu_allocator='tcmalloc'"):
         malloc_env(False, "tcmalloc")
 

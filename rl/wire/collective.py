@@ -154,8 +154,9 @@ def receive(group, metas: list[WeightMeta], device: str | torch.device = "cpu", 
     """Ranks 1..N: yield (name, tensor) in `metas` order as the buckets arrive (`limit`: the
     sender's bucket size). A lazy generator for a consumer that loads tensor by tensor (vLLM's
     `reload_weights`). The next bucket's broadcast is in flight while the consumer loads this one
-    (on 2 cores a full SmolLM2 sync into vLLM took 0.92 s against 1.02 s receiving and loading
-    in turn: `python -m bench.weight_sync`). The tensors are views of `RECEIVE_SLOTS` kept
+    (on 2 cores a full SmolLM2 sync into vLLM: 1.11 s, 0.87x a bare broadcast plus reload, against
+    1.17 s and 0.67x receiving and loading in turn; `python -m bench.bounds --only sync`, fp32,
+    docs/benchmarks.md). The tensors are views of `RECEIVE_SLOTS` kept
     buffers used in turn; before a buffer takes a new bucket, a tensor of its old one that the
     consumer still keeps (a layer spanning buckets, not yet loaded) is given a copy of its own.
     `stats` (optional) accumulates `receive_s` (seconds waiting for broadcasts) and `bytes`."""

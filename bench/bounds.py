@@ -9,10 +9,13 @@ doing the same work, here run one after another on SmolLM2-135M-Instruct (30 lay
 | rollout | `RolloutFleet.generate` (Ray actor) | `vllm.LLM.generate`, same prompts, seeds, engine settings (`bench.rollout`) | >= 0.9x tokens/s |
 | learner | `LearnerWorker` score + train, rows packed end to end | a bare PyTorch forward/backward/AdamW step over the padded rows (`bench.learner`, `varlen`) | >= 1.0x tokens/s |
 | sync | `WeightSync.sync` learner -> vLLM worker (Ray actors) | a raw gloo broadcast of the same bytes plus vLLM's own `reload_weights` (`bench.weight_sync`, `raw+load`) | >= 0.8x GB/s |
-| off-policy | a step of `algorithm.off_policy_steps=1` | max(rollout, train) of the lock-step run's phases, one core per role (`bench.async_steps`) | <= 1.15x |
+| off-policy | a steady step of `algorithm.off_policy_steps=1` (median; the run's last step, with nothing generated beside it, left out) | max(rollout, train) of the lock-step run's phases, one core per role (`bench.async_steps`) | <= 1.15x |
 
 Each sub-benchmark writes its own JSON (its figures and splits); this one reads them back and
-writes the table (`bench/results/bounds.json`). Ratios only: both sides of a row run in the
+writes the table (`bench/results/bounds.json`). The off-policy row also gives each phase's time
+beside the other against the same phase in lock step (`slowdown_beside`) and the step over
+max(those) + sync (`step_over_overlap`): what the host's co-running costs, apart from what the
+overlap loses. Ratios only: both sides of a row run in the
 same job, interleaved where the sub-benchmark does so. A phase that fails is recorded with its
 error and the others still run; `--only` reruns some phases and keeps the rows of the others
 already in `--out` (same dtype), each row dated by its own run.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -75,19 +79,44 @@ def sync(work: Path) -> dict:
             "ours_split_s": r.get("ours_split_s"), "bound_split_s": r.get("raw_load_split_s")}
 
 
-def offpolicy(dtype: str, work: Path) -> dict:
+def offpolicy(dtype: str, work: Path, steps: int = 6, warmup: int = 2) -> dict:
     short = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
     # fp32 at the default micro-batch needs ~29 GiB (launch.plan's preflight refuses it on a 24 GiB
     # host): 16 rows per micro-batch, as bench.vs_trl's fp32 8x8 rows run, in both modes alike
     extra = ["--extra", "trainer.micro_batch_size=16"] if dtype == "float32" else []
-    r = _run("bench.async_steps", ["--shape", "smollm2_n8", "--dtype", short, "--modes", "sync,ahead", "--steps", "6",
-                                   *extra], work / "offpolicy.json", work / "offpolicy.log")
+    r = _run("bench.async_steps", ["--shape", "smollm2_n8", "--dtype", short, "--modes", "sync,ahead", "--steps",
+                                   str(steps), "--warmup", str(warmup), *extra], work / "offpolicy.json",
+             work / "offpolicy.log")
     split = r["sync"]["mean_split_s"]
     bound = max(split["time/rollout_s"], split["time/train_s"])
-    return {"ratio": r["ahead"]["median_step_s"] / bound, "ours": f"{r['ahead']['median_step_s']:.2f} s/step",
-            "bound": f"{bound:.2f} s (rollout {split['time/rollout_s']:.2f}, train {split['time/train_s']:.2f})",
+    return {**overlap(r["ahead"]["split_s"], split, warmup), "bound": f"{bound:.2f} s (rollout "
+            f"{split['time/rollout_s']:.2f}, train {split['time/train_s']:.2f})",
             "lock_step": f"{r['sync']['median_step_s']:.2f} s/step", "layout": r.get("layout"),
             **({"overrides": extra[1]} if extra else {})}
+
+
+def overlap(ahead: dict[str, list[float]], lock_step: dict[str, float], warmup: int) -> dict:
+    """The off-policy run's steady steps, and each phase beside the other against itself alone.
+
+    One ahead, step k trains while batch k+1 is made, except the run's last step: nothing is made
+    beside it, so it is left out of the steady steps (it would flatter the median). Batch k's
+    `time/rollout_s` is the generation that ran beside step k-1's update. The slowdowns (phase beside
+    the other / the same phase in lock step) tell the host's cost of running both at once from time
+    the overlap itself loses (a step over max(train, rollout beside) + sync)."""
+    steps = len(ahead["time/step_s"])
+    steady = range(max(warmup, 1), steps - 1)
+    if not steady:
+        raise SystemExit(f"bench.bounds offpolicy: {steps} steps leave no steady one after {warmup} warm-up")
+    pick = lambda key: [ahead[key][k] for k in steady]  # noqa: E731
+    step_s, train_s, rollout_s = statistics.median(pick("time/step_s")), pick("time/train_s"), pick("time/rollout_s")
+    beside = {"train_s": statistics.fmean(train_s), "rollout_s": statistics.fmean(rollout_s),
+              "sync_s": statistics.fmean(pick("time/sync_s"))}
+    bound = max(lock_step["time/rollout_s"], lock_step["time/train_s"])
+    return {"ratio": step_s / bound, "ours": f"{step_s:.2f} s/step", "steady_steps": list(steady),
+            "beside": beside, "last_step_train_alone_s": ahead["time/train_s"][-1],
+            "slowdown_beside": {"train": beside["train_s"] / lock_step["time/train_s"],
+                                "rollout": beside["rollout_s"] / lock_step["time/rollout_s"]},
+            "step_over_overlap": step_s / (max(beside["train_s"], beside["rollout_s"]) + beside["sync_s"])}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -211,8 +211,9 @@ def run_ours(case: Case, model: Path, train_file: Path, args: argparse.Namespace
     timed = rows[args.warmup:]
     split = {k: statistics.fmean(r[k] for r in timed) for k in split_keys if all(k in r for r in timed)}
     return {**summarize(step_s, tokens, per_step, args.warmup), "wall_s": wall, "overrides_extra": extra,
-            "command": shlex.join(cmd[1:]), "mean_split_s": split, "run_dir": str(run_dir), "log": str(log_path),
-            "reward_mean": [r.get("reward/mean") for r in rows],
+            "command": shlex.join(cmd[1:]), "mean_split_s": split,
+            "split_s": {k: [r[k] for r in rows] for k in split_keys if all(k in r for r in rows)},  # every step
+            "run_dir": str(run_dir), "log": str(log_path), "reward_mean": [r.get("reward/mean") for r in rows],
             "gpus": 2 if device == "cuda" else 0}  # cluster=local_gpu: one learner rank, one rollout worker
 
 

@@ -100,3 +100,23 @@ def test_judge_bench_auroc_and_override_by_hand():
     got = cfg.reward.functions[0]
     assert (got.fn, got.weight, got.kwargs.path, got.kwargs.template, got.kwargs.threads) == \
         ("reward.judge:score", 1.0, "/a/b", template, 1)
+
+
+def test_offpolicy_overlap_takes_steady_steps_and_each_phase_beside_the_other():
+    """Six steps one ahead: steps 0-1 warm up, step 5 trains with nothing made beside it, so the
+    steady steps are 2-4; batch k's rollout ran beside step k-1's update (hand-computed)."""
+    from bench.bounds import overlap
+
+    ahead = {"time/step_s": [90.0, 60.0, 45.0, 44.0, 47.0, 25.0],
+             "time/train_s": [60.0, 59.0, 44.0, 42.0, 46.0, 24.0],
+             "time/rollout_s": [30.0, 36.0, 38.0, 36.0, 37.0, 27.0],
+             "time/sync_s": [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]}
+    row = overlap(ahead, {"time/rollout_s": 25.0, "time/train_s": 30.0}, warmup=2)
+    assert row["steady_steps"] == [2, 3, 4]
+    assert row["ratio"] == 45.0 / 30.0  # median of 45, 44, 47 over max(25, 30); the 25 s last step left out
+    assert row["beside"] == {"train_s": 44.0, "rollout_s": 37.0, "sync_s": 1.0}
+    assert row["slowdown_beside"] == {"train": 44.0 / 30.0, "rollout": 37.0 / 25.0}
+    assert row["last_step_train_alone_s"] == 24.0
+    assert row["step_over_overlap"] == 45.0 / 45.0  # max(44, 37) + 1: the overlap itself loses nothing
+    with pytest.raises(SystemExit, match="no steady"):
+        overlap({k: v[:3] for k, v in ahead.items()}, {"time/rollout_s": 25.0, "time/train_s": 30.0}, warmup=2)

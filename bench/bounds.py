@@ -9,7 +9,7 @@ doing the same work, here run one after another on SmolLM2-135M-Instruct (30 lay
 | rollout | `RolloutFleet.generate` (Ray actor) | `vllm.LLM.generate`, same prompts, seeds, engine settings (`bench.rollout`) | >= 0.9x tokens/s |
 | learner | `LearnerWorker` score + train, rows packed end to end | a bare PyTorch forward/backward/AdamW step over the padded rows (`bench.learner`, `varlen`) | >= 1.0x tokens/s |
 | sync | `WeightSync.sync` learner -> vLLM worker (Ray actors) | a raw gloo broadcast of the same bytes plus vLLM's own `reload_weights` (`bench.weight_sync`, `raw+load`) | >= 0.8x GB/s |
-| off-policy | a steady step of `algorithm.off_policy_steps=1` (median; the run's last step, with nothing generated beside it, left out) | max(rollout, train) of the lock-step run's phases, one core per role (`bench.async_steps`) | <= 1.15x |
+| off-policy | a steady step of `algorithm.off_policy_steps=1` (median; the run's last step, with nothing generated beside it, left out) | max(rollout, train) of the lock-step run's phases, one core per role, both runs with every completion 32 tokens (`SAME_WORK`: the same work) (`bench.async_steps`) | <= 1.15x |
 
 Each sub-benchmark writes its own JSON (its figures and splits); this one reads them back and
 writes the table (`bench/results/bounds.json`). The off-policy row also gives each phase's time
@@ -79,20 +79,30 @@ def sync(work: Path) -> dict:
             "ours_split_s": r.get("ours_split_s"), "bound_split_s": r.get("raw_load_split_s")}
 
 
+# Both modes do the same work: every completion runs to 32 tokens (`rollout.ignore_eos`). Stopping
+# at EOS, the two runs' batches differ: lock step, each batch comes from the newest policy, which
+# soon answers shorter; one ahead, from the one before (12-04, fp32: 1,414-1,574 completion tokens a
+# steady step against 1,836-2,064), so the lock-step phases were a bound for less work than the
+# off-policy step did.
+SAME_WORK = ("rollout.ignore_eos=true", "rollout.max_new_tokens=32")
+
+
 def offpolicy(dtype: str, work: Path, steps: int = 6, warmup: int = 2) -> dict:
     short = {"bfloat16": "bf16", "float32": "fp32"}[dtype]
     # fp32 at the default micro-batch needs ~29 GiB (launch.plan's preflight refuses it on a 24 GiB
     # host): 16 rows per micro-batch, as bench.vs_trl's fp32 8x8 rows run, in both modes alike
-    extra = ["--extra", "trainer.micro_batch_size=16"] if dtype == "float32" else []
+    overrides = [*SAME_WORK, *(["trainer.micro_batch_size=16"] if dtype == "float32" else [])]
     r = _run("bench.async_steps", ["--shape", "smollm2_n8", "--dtype", short, "--modes", "sync,ahead", "--steps",
-                                   str(steps), "--warmup", str(warmup), *extra], work / "offpolicy.json",
-             work / "offpolicy.log")
+                                   str(steps), "--warmup", str(warmup), "--extra", " ".join(overrides)],
+             work / "offpolicy.json", work / "offpolicy.log")
     split = r["sync"]["mean_split_s"]
     bound = max(split["time/rollout_s"], split["time/train_s"])
+    tokens = {mode: r[mode]["completion_tokens"] for mode in ("sync", "ahead")}
     return {**overlap(r["ahead"]["split_s"], split, warmup), "bound": f"{bound:.2f} s (rollout "
             f"{split['time/rollout_s']:.2f}, train {split['time/train_s']:.2f})",
             "lock_step": f"{r['sync']['median_step_s']:.2f} s/step", "layout": r.get("layout"),
-            **({"overrides": extra[1]} if extra else {})}
+            "completion_tokens": tokens, "same_work": tokens["sync"] == tokens["ahead"],
+            "overrides": " ".join(overrides)}
 
 
 def overlap(ahead: dict[str, list[float]], lock_step: dict[str, float], warmup: int) -> dict:

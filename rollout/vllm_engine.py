@@ -85,7 +85,8 @@ def engine_kwargs(spec: RolloutSpec, seed: int) -> dict[str, Any]:
 def sampling_params(rollout: RolloutConfig, req: GenerationRequest, **extra: Any):
     """vLLM's SamplingParams of one request: one sample with its own seed (reproducible whatever
     the batching), the run's sampling unless the request sets its temperature or token budget,
-    and the sampled token's log-prob only."""
+    and the sampled token's log-prob only; past EOS to the budget where the request or
+    `rollout.ignore_eos` asks."""
     from vllm import SamplingParams
 
     own = {"top_k": req.top_k} if req.top_k is not None and req.top_k > 0 else {}
@@ -99,7 +100,7 @@ def sampling_params(rollout: RolloutConfig, req: GenerationRequest, **extra: Any
         n=1, temperature=rollout.temperature if req.temperature is None else req.temperature,
         top_p=rollout.top_p if req.top_p is None else req.top_p,
         max_tokens=rollout.max_new_tokens if req.max_tokens is None else req.max_tokens, seed=req.seed,
-        logprobs=0, ignore_eos=req.ignore_eos, **own, **extra)
+        logprobs=0, ignore_eos=req.ignore_eos or rollout.ignore_eos, **own, **extra)
 
 
 def adapter_version(folder: str) -> tuple:

@@ -75,6 +75,13 @@ def test_ours_overrides_pass_validation(tmp_path):
     assert cfg.reward.functions[0].fn == f"{vs_trl.REWARD_FILE}:score"
     assert (cfg.task.prompts_per_step, cfg.rollout.n, cfg.algorithm.kl_coef) == (8, 4, 0.0)
     assert cfg.model.dtype == "bfloat16" and cfg.rollout.max_new_tokens == 128
+    # bench.bounds' off-policy row: both modes run every completion to the same length
+    from bench import bounds
+
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base=None):
+        cfg = compose("train", overrides=[*overrides, *bounds.SAME_WORK, "algorithm.off_policy_steps=1"])
+    validate(cfg)
+    assert cfg.rollout.ignore_eos is True and cfg.rollout.max_new_tokens == 32
 
 
 def test_summary_skips_warmup_steps():

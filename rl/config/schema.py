@@ -116,6 +116,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     max_new_tokens: int = 8
+    # every single-turn completion runs to max_new_tokens, EOS or not (vLLM's ignore_eos): equal work
+    # per step whatever the policy learns, as throughput benchmarks need (bench/bounds.py); not for training
+    ignore_eos: bool = False
     max_model_len: int = 128
     # true: no torch.compile / CUDA graphs (fast start); false: compiled (faster decoding, slow
     # start); auto: launch picks by the run's predicted generation time (rl/plan/engine_mode.py)

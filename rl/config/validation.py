@@ -272,6 +272,22 @@ def _tensor_parallel_errors(cfg: Any) -> list[str]:
     return errors
 
 
+def _ignore_eos_errors(cfg: Any) -> list[str]:
+    """`rollout.ignore_eos` is vLLM's sampling option, for single-turn completions: an episode's
+    turns end at EOS (the environment or agent answers then)."""
+    r, t = cfg.rollout, cfg.task
+    if not r.ignore_eos:
+        return []
+    errors = []
+    if r.backend != "vllm":
+        errors.append(f"rollout.ignore_eos=true is vLLM's sampling option: set rollout.backend=vllm (not {r.backend!r}) "
+                      "or rollout.ignore_eos=false")
+    if t.env or t.agent:
+        errors.append(f"rollout.ignore_eos=true runs every completion to rollout.max_new_tokens, but the episodes of "
+                      f"task.{'env' if t.env else 'agent'} end their turns at EOS: set rollout.ignore_eos=false")
+    return errors
+
+
 def _streaming_errors(cfg: Any) -> list[str]:
     """What `rollout.mode=streaming` needs: vLLM's AsyncLLM, engines that keep generating while the
     learner trains (never asleep) and a staleness bound that lets them run ahead."""
@@ -364,6 +380,7 @@ def validate(cfg: Any) -> None:
                       "GPU: raise trainer.num_workers to use more")
     errors += _tensor_parallel_errors(cfg)
     errors += _streaming_errors(cfg)
+    errors += _ignore_eos_errors(cfg)
     errors += _agent_errors(cfg)
     errors += _task_rows_errors(cfg.task)
     errors += _placement_mode_errors(cfg)
